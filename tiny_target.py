@@ -90,8 +90,7 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE) -> PreTraine
         sample.append(t)
         n += len(t)
     tok.train_from_iterator(sample, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, mask_token=MASK,
-                                   model_max_length=2048)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, mask_token=MASK)
 
 
 # ----------------------------------------------------------------------------- model
@@ -253,9 +252,12 @@ def heldout_prompts(target_path: str, num_prompts: int = 16, prompt_tokens: int 
     return _cut_prompts(tokenizer, stdlib_split()[1], num_prompts, prompt_tokens, seed)
 
 
-def _count_lines(path: str) -> int:
-    with open(path) as f:
-        return sum(1 for _ in f)
+def _data_fingerprint(target_path: str, **kwargs) -> dict:
+    """What the regenerated data depends on; the weights' mtime catches a rebuilt target at the same path."""
+    weights = [os.path.join(target_path, f) for f in os.listdir(target_path)
+               if f.endswith(".safetensors")] if os.path.isdir(target_path) else []
+    return {"target": os.path.abspath(target_path) if weights else target_path,
+            "weights_mtime": max((os.path.getmtime(w) for w in weights), default=None), **kwargs}
 
 
 @torch.no_grad()
@@ -264,9 +266,14 @@ def make_regenerated_data(target_path: str, out_jsonl: str, num_samples: int = 5
     """The paper's recipe: the drafter learns to predict what the target itself would say. Prompts are cut
     from TRAINING stdlib files; responses are the target's greedy continuations. Writes JSONL lines
     {"input_ids": prompt + response, "loss_mask": [0] * len(prompt) + [1] * len(response)}.
-    Cached: skipped if out_jsonl already holds num_samples lines (it is written atomically)."""
-    if os.path.exists(out_jsonl) and _count_lines(out_jsonl) == num_samples:
-        return out_jsonl
+    Cached: skipped if the sidecar <out_jsonl>.meta.json (moved into place after the data) matches this call."""
+    meta_path = out_jsonl + ".meta.json"
+    meta = _data_fingerprint(target_path, num_samples=num_samples, prompt_tokens=prompt_tokens,
+                             response_tokens=response_tokens, seed=seed)
+    if os.path.exists(out_jsonl) and os.path.exists(meta_path):
+        with open(meta_path) as f:
+            if json.load(f) == meta:
+                return out_jsonl
     t0 = time.time()
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
@@ -289,7 +296,12 @@ def make_regenerated_data(target_path: str, out_jsonl: str, num_samples: int = 5
                 f.write(json.dumps({"input_ids": prompt + response,
                                     "loss_mask": [0] * len(prompt) + [1] * len(response)}) + "\n")
             log(f"  regenerated {min(i + batch_size, num_samples)}/{num_samples} ({time.time() - t0:.0f}s)")
+    with open(tmp + ".meta", "w") as f:
+        json.dump(meta, f)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
     os.replace(tmp, out_jsonl)
+    os.replace(tmp + ".meta", meta_path)
     log(f"regenerated data: {num_samples} samples in {time.time() - t0:.1f}s -> {out_jsonl}")
     return out_jsonl
 
@@ -316,4 +328,5 @@ if __name__ == "__main__":
         x = torch.tensor([prompt])
         out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=64,
                              pad_token_id=tokenizer.pad_token_id)
-        print("=" * 80 + "\n" + tokenizer.decode(prompt) + "\033[1m" + tokenizer.decode(out[0, len(prompt):]) + "\033[0m")
+        bold, plain = ("\033[1m", "\033[0m") if os.isatty(1) else ("<<<", ">>>")  # mark the continuation
+        print("=" * 80 + "\n" + tokenizer.decode(prompt) + bold + tokenizer.decode(out[0, len(prompt):]) + plain)

@@ -1,0 +1,718 @@
+"""The drafter: training-mode forward vs per-block inference, flex vs dense attention, the mask rule against a
+brute-force table written from DESIGN 3, checkpoints (round trip, atomic save, z-lab directories, strict
+loading), RoPE against Hugging Face's, and the default geometry. Tiny fp32 configs on CPU."""
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import dflash  # noqa: E402
+from dflash import DFlashConfig, DFlashDrafter, DFlashError, DraftCache  # noqa: E402
+
+V, D, HD, B, W = 97, 32, 8, 4, 6
+MASK_ID = 96
+
+
+def tiny_cfg(**kw):
+    base = dict(hidden_size=D, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=HD, vocab_size=V, rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=256, block_size=B, mask_token_id=MASK_ID, target_layer_ids=[1, 3],
+                num_target_layers=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                sliding_window=W)
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def randomized(cfg, seed=0):
+    """A drafter with O(1) random weights everywhere, norms included, so a misplaced norm or a wrong mask shows."""
+    torch.manual_seed(seed)
+    d = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[1]))
+    return d.eval()
+
+
+def block_ids(tokens, anchors):
+    """[tok[a], M, ..., M] per anchor, written here rather than taken from dflash."""
+    ids = torch.full((*anchors.shape, B), MASK_ID, dtype=torch.long)
+    for r in range(anchors.shape[0]):
+        for n in range(anchors.shape[1]):
+            ids[r, n, 0] = tokens[r, anchors[r, n]]
+    return ids
+
+
+S = 24  # context length, larger than the window W
+# anchors at 0, 1, near the end (23 = S-1: the block runs past the end), duplicates/overlaps, and padding anchors
+ANCHORS = torch.tensor([[0, 1, 2, 5, 6, 11, 20, 22, 23, 0],
+                        [3, 3, 4, 9, 17, 23, 0, 0, 7, 0]])
+VALID = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+                      [1, 1, 1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_cfg()
+    drafter = randomized(cfg)
+    g = torch.Generator().manual_seed(1)
+    ctx_feats = torch.randn(2, S, 2 * D, generator=g)
+    tokens = torch.randint(0, V - 1, (2, S), generator=g)
+    embed = nn.Embedding(V, D)
+    lm_head = nn.Linear(D, V, bias=False)
+    with torch.no_grad():
+        embed.weight.normal_(generator=g)
+        lm_head.weight.normal_(generator=g)
+        x = embed(block_ids(tokens, ANCHORS))
+        hidden = drafter(ctx_feats, x, ANCHORS, VALID, "dense")
+    return dict(cfg=cfg, drafter=drafter, ctx=ctx_feats, tokens=tokens, embed=embed, lm_head=lm_head, x=x, hidden=hidden)
+
+
+# -----------------------------------------------------------------------------
+# An independent reference for one block, written from DESIGN 3 with the drafter's weights only
+
+
+def ref_rms(x, w, eps=1e-6):
+    return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def ref_rope(x, pos, theta=10000.0):
+    """x (T, heads, hd), positions pos (T,): rotate-half RoPE over the full head_dim."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = pos.double()[:, None] * inv[None]                       # (T, hd/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def reference_block(drafter, ctx_feats, a, x):
+    """ctx_feats (S, m*D) for one sequence, anchor a, x (B, D) block embeddings -> final-normed (B, D), float64."""
+    cfg = drafter.cfg
+    P = {k: v.double() for k, v in drafter.state_dict().items()}
+    ctx = ref_rms(ctx_feats.double()[:a] @ P["fc.weight"].T, P["hidden_norm.weight"])   # only context j < a exists
+    h = x.double()
+    nh, nk = cfg.num_attention_heads, cfg.num_key_value_heads
+    for li in range(cfg.num_hidden_layers):
+        p = f"layers.{li}."
+        sliding = cfg.layer_types[li] == "sliding_attention"
+        causal = sliding  # is_causal unset: causal iff sliding
+        hn = ref_rms(h, P[p + "input_layernorm.weight"])
+        kv_in = torch.cat([ctx, hn], 0)                                       # [ctx ; block]
+        kv_pos = torch.cat([torch.arange(a), a + torch.arange(B)])
+        q = ref_rms((hn @ P[p + "self_attn.q_proj.weight"].T).view(B, nh, HD), P[p + "self_attn.q_norm.weight"])
+        k = ref_rms((kv_in @ P[p + "self_attn.k_proj.weight"].T).view(-1, nk, HD), P[p + "self_attn.k_norm.weight"])
+        v = (kv_in @ P[p + "self_attn.v_proj.weight"].T).view(-1, nk, HD)
+        q, k = ref_rope(q, a + torch.arange(B)), ref_rope(k, kv_pos)
+        out = torch.zeros(B, nh, HD, dtype=torch.float64)
+        for hh in range(nh):
+            kh = hh // (nh // nk)
+            for i in range(B):
+                keys = [j for j in range(a) if not sliding or (a + i) - j < W]
+                keys += [a + i2 for i2 in range(B) if not causal or i2 <= i]
+                s = torch.stack([q[i, hh] @ k[j, kh] for j in keys]) / math.sqrt(HD)
+                out[i, hh] = torch.softmax(s, 0) @ v[keys, kh]
+        h = h + out.reshape(B, nh * HD) @ P[p + "self_attn.o_proj.weight"].T
+        hn = ref_rms(h, P[p + "post_attention_layernorm.weight"])
+        h = h + (F.silu(hn @ P[p + "mlp.gate_proj.weight"].T) * (hn @ P[p + "mlp.up_proj.weight"].T)) \
+            @ P[p + "mlp.down_proj.weight"].T
+    return ref_rms(h, P["norm.weight"])
+
+
+def test_training_forward_matches_independent_reference(setup):
+    s = setup
+    for r, n in [(0, 0), (0, 1), (0, 4), (0, 8), (1, 1), (1, 4), (1, 5)]:
+        a = int(ANCHORS[r, n])
+        ref = reference_block(s["drafter"], s["ctx"][r], a, s["x"][r, n])
+        diff = (s["hidden"][r, n].double() - ref).abs().max().item()
+        assert diff < 1e-4, f"row {r} anchor {a}: training forward differs from the DESIGN 3 reference by {diff}"
+
+
+# -----------------------------------------------------------------------------
+# Training-mode forward == inference-mode forward, block by block
+
+
+def cache_kv(cache, cfg):
+    if cache.kv is None:  # anchor at 0: no context at all
+        z = torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim)
+        return [(z, z)] * cfg.num_hidden_layers
+    return cache.kv
+
+
+def test_training_forward_equals_per_block_inference(setup):
+    s = setup
+    drafter, cfg, hidden = s["drafter"], s["cfg"], s["hidden"]
+    assert torch.isfinite(hidden).all(), "padding anchors must not produce NaN/inf"
+    checked = 0
+    for r in range(2):
+        for n in range(ANCHORS.shape[1]):
+            if not VALID[r, n]:
+                continue
+            a = int(ANCHORS[r, n])
+            cache = DraftCache(drafter)
+            cache.extend(s["ctx"][r:r + 1, :a])       # the target has produced hidden states for positions < a
+            assert cache.length == a
+            with torch.no_grad():
+                h = drafter.blocks(s["x"][r:r + 1, n:n + 1], ANCHORS[r:r + 1, n:n + 1],
+                                   torch.ones(1, 1, dtype=torch.bool), cache_kv(cache, cfg), a, "dense")
+            diff = (h[0, 0] - hidden[r, n]).abs().max().item()
+            assert diff < 1e-5, f"row {r} anchor {a}: training vs inference hidden differ by {diff}"
+            toks = dflash.draft_block(drafter, cache, int(s["tokens"][r, a]), s["embed"], s["lm_head"])
+            assert toks.shape == (B - 1,)
+            assert torch.equal(toks, s["lm_head"](hidden[r, n, 1:]).argmax(-1)), f"row {r} anchor {a}: drafts differ"
+            checked += 1
+    assert checked == 15
+
+
+def test_padding_anchors_backward_is_finite(setup):
+    cfg = setup["cfg"]
+    drafter = randomized(cfg).train()
+    x = setup["x"].clone().requires_grad_(True)
+    hidden = drafter(setup["ctx"], x, ANCHORS, VALID, "dense")
+    (hidden * VALID[..., None, None]).square().sum().backward()
+    for name, p in drafter.named_parameters():
+        assert torch.isfinite(p.grad).all(), f"non-finite gradient in {name} (fully masked padding rows?)"
+    assert torch.equal(x.grad[~VALID], torch.zeros_like(x.grad[~VALID])), "padding anchors leak gradient"
+
+
+def test_draft_cache_extend_in_pieces_and_crop(setup):
+    drafter, ctx, cfg = setup["drafter"], setup["ctx"][:1], setup["cfg"]
+    whole = DraftCache(drafter)
+    whole.extend(ctx[:, :15])
+    parts = DraftCache(drafter)
+    parts.extend(ctx[:, :0])         # empty: a no-op
+    parts.extend(ctx[:, :7])
+    parts.extend(ctx[:, 7:8])
+    parts.extend(ctx[:, 8:15])
+    assert parts.length == whole.length == 15
+    for (k0, v0), (k1, v1) in zip(whole.kv, parts.kv):
+        assert k0.shape == k1.shape == (1, 15, cfg.num_key_value_heads, cfg.head_dim)
+        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0)
+
+    ten = DraftCache(drafter)
+    ten.extend(ctx[:, :10])
+    parts.crop(10)                   # forget rejected positions 10..14
+    assert parts.length == 10
+    for (k0, v0), (k1, v1) in zip(ten.kv, parts.kv):
+        assert k1.shape[1] == 10
+        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0)
+        torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0)
+    emb, head = setup["embed"], setup["lm_head"]
+    assert torch.equal(dflash.draft_block(drafter, parts, 5, emb, head), dflash.draft_block(drafter, ten, 5, emb, head))
+    parts.extend(ctx[:, 10:15])      # re-extend after the crop: positions continue at 10
+    for (k0, _), (k1, _) in zip(whole.kv, parts.kv):
+        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# flex_attention == dense SDPA (compiled and eager flex)
+
+
+def attention_outputs(drafter, setup, path):
+    outs = []
+    hooks = [layer.self_attn.register_forward_hook(lambda m, i, o: outs.append(o)) for layer in drafter.layers]
+    try:
+        with torch.no_grad():
+            hidden = drafter(setup["ctx"], setup["x"], ANCHORS, VALID, path)
+    finally:
+        for h in hooks:
+            h.remove()
+    return hidden, outs
+
+
+@pytest.mark.parametrize("mode", ["compiled", "eager"])
+def test_flex_equals_dense(setup, mode, monkeypatch):
+    if mode == "eager":
+        from torch.nn.attention.flex_attention import flex_attention
+        monkeypatch.setattr(dflash, "_flex_compiled", flex_attention)
+    drafter = setup["drafter"]
+    dense, dense_attn = attention_outputs(drafter, setup, "dense")
+    flex, flex_attn = attention_outputs(drafter, setup, "flex")
+    if mode == "compiled":
+        assert dflash._flex_compiled is not None
+    assert (flex[VALID] - dense[VALID]).abs().max().item() < 1e-5
+    assert (flex[~VALID] - dense[~VALID]).abs().max().item() < 1e-5
+    for a_d, a_f in zip(dense_attn, flex_attn):
+        # fully masked rows (padding anchors): zero attention output on both paths (o_proj has no bias)
+        assert torch.equal(a_d[~VALID], torch.zeros_like(a_d[~VALID]))
+        assert torch.equal(a_f[~VALID], torch.zeros_like(a_f[~VALID]))
+        assert (a_d - a_f).abs().max().item() < 1e-5
+
+
+# -----------------------------------------------------------------------------
+# The mask rule against a brute-force table written from DESIGN 3
+
+
+def spec_layer_kind(layer_type, is_causal, window):
+    """DESIGN 3: causal iff config.is_causal says so, else iff sliding; a sliding layer has window W."""
+    causal = is_causal if is_causal is not None else layer_type == "sliding_attention"
+    return causal, (window if layer_type == "sliding_attention" else None)
+
+
+def spec_visible(a, valid, i, key, S, Bk, causal, window, same_block=True):
+    """Query = offset i of the block anchored at a (q_pos = a+i). key = ("ctx", j) or ("blk", i')."""
+    if not valid:
+        return False
+    q_pos = a + i
+    kind, idx = key
+    if kind == "ctx":
+        return idx < a and (window is None or q_pos - idx < window)
+    if not same_block:
+        return False
+    ok = (not causal) or idx <= i
+    if window is not None and not causal:
+        ok = ok and (a + idx) - q_pos < window
+    return ok
+
+
+MASK_S, MASK_B = 10, 4
+MASK_ANCHORS = torch.tensor([[0, 1, 4, 9, 0], [2, 6, 7, 3, 5]])
+MASK_VALID = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
+
+
+def brute_dense(anchors, valid, S, Bk, causal, window):
+    b, N = anchors.shape
+    out = torch.zeros(b, N, Bk, S + Bk, dtype=torch.bool)
+    for r in range(b):
+        for n in range(N):
+            for i in range(Bk):
+                for j in range(S):
+                    out[r, n, i, j] = spec_visible(int(anchors[r, n]), bool(valid[r, n]), i, ("ctx", j), S, Bk, causal, window)
+                for i2 in range(Bk):
+                    out[r, n, i, S + i2] = spec_visible(int(anchors[r, n]), bool(valid[r, n]), i, ("blk", i2), S, Bk,
+                                                        causal, window)
+    return out
+
+
+def brute_full(anchors, valid, S, Bk, causal, window):
+    """The flex layout: queries N*B, keys [S context ; N blocks of B]."""
+    b, N = anchors.shape
+    out = torch.zeros(b, N * Bk, S + N * Bk, dtype=torch.bool)
+    for r in range(b):
+        for n in range(N):
+            a, ok = int(anchors[r, n]), bool(valid[r, n])
+            for i in range(Bk):
+                for j in range(S):
+                    out[r, n * Bk + i, j] = spec_visible(a, ok, i, ("ctx", j), S, Bk, causal, window)
+                for n2 in range(N):
+                    for i2 in range(Bk):
+                        out[r, n * Bk + i, S + n2 * Bk + i2] = spec_visible(a, ok, i, ("blk", i2), S, Bk, causal, window,
+                                                                            same_block=n2 == n)
+    return out
+
+
+@pytest.mark.parametrize("is_causal", [None, False, True])
+@pytest.mark.parametrize("window", [2, 5])
+def test_mask_equals_brute_force(is_causal, window):
+    from torch.nn.attention.flex_attention import create_mask
+    cfg = tiny_cfg(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=window,
+                   is_causal=is_causal, block_size=MASK_B)
+    b, N = MASK_ANCHORS.shape
+    masks = dflash.build_masks(cfg, MASK_ANCHORS, MASK_VALID, MASK_S, "dense")
+    for li, lt in enumerate(cfg.layer_types):
+        causal, win = spec_layer_kind(lt, is_causal, window)
+        assert (cfg.layer_is_causal(li), cfg.layer_window(li)) == (causal, win)
+        expected = brute_dense(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, causal, win)
+        mod = dflash.make_mask_mod(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, causal, win)
+        got = dflash.dense_mask(mod, b, N, MASK_S, MASK_B, torch.device("cpu"))
+        assert got.shape == expected.shape
+        assert torch.equal(got, expected), f"layer {li} ({lt}, is_causal={is_causal}, W={window}): dense mask wrong"
+        assert torch.equal(masks[(causal, win)], expected), "build_masks gave a layer the wrong mask"
+        full = create_mask(mod, b, 1, N * MASK_B, MASK_S + N * MASK_B)[:, 0]
+        assert torch.equal(full, brute_full(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, causal, win)), \
+            f"layer {li}: flex mask_mod wrong over [context ; all blocks]"
+
+
+def test_mask_sanity_examples():
+    """A few entries spelled out, so a reader sees the rule: anchor 4, B=4, W=2, non-causal sliding."""
+    mod = dflash.make_mask_mod(torch.tensor([[4]]), torch.tensor([[True]]), 10, 4, False, 2)
+    m = dflash.dense_mask(mod, 1, 1, 10, 4, torch.device("cpu"))[0, 0]   # (B, S+B)
+    assert m[0, 3] and not m[0, 4]          # context j=3 < a=4 visible; the anchor's own position j=4 is not
+    assert not m[0, 2]                      # q_pos 4 - j 2 = 2 is not < W=2
+    assert not m[2, 3]                      # q_pos 6 - j 3 = 3 >= W
+    assert m[0, 10 + 1] and not m[0, 10 + 2]  # non-causal sliding: k_pos - q_pos < W
+    assert m[3, 10 + 0]                     # backward within the block is visible (spec: only k_pos - q_pos < W)
+
+
+# -----------------------------------------------------------------------------
+# Cost: the dense path's masks and scores are linear in the number of anchors
+
+
+def test_dense_mask_is_linear_in_anchors(setup, monkeypatch):
+    drafter, cfg = setup["drafter"], setup["cfg"]
+    b, N, Sx = 2, 32, 16
+    anchors = torch.arange(N).repeat(b, 1) % (Sx - 1)
+    valid = torch.ones(b, N, dtype=torch.bool)
+    mask_shapes, sdpa_shapes, mod_sizes = [], [], []
+    real_dense, real_sdpa, real_make = dflash.dense_mask, F.scaled_dot_product_attention, dflash.make_mask_mod
+
+    def rec_dense(*a, **k):
+        m = real_dense(*a, **k)
+        mask_shapes.append(tuple(m.shape))
+        return m
+
+    def rec_sdpa(q, k, v, attn_mask=None, **kw):
+        sdpa_shapes.append(tuple(attn_mask.shape))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    def rec_make(*a, **k):
+        mod = real_make(*a, **k)
+
+        def wrapped(bb, h, q_idx, kv_idx):
+            out = mod(bb, h, q_idx, kv_idx)
+            mod_sizes.append(out.numel())
+            return out
+        return wrapped
+
+    def no_flex(*a, **k):
+        raise AssertionError("the dense path built a flex BlockMask")
+
+    monkeypatch.setattr(dflash, "dense_mask", rec_dense)
+    monkeypatch.setattr(dflash, "make_mask_mod", rec_make)
+    monkeypatch.setattr(dflash, "flex_block_mask", no_flex)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", rec_sdpa)
+    with torch.no_grad():
+        drafter(torch.randn(b, Sx, 2 * D), torch.randn(b, N, B, D), anchors, valid, "dense")
+    assert len(mask_shapes) == 2, "one mask per distinct (causal, window), shared by the layers"
+    assert all(s == (b, N, B, Sx + B) for s in mask_shapes)
+    assert sdpa_shapes == [(b * N, 1, B, Sx + B)] * cfg.num_hidden_layers
+    linear, quadratic = b * N * B * (Sx + B), b * (N * B) * (Sx + N * B)
+    assert max(mod_sizes) <= linear < quadratic
+    assert all(Sx + N * B not in s for s in mask_shapes + sdpa_shapes)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints
+
+
+def state_equal(d1, d2):
+    s1, s2 = d1.state_dict(), d2.state_dict()
+    return s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+def test_save_load_round_trip(tmp_path):
+    cfg = tiny_cfg(attention_bias=True)
+    d = randomized(cfg)
+    p = dflash.save_drafter(d, str(tmp_path / "fp32"), dtype=torch.float32)
+    loaded = dflash.load_drafter(p)
+    assert loaded.cfg == cfg
+    assert state_equal(loaded, d), "fp32 round trip must be bit-exact"
+    with safe_open(os.path.join(p, "model.safetensors"), "pt") as f:
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in f.keys())
+
+    p16 = dflash.save_drafter(d, str(tmp_path / "bf16"), dtype=torch.bfloat16)
+    with safe_open(os.path.join(p16, "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert all(f.get_tensor(k).dtype == torch.bfloat16 for k in keys)
+    assert keys == set(dflash.expected_shapes(cfg)), "file keys are exactly the z-lab names"
+    with open(os.path.join(p16, "config.json")) as f:
+        c = json.load(f)
+    assert c["torch_dtype"] == "bfloat16"
+    assert c["architectures"] == ["DFlashDraftModel"]
+    assert c["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3]}
+    assert (c["block_size"], c["num_target_layers"], c["sliding_window"]) == (B, 5, W)
+    assert c["layer_types"] == cfg.layer_types
+    l16 = dflash.load_drafter(p16)
+    ref = {k: v.to(torch.bfloat16).float() for k, v in d.state_dict().items()}
+    assert all(torch.equal(l16.state_dict()[k], ref[k]) for k in ref)
+    lb = dflash.load_drafter(p16, dtype=torch.bfloat16)
+    assert all(v.dtype == torch.bfloat16 for v in lb.state_dict().values() if v.is_floating_point())
+
+
+def _listing(path):
+    return sorted(os.listdir(path))
+
+
+@pytest.mark.parametrize("crash_in", ["safetensors", "config"])
+def test_save_is_atomic(tmp_path, monkeypatch, crash_in):
+    cfg = tiny_cfg()
+    old, new = randomized(cfg, seed=1), randomized(cfg, seed=2)
+    path = str(tmp_path / "drafter")
+    dflash.save_drafter(old, path, dtype=torch.float32)
+    before = _listing(path)
+
+    import safetensors.torch
+    real_save = safetensors.torch.save_file
+
+    def crash_save(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 100)          # a partial file, then the process dies
+        raise RuntimeError("simulated crash: disk full")
+
+    def crash_dump(obj, f, **kw):
+        f.write('{"architectures": [')
+        raise RuntimeError("simulated crash: disk full")
+
+    if crash_in == "safetensors":
+        monkeypatch.setattr(safetensors.torch, "save_file", crash_save)
+    else:
+        monkeypatch.setattr(dflash.json, "dump", crash_dump)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        dflash.save_drafter(new, path, dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        dflash.save_drafter(new, str(tmp_path / "fresh"), dtype=torch.float32)
+    monkeypatch.undo()
+    assert safetensors.torch.save_file is real_save
+    assert _listing(path) == before
+    assert state_equal(dflash.load_drafter(path), old), "the previous checkpoint must survive a crashed save"
+    assert not os.path.exists(tmp_path / "fresh"), "a crashed first save must not leave a partial directory"
+    dflash.save_drafter(new, path, dtype=torch.float32)  # and a later save still works
+    assert state_equal(dflash.load_drafter(path), new)
+
+
+# z-lab layout, written by hand from DESIGN 3 (not from dflash's helpers)
+ZL = dict(D=32, layers=3, heads=4, kv=2, hd=8, inter=40, V=120, M=117, T=[1, 4], L=6, Bs=8, Wz=5)
+
+
+def zlab_tensors(seed=0, bias=False):
+    z = ZL
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (0.2 * torch.randn(*s, generator=g)).to(torch.bfloat16)  # noqa: E731
+    t = {"fc.weight": r(z["D"], len(z["T"]) * z["D"]), "hidden_norm.weight": 1 + r(z["D"]), "norm.weight": 1 + r(z["D"])}
+    for i in range(z["layers"]):
+        p = f"layers.{i}."
+        t[p + "input_layernorm.weight"] = 1 + r(z["D"])
+        t[p + "post_attention_layernorm.weight"] = 1 + r(z["D"])
+        t[p + "self_attn.q_proj.weight"] = r(z["heads"] * z["hd"], z["D"])
+        t[p + "self_attn.k_proj.weight"] = r(z["kv"] * z["hd"], z["D"])
+        t[p + "self_attn.v_proj.weight"] = r(z["kv"] * z["hd"], z["D"])
+        t[p + "self_attn.o_proj.weight"] = r(z["D"], z["heads"] * z["hd"])
+        t[p + "self_attn.q_norm.weight"] = 1 + r(z["hd"])
+        t[p + "self_attn.k_norm.weight"] = 1 + r(z["hd"])
+        t[p + "mlp.gate_proj.weight"] = r(z["inter"], z["D"])
+        t[p + "mlp.up_proj.weight"] = r(z["inter"], z["D"])
+        t[p + "mlp.down_proj.weight"] = r(z["D"], z["inter"])
+    return t
+
+
+def zlab_config(rope="flat", **over):
+    z = ZL
+    c = {
+        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": z["Bs"], "bos_token_id": 1,
+        "dflash_config": {"mask_token_id": z["M"], "target_layer_ids": z["T"]}, "eos_token_id": 2,
+        "head_dim": z["hd"], "hidden_act": "silu", "hidden_size": z["D"], "initializer_range": 0.02,
+        "intermediate_size": z["inter"], "layer_types": ["sliding_attention"] * (z["layers"] - 1) + ["full_attention"],
+        "max_position_embeddings": 40960, "max_window_layers": z["layers"], "model_type": "qwen3",
+        "num_attention_heads": z["heads"], "num_hidden_layers": z["layers"], "num_key_value_heads": z["kv"],
+        "num_target_layers": z["L"], "rms_norm_eps": 1e-6, "sliding_window": z["Wz"], "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": True,
+        "vocab_size": z["V"],
+    }
+    if rope == "flat":
+        c.update(rope_theta=1000000, rope_scaling=None)
+    else:  # transformers 5 writes rope_parameters
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    c.update(over)
+    return c
+
+
+def write_dir(path, config, tensors, shards=1):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return path
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[s::shards]}
+        save_file(part, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+    return path
+
+
+def test_zlab_directory_loads_and_drafts(tmp_path):
+    z = ZL
+    t = zlab_tensors()
+    d = dflash.load_drafter(write_dir(str(tmp_path / "zlab"), zlab_config(), t))
+    cfg = d.cfg
+    assert (cfg.mask_token_id, cfg.target_layer_ids, cfg.num_target_layers) == (z["M"], z["T"], z["L"])
+    assert (cfg.block_size, cfg.sliding_window, cfg.rope_theta) == (z["Bs"], z["Wz"], 1e6)
+    assert cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert cfg.rope_scaling is None and cfg.head_dim == z["hd"] and cfg.num_key_value_heads == z["kv"]
+    assert [cfg.layer_is_causal(i) for i in range(3)] == [True, True, False]
+    sd = d.state_dict()
+    assert all(torch.equal(sd[k], v.float()) for k, v in t.items())
+
+    g = torch.Generator().manual_seed(3)
+    embed, head = nn.Embedding(z["V"], z["D"]), nn.Linear(z["D"], z["V"], bias=False)
+    cache = DraftCache(d)
+    cache.extend(torch.randn(1, 9, 2 * z["D"], generator=g))
+    toks = dflash.draft_block(d, cache, 7, embed, head)
+    assert toks.shape == (z["Bs"] - 1,) and toks.dtype == torch.long
+    assert ((toks >= 0) & (toks < z["V"])).all()
+
+    # the transformers-5 rope_parameters form and a two-shard checkpoint load the same drafter
+    d5 = dflash.load_drafter(write_dir(str(tmp_path / "zlab5"), zlab_config(rope="nested"), t))
+    assert d5.cfg == cfg and state_equal(d5, d)
+    ds = dflash.load_drafter(write_dir(str(tmp_path / "sharded"), zlab_config(), t, shards=2))
+    assert len([f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]) == 2
+    assert ds.cfg == cfg and state_equal(ds, d)
+    # the same drafts, and torch_dtype does not silently change the requested dtype
+    assert torch.equal(dflash.draft_block(ds, cache, 7, embed, head), toks)
+    assert d.fc.weight.dtype == torch.float32
+
+
+def test_zlab_top_level_fallbacks(tmp_path):
+    """Values missing from dflash_config are read from the top level; dflash_config wins when both exist."""
+    c = zlab_config()
+    c["dflash_config"] = {"mask_token_id": ZL["M"]}
+    c["target_layer_ids"] = ZL["T"]
+    c["mask_token_id"] = 3  # dflash_config wins
+    d = dflash.load_drafter(write_dir(str(tmp_path / "z"), c, zlab_tensors()))
+    assert d.cfg.target_layer_ids == ZL["T"] and d.cfg.mask_token_id == ZL["M"]
+
+
+# -----------------------------------------------------------------------------
+# RoPE == Hugging Face's
+
+
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_rope_matches_hf(rope):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    theta = 1e6
+    if rope == "default":
+        params, scaling = {"rope_type": "default", "rope_theta": theta}, None
+    else:
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+        params = {**scaling, "rope_theta": theta}
+    hf_cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=1024, rope_parameters=dict(params))
+    hf = Qwen3RotaryEmbedding(hf_cfg)
+    cfg = tiny_cfg(hidden_size=64, head_dim=32, rope_theta=theta, rope_scaling=scaling, max_position_embeddings=1024)
+    inv, scale = dflash.rope_inv_freq(cfg)
+    torch.testing.assert_close(inv, hf.inv_freq, atol=0, rtol=1e-6)
+    assert scale == pytest.approx(hf.attention_scaling, rel=1e-12)
+    if rope == "yarn":
+        assert scale > 1.0  # yarn really differs from plain RoPE here
+    pos = torch.arange(0, 3000)[None]
+    cos_hf, sin_hf = hf(torch.zeros(1), pos)
+    cos, sin = dflash.rope_cos_sin(inv, scale, pos, torch.float32)
+    torch.testing.assert_close(cos, cos_hf, atol=1e-5, rtol=0)
+    torch.testing.assert_close(sin, sin_hf, atol=1e-5, rtol=0)
+    d = DFlashDrafter(cfg)
+    torch.testing.assert_close(d.inv_freq, hf.inv_freq, atol=0, rtol=1e-6)
+
+    # config.json round trip keeps the rope (ours and the transformers-4 rope_scaling spelling)
+    back = DFlashConfig.from_json(json.loads(json.dumps(cfg.to_json())))
+    assert back == cfg
+    if scaling:
+        c = cfg.to_json()
+        c.pop("rope_parameters")
+        c["rope_scaling"] = dict(scaling)
+        assert DFlashConfig.from_json(c).rope_scaling == scaling
+
+
+# -----------------------------------------------------------------------------
+# Bad checkpoints fail loudly, naming the problem
+
+
+@pytest.fixture
+def good_dir(tmp_path):
+    def make(config=None, tensors=None, name="bad"):
+        return write_dir(str(tmp_path / name), config or zlab_config(), tensors if tensors is not None else zlab_tensors())
+    return make
+
+
+def test_bad_checkpoints(good_dir):
+    t = zlab_tensors()
+    missing = dict(t)
+    del missing["layers.1.mlp.up_proj.weight"]
+    with pytest.raises(DFlashError, match=r"layers\.1\.mlp\.up_proj\.weight"):
+        dflash.load_drafter(good_dir(tensors=missing, name="missing"))
+
+    wrong = dict(t)
+    wrong["layers.0.self_attn.k_norm.weight"] = torch.ones(ZL["hd"] + 1)
+    with pytest.raises(DFlashError, match=r"layers\.0\.self_attn\.k_norm\.weight"):
+        dflash.load_drafter(good_dir(tensors=wrong, name="shape"))
+
+    c = zlab_config()
+    c["dflash_config"] = {"mask_token_id": ZL["M"], "target_layer_ids": [1, 3, 4]}  # fc holds 2 layers, not 3
+    with pytest.raises(DFlashError, match=r"fc\.weight") as e:
+        dflash.load_drafter(good_dir(config=c, name="fc"))
+    assert "target_layer_ids" in str(e.value)
+
+    extra = dict(t)
+    extra["embed_tokens.weight"] = torch.zeros(ZL["V"], ZL["D"])
+    with pytest.raises(DFlashError, match=r"embed_tokens\.weight"):
+        dflash.load_drafter(good_dir(tensors=extra, name="extra"))
+
+    prefixed = {"model." + k: v for k, v in t.items()}
+    with pytest.raises(DFlashError, match=r"fc\.weight|model\."):
+        dflash.load_drafter(good_dir(tensors=prefixed, name="prefixed"))
+
+    with pytest.raises(DFlashError, match="config.json"):
+        dflash.load_drafter(str(Path(good_dir(name="nocfg")).parent / "does_not_exist"))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+    {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+    {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
+])
+def test_unknown_rope_type_is_refused(good_dir, rope):
+    c = zlab_config()
+    c.pop("rope_scaling")
+    c.update(rope)
+    name = (rope.get("rope_scaling") or rope.get("rope_parameters"))
+    kind = name.get("rope_type", name.get("type"))
+    with pytest.raises(DFlashError, match=kind):
+        dflash.load_drafter(good_dir(config=c))
+
+
+def test_missing_target_layer_ids(good_dir, tmp_path):
+    c = zlab_config()
+    c["dflash_config"] = {"mask_token_id": ZL["M"]}
+    c.pop("num_target_layers")
+    with pytest.raises(DFlashError, match="target_layer_ids"):
+        dflash.load_drafter(good_dir(config=c, name="neither"))
+
+    # num_target_layers present: DESIGN 2's default, round(1 + i*(L-4)/(n-1)) with n = num_hidden_layers
+    c = zlab_config(num_hidden_layers=2, num_target_layers=10,
+                    layer_types=["sliding_attention", "full_attention"])
+    c["dflash_config"] = {"mask_token_id": ZL["M"]}
+    t = {k: v for k, v in zlab_tensors().items() if not k.startswith("layers.2.")}
+    d = dflash.load_drafter(write_dir(str(tmp_path / "derived"), c, t))
+    assert d.cfg.target_layer_ids == [1, 7]
+
+
+def test_default_target_layer_ids():
+    assert dflash.default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert dflash.default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert dflash.default_target_layer_ids(28, 1) == [14]
+    assert dflash.default_target_layer_ids(7, 1) == [3]
+
+
+def test_zlab_qwen36_27b_geometry():
+    cfg = DFlashConfig()
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (5120, 5, 32, 8)
+    assert (cfg.head_dim, cfg.intermediate_size, cfg.block_size, cfg.mask_token_id) == (128, 17408, 16, 248070)
+    assert cfg.target_layer_ids == [1, 16, 31, 46, 61] and cfg.num_target_layers == 64
+    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
+    assert cfg.rope_theta == 1e7 and cfg.rope_scaling is None and cfg.rms_norm_eps == 1e-6
+    shapes = dflash.expected_shapes(cfg)
+    assert shapes["fc.weight"] == (5120, 25600)
+    n = sum(math.prod(s) for s in shapes.values())
+    # by hand: per layer q,o 2*4096*5120 + k,v 2*1024*5120 + mlp 3*17408*5120 + norms 2*5120 + 2*128
+    per_layer = 2 * 4096 * 5120 + 2 * 1024 * 5120 + 3 * 17408 * 5120 + 2 * 5120 + 2 * 128
+    assert n == 5 * per_layer + 5120 * 25600 + 2 * 5120 == 1_730_213_120
+    assert round(n / 1e9, 2) == 1.73

@@ -1,0 +1,218 @@
+"""The training loop: DDP equivalence, interrupt/resume, learning, config derivation, checkpoints."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dflash
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 96
+CYCLE = [7, 23, 41, 60, 88]
+
+
+def tiny_qwen3(path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def tiny_qwen35(path):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, linear_num_key_heads=2,
+                            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
+                            initializer_range=0.2)  # a larger lm_head scale: confident logits are reachable
+    Qwen3_5ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def write_data(path, n, seed=0, prompt=6, response=18):
+    """Pre-tokenized samples: a random prompt, then a response cycling through five fixed tokens from a random
+    phase (learnable by a tiny drafter in a few steps: the next tokens depend only on the anchor token)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            p = [rng.randrange(VOCAB - 1) for _ in range(prompt)]
+            phase = rng.randrange(len(CYCLE))
+            r = [CYCLE[(phase + k) % len(CYCLE)] for k in range(response)]
+            f.write(json.dumps({"input_ids": p + r, "loss_mask": [0] * prompt + [1] * response}) + "\n")
+    return str(path)
+
+
+SMALL = ["--mask_token_id", str(VOCAB - 1), "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "8",
+         "--num_draft_layers", "2", "--target_layer_ids", "1,3", "--block_size", "4", "--sliding_window", "8",
+         "--num_anchors", "6", "--lr", "3e-3", "--warmup_ratio", "0.1", "--log_every", "1", "--eval_every", "0",
+         "--save_every", "0", "--eval_fraction", "0"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    return {"dir": d, "q3": tiny_qwen3(d / "q3"), "data": write_data(d / "data.jsonl", 32)}
+
+
+def losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def final_weights(out):
+    with open(os.path.join(out, "latest")) as f:
+        return load_file(os.path.join(out, f.read().strip(), "model.safetensors"))
+
+
+def run_cli(args, nproc=1, check=True, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+               str(29500 + random.randrange(1000)), os.path.join(ROOT, "dflash.py")]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "dflash.py")]
+    p = subprocess.run(cmd + args, env=env, capture_output=True, text=True, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def test_ddp_two_ranks_equals_one_process(workdir):
+    """torchrun --nproc_per_node=2 (gloo) with batch 2/rank == one process with batch 2 x grad_accum 2."""
+    d = workdir["dir"]
+    common = ["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "4", *SMALL]
+    run_cli(common + ["--out", str(d / "ddp"), "--batch_size", "2", "--grad_accum", "1"], nproc=2)
+    run_cli(common + ["--out", str(d / "one"), "--batch_size", "2", "--grad_accum", "2"])
+    la, lb = losses(d / "ddp"), losses(d / "one")
+    assert len(la) == len(lb) == 4
+    assert max(abs(a - b) for a, b in zip(la, lb)) < 1e-5, (la, lb)
+    wa, wb = final_weights(d / "ddp"), final_weights(d / "one")
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+    assert la[0] != la[-1]  # it did train
+
+
+def test_sigterm_then_resume_equals_uninterrupted(workdir):
+    """SIGTERM mid-run: the step finishes, a checkpoint is saved, exit 0; --resume reaches the same weights."""
+    d = workdir["dir"]
+    common = ["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "12", "--batch_size", "4",
+              "--grad_accum", "1", *SMALL]
+    run_cli(common + ["--out", str(d / "full")])
+    out = d / "interrupted"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "dflash.py"), *common, "--out", str(out)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # wait until a few steps are logged, then interrupt
+        if os.path.exists(out / "metrics.jsonl") and len(losses(out)) >= 3:
+            break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=120)
+    assert p.returncode == 0, stderr[-2000:]
+    assert "--resume" in stdout + stderr
+    with open(out / "latest") as f:
+        stopped_at = int(f.read().strip().split("_")[1])
+    assert 3 <= stopped_at < 12, "the interruption should land mid-run"
+    run_cli(common + ["--out", str(out), "--resume"])
+    wa, wb = final_weights(d / "full"), final_weights(out)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    assert losses(out)[-1] == pytest.approx(losses(d / "full")[-1], abs=1e-6)
+
+
+def test_killed_during_save_keeps_latest_complete(workdir, tmp_path):
+    """SIGKILL while writing a checkpoint: latest still names the previous complete checkpoint, which resumes."""
+    out = tmp_path / "killed"
+    script = f"""
+import os, signal, sys, torch
+sys.path.insert(0, {ROOT!r})
+import dflash
+real_save, calls = torch.save, []
+def dying_save(obj, f, *a, **k):
+    calls.append(f)
+    if len(calls) == 2:  # the second checkpoint: die halfway through writing it
+        with open(f, "wb") as fh:
+            fh.write(b"partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, f, *a, **k)
+torch.save = dying_save
+dflash.main({["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "6", "--batch_size", "4",
+              *SMALL[:-4], "--save_every", "2", "--eval_fraction", "0", "--out", str(out)]!r})
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    with open(out / "latest") as f:
+        assert f.read().strip() == "step_2"
+    assert not (out / "step_4").exists()
+    state = torch.load(out / "step_2" / "train_state.pt", weights_only=True)
+    assert state["step"] == 2
+    dflash.load_drafter(str(out / "step_2"))
+    run_cli(["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "6", "--batch_size", "4",
+             *SMALL, "--out", str(out), "--resume"])
+    with open(out / "latest") as f:
+        assert f.read().strip() == "step_6"
+
+
+def test_twenty_steps_on_hybrid_target_learn(tmp_path):
+    """Twenty steps on a tiny Qwen3.5 hybrid target lower the held-out loss and raise the tau estimate."""
+    target = tiny_qwen35(tmp_path / "q35")
+    data = write_data(tmp_path / "d.jsonl", 96, seed=1)
+    out = tmp_path / "out"
+    args = dflash.get_parser().parse_args(
+        ["--target", target, "--data", data, "--out", str(out), "--max_steps", "20", "--batch_size", "4",
+         "--grad_accum", "1", "--labels", "data", *SMALL[:-6], "--eval_every", "0", "--save_every", "0",
+         "--eval_fraction", "0.25", "--lr", "1e-2"])
+    dflash.train(args)
+    with open(out / "metrics.jsonl") as f:
+        evals = [r for r in map(json.loads, f) if "eval_loss" in r]
+    first, last = evals[0], evals[-1]
+    assert first["step"] == 0 and last["step"] == 20
+    assert last["eval_loss"] < first["eval_loss"] - 1.0, evals  # measured here: 5.61 -> 1.59
+    assert last["eval_tau"] > first["eval_tau"] + 0.5, evals    # measured here: 1.00 -> 2.29
+    state = torch.load(out / "step_20" / "train_state.pt", weights_only=True)  # safe-loadable training state
+    assert state["step"] == 20 and state["args"]["max_steps"] == 20
+
+
+def test_default_config_matches_zlab_qwen36_27b():
+    """A 64-layer, 5120-wide target with intermediate 17408 and rope_theta 1e7 yields z-lab's geometry."""
+    from transformers import Qwen3_5TextConfig
+    tc = Qwen3_5TextConfig(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, vocab_size=248320,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+                           rms_norm_eps=1e-6, max_position_embeddings=262144)
+    fake = dflash.Target(model=SimpleNamespace(config=tc), backbone=None, layers=[None] * 64, norm=None, embed=None,
+                         lm_head=torch.nn.Linear(5120, 248320, bias=False, device="meta"), tokenizer=None, name="fake")
+    args = dflash.get_parser().parse_args(["--mask_token_id", "248070"])
+    cfg = dflash.derive_config(fake, args)
+    assert cfg == dflash.DFlashConfig()  # the dataclass defaults are z-lab's published drafter
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.intermediate_size) == (5120, 5, 32, 8, 128, 17408)
+    assert cfg.target_layer_ids == [1, 16, 31, 46, 61] and cfg.num_target_layers == 64
+    assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
+    assert [cfg.layer_is_causal(i) for i in range(5)] == [True] * 4 + [False]
+    assert cfg.rope_theta == 1e7 and cfg.rope_scaling is None and cfg.rms_norm_eps == 1e-6
+    assert (cfg.block_size, cfg.mask_token_id, cfg.vocab_size) == (16, 248070, 248320)
+    assert dflash.expected_shapes(cfg)["fc.weight"] == (5120, 25600)
+    n = sum(torch.Size(s).numel() for s in dflash.expected_shapes(cfg).values())
+    assert 1.70e9 < n < 1.76e9
+    j = cfg.to_json()
+    assert j["architectures"] == ["DFlashDraftModel"] and j["block_size"] == 16 and j["num_target_layers"] == 64
+    assert j["dflash_config"] == {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}
+    assert j["layer_types"] == cfg.layer_types and j["sliding_window"] == 2048
+
+
+def test_lr_schedule():
+    lrs = [dflash.lr_at(s, 100, 1.0, 0.04) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.25) and lrs[3] == pytest.approx(1.0)  # 4 warmup steps
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # monotone cosine decay
+    assert lrs[-1] < 1e-3 and lrs[51] == pytest.approx(0.5, abs=0.02)
