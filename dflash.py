@@ -782,9 +782,14 @@ def load_samples(path, tokenizer, max_len, log=print):
     """Read a JSONL file; truncate to max_len; skip (and count) samples with nothing to learn."""
     if not os.path.isfile(path):
         raise DFlashError(f"data file {path!r} does not exist; pass --data with a JSONL file")
-    samples, skipped = [], 0
-    with open(path) as f:
+    samples, skipped, lines = [], 0, 0
+    try:
+        f = open(path)
+    except OSError as e:
+        raise DFlashError(f"cannot read data file {path!r}: {e.strerror}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
+            lines += bool(line.strip())
             if not line.strip():
                 continue
             try:
@@ -798,6 +803,8 @@ def load_samples(path, tokenizer, max_len, log=print):
                 skipped += 1
                 continue
             samples.append((ids, mask))
+    if not lines:
+        raise DFlashError(f"data file {path!r} is empty; it needs one JSON object per line")
     if not samples:
         raise DFlashError(f"{path}: no usable samples ({skipped} skipped: fewer than 2 tokens or no two consecutive "
                           f"response tokens); check the file and the loss_mask")
