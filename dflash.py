@@ -468,6 +468,8 @@ class DraftCache:
 
     def crop(self, length):
         """Forget positions >= length (features of rejected draft tokens)."""
+        if self.kv is None:
+            return
         self.kv = [(k[:, :length], v[:, :length]) for k, v in self.kv]
         self.length = min(self.length, length)
 
@@ -566,8 +568,10 @@ def load_drafter(path, device="cpu", dtype=torch.float32):
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise DFlashError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
-    drafter = DFlashDrafter(cfg)
-    drafter.load_state_dict(tensors, strict=True)
+    with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
+        drafter = DFlashDrafter(cfg)
+    drafter.load_state_dict(tensors, strict=True, assign=True)
+    drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
 
 
@@ -1142,10 +1146,15 @@ def check_resume_geometry(saved, cfg, where):
 class StopFlag:
     """SIGTERM/SIGINT ask the loop to finish the current step, save and exit; a second signal kills."""
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
     def __init__(self):
         self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handler)
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in self.SIGNALS}
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
         if self.requested:
@@ -1282,82 +1291,85 @@ def train(args):
             dist.barrier()
 
     stop = StopFlag()
-    drafter.train()
-    if start_step == 0:
-        do_eval(0)
-    bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not master,
-               dynamic_ncols=True, desc="train")
-    t_last, tokens_since, first_step_time = time.time(), 0, None
-    step = start_step
-    for step in bar:
-        t0 = time.time()
-        lr = lr_at(step, total_steps, args.lr, args.warmup_ratio)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        # Anchors (hence the loss weights) are known before any forward: normalise by the global sum of weights,
-        # so sum(w * CE) / sum(w) is taken over the whole global batch whatever the split over ranks/micro-steps.
-        micro = [batches.get(step, m) for m in range(args.grad_accum)]
-        anchors = [batch_anchors(mb, args.num_anchors) for mb in micro]
-        w_total = sum(loss_weights(a, v, mb["loss_mask"], cfg.block_size, args.gamma).sum() for mb, (a, v)
-                      in zip(micro, anchors)).to(device)
-        if ddp:
-            dist.all_reduce(w_total)
-        total = None
-        for m, (mb, (a, v)) in enumerate(zip(micro, anchors)):
-            # no gradient all-reduce until the last micro-step (around forward *and* backward)
-            sync = nullcontext() if (not ddp or m == args.grad_accum - 1) else model.no_sync()
-            with sync:
-                loss_sum, stats = forward_batch(model, target, cfg, mb, args, a, v, path, train=True)
-                (loss_sum * world / w_total.clamp(min=1e-9)).backward()  # DDP averages over ranks: undo it
-            total = add_stats(total, stats)
-            tokens_since += mb["tokens"]
-        total = all_reduce_stats(total, ddp)
-        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
-        loss = (total["ce_w"] / total["w"].clamp(min=1e-9))
-        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-            # grads are all-reduced and the loss summed, so every rank takes this branch together
-            optimizer.zero_grad(set_to_none=True)
-            bad_steps += 1
-            print0(f"step {step}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the update "
-                   f"({bad_steps} in a row)")
-            if bad_steps >= args.max_bad_steps:
-                raise DFlashError(f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr or "
-                                  f"check the data; the last good checkpoint is in {args.out}")
+    try:
+        drafter.train()
+        if start_step == 0:
+            do_eval(0)
+        bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not master,
+                   dynamic_ncols=True, desc="train")
+        t_last, tokens_since, first_step_time = time.time(), 0, None
+        step = start_step
+        for step in bar:
+            t0 = time.time()
+            lr = lr_at(step, total_steps, args.lr, args.warmup_ratio)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            # Anchors (hence the loss weights) are known before any forward: normalise by the global sum of weights,
+            # so sum(w * CE) / sum(w) is taken over the whole global batch whatever the split over ranks/micro-steps.
+            micro = [batches.get(step, m) for m in range(args.grad_accum)]
+            anchors = [batch_anchors(mb, args.num_anchors) for mb in micro]
+            w_total = sum(loss_weights(a, v, mb["loss_mask"], cfg.block_size, args.gamma).sum() for mb, (a, v)
+                          in zip(micro, anchors)).to(device)
+            if ddp:
+                dist.all_reduce(w_total)
+            total = None
+            for m, (mb, (a, v)) in enumerate(zip(micro, anchors)):
+                # no gradient all-reduce until the last micro-step (around forward *and* backward)
+                sync = nullcontext() if (not ddp or m == args.grad_accum - 1) else model.no_sync()
+                with sync:
+                    loss_sum, stats = forward_batch(model, target, cfg, mb, args, a, v, path, train=True)
+                    (loss_sum * world / w_total.clamp(min=1e-9)).backward()  # DDP averages over ranks: undo it
+                total = add_stats(total, stats)
+                tokens_since += mb["tokens"]
+            total = all_reduce_stats(total, ddp)
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
+            loss = (total["ce_w"] / total["w"].clamp(min=1e-9))
+            if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                # grads are all-reduced and the loss summed, so every rank takes this branch together
+                optimizer.zero_grad(set_to_none=True)
+                bad_steps += 1
+                print0(f"step {step}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the update "
+                       f"({bad_steps} in a row)")
+                if bad_steps >= args.max_bad_steps:
+                    raise DFlashError(f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr or "
+                                      f"check the data; the last good checkpoint is in {args.out}")
+            else:
+                bad_steps = 0
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if first_step_time is None:
+                first_step_time = time.time() - t0
+                print0(f"first step took {first_step_time:.1f}s (includes compilation when --compile is on)")
+            done = step + 1
+            if done % args.log_every == 0 or done == total_steps:
+                m = summarize(total)
+                dt = time.time() - t_last
+                tok_s = tokens_since * world / max(dt, 1e-9)
+                mem = peak_memory_mb(device)
+                print0(f"step {done}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+                       f"grad {grad_norm.item():.2f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MB")
+                log_metrics({"step": done, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
+                             "grad_norm": grad_norm.item(), "tokens_per_s": tok_s, "peak_mb": mem})
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
+                t_last, tokens_since = time.time(), 0
+            if args.eval_every and done % args.eval_every == 0 and done != total_steps:
+                do_eval(done)
+            flag = torch.tensor(float(stop.requested), device=device)
+            if ddp:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks agree to stop after the same step
+            if flag.item():
+                save(done)
+                print0(f"interrupted after step {done}; resume with the same command plus --resume")
+                break
+            if args.save_every and done % args.save_every == 0 and done != total_steps:
+                save(done)
         else:
-            bad_steps = 0
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if first_step_time is None:
-            first_step_time = time.time() - t0
-            print0(f"first step took {first_step_time:.1f}s (includes compilation when --compile is on)")
-        done = step + 1
-        if done % args.log_every == 0 or done == total_steps:
-            m = summarize(total)
-            dt = time.time() - t_last
-            tok_s = tokens_since * world / max(dt, 1e-9)
-            mem = peak_memory_mb(device)
-            print0(f"step {done}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-                   f"grad {grad_norm.item():.2f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MB")
-            log_metrics({"step": done, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                         "grad_norm": grad_norm.item(), "tokens_per_s": tok_s, "peak_mb": mem})
-            bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
-            t_last, tokens_since = time.time(), 0
-        if args.eval_every and done % args.eval_every == 0 and done != total_steps:
-            do_eval(done)
-        flag = torch.tensor(float(stop.requested), device=device)
-        if ddp:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # all ranks agree to stop after the same step
-        if flag.item():
-            save(done)
-            print0(f"interrupted after step {done}; resume with the same command plus --resume")
-            break
-        if args.save_every and done % args.save_every == 0 and done != total_steps:
-            save(done)
-    else:
-        if total_steps > start_step or not latest_checkpoint(args.out):
-            do_eval(total_steps)
-            save(total_steps)
-    bar.close()
+            if total_steps > start_step or not latest_checkpoint(args.out):
+                do_eval(total_steps)
+                save(total_steps)
+        bar.close()
+    finally:
+        stop.restore()
     if ddp:
         dist.destroy_process_group()
     return drafter, cfg, target
@@ -1431,6 +1443,8 @@ def get_parser():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # keep stderr to our own lines (errors are one line)
     try:
         if args.demo or not argv:
             from demo import run_demo

@@ -76,7 +76,8 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None):
             raise DFlashError(f"{where}: input_ids must be a non-empty list of integers")
         return ids
     if not any(k in rec for k in ("prompt", "messages", "text")):
-        raise DFlashError(f"{where}: none of the known fields (prompt | messages | text | input_ids); got keys {sorted(rec)}")
+        raise DFlashError(f"{where}: none of the known fields (prompt | messages | text | input_ids); "
+                          f"got keys {sorted(rec)}")
     if tokenizer is None:
         raise DFlashError(f"{where}: the target has no tokenizer; use pre-tokenized {{\"input_ids\": [...]}} lines")
     kw = template_kwargs or {}
@@ -95,7 +96,8 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None):
         if not isinstance(rec["prompt"], str):
             raise DFlashError(f"{where}: prompt must be a string")
         if tokenizer.chat_template:
-            ids = dflash.chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
+            turn = [{"role": "user", "content": rec["prompt"]}]
+            ids = dflash.chat_ids(tokenizer, turn, add_generation_prompt=True, **kw)
         else:
             ids = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
     else:
@@ -120,7 +122,8 @@ def load_prompts(path, tokenizer, enable_thinking=None):
         if tokenizer is None:
             raise DFlashError("the target has no tokenizer, so the built-in prompts cannot be encoded; pass --prompts "
                               "with pre-tokenized {\"input_ids\": [...]} lines")
-        return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw) for i, p in enumerate(BUILTIN_PROMPTS)]
+        return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw)
+                for i, p in enumerate(BUILTIN_PROMPTS)]
     if not os.path.isfile(path):
         raise DFlashError(f"prompts file {path!r} does not exist")
     prompts = []
@@ -193,6 +196,10 @@ def acceptance_stats(lengths, block_size):
 # The prompt-lookup baseline: copy what followed the most recent earlier match of the last tokens
 
 
+def is_lookup(drafter):
+    return isinstance(drafter, str) and drafter == PROMPT_LOOKUP
+
+
 class PromptLookup:
     """An n-gram index over a growing token list. draft(k): find the most recent earlier occurrence of the last
     n tokens (n = max_ngram down to 1, longest first) and copy the k tokens that followed it; a copy that runs into
@@ -263,9 +270,10 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
     are switched off: greedy verification accepts the plain argmax."""
     ids = torch.tensor([prompt], device=target.lm_head.weight.device)
     eos = sorted(eos)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0,
-                                no_repeat_ngram_size=0, min_new_tokens=0)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                min_new_tokens=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -297,14 +305,15 @@ def draft_every_anchor(drafter, target, context_features, ids, first, path="dens
     cfg = drafter.cfg
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
-    chunk = anchors_per_chunk(cfg, S, budget)
     if path == "flex":
-        # fixed shapes for the compiled flex kernel: context padded to a multiple of 256 (never visible: j >= S > a),
-        # anchors padded to whole chunks (padding anchors see nothing)
-        pad = -S % 256
+        # few distinct shapes for the compiled flex kernel (it recompiles per shape): the context padded to a power
+        # of two (padding is never visible, j >= S > a, and flex skips fully masked tiles), anchors padded to whole
+        # chunks (padding anchors see nothing)
+        pad = max(256, 1 << (S - 1).bit_length()) - S
         context_features = torch.nn.functional.pad(context_features, (0, 0, 0, pad))
         ids = torch.nn.functional.pad(ids, (0, pad))
     S_ctx = context_features.shape[1]
+    chunk = anchors_per_chunk(cfg, S_ctx, budget)
     kv = drafter.context_kv(drafter.context(context_features.to(dtype)))  # per layer (1, S_ctx, hk, hd), computed once
     out = []
     for c in range(0, len(anchors), chunk):
@@ -343,7 +352,7 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
     and crops both caches back to the anchor and the accepted drafts. Returns (tokens, acceptance lengths, drafts)."""
     from transformers import DynamicCache
     model, dev = target.model, target.lm_head.weight.device
-    neural = drafter != PROMPT_LOOKUP
+    neural = not is_lookup(drafter)
     layer_ids = drafter.cfg.target_layer_ids if neural else []
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what a crop may need
@@ -351,7 +360,7 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
 
     ids = torch.tensor([prompt], device=dev)
     with dflash.capture_hidden(target, layer_ids) as store:
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
     tokens = [int(out.logits[0, -1].argmax())]  # the prefill's token: the first anchor
     if neural:
         draft_cache = dflash.DraftCache(drafter)
@@ -368,7 +377,7 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
             drafts = lookup.draft(block_size - 1)
         block = torch.tensor([[tokens[-1]] + drafts], device=dev)
         with dflash.capture_hidden(target, layer_ids) as store:
-            out = model(input_ids=block, past_key_values=cache, use_cache=True)
+            out = model(input_ids=block, cache=cache, use_cache=True)
         choice = out.logits[0].argmax(-1).tolist()  # choice[i]: the target's token at pos+1+i
         accepted = accepted_prefix(drafts, choice)
         new = choice[:accepted + 1][:max_new_tokens - len(tokens)]  # accepted drafts + the target's own token
@@ -396,10 +405,10 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
 def resolve_block_sizes(drafters, block_size):
     """Per drafter: --block_size (at most the drafter's trained block size) or its own; prompt-lookup takes
     --block_size, else the first neural drafter's, else DEFAULT_BLOCK_SIZE."""
-    neural = [d for d in drafters.values() if d != PROMPT_LOOKUP]
+    neural = [d for d in drafters.values() if not is_lookup(d)]
     sizes = {}
     for name, d in drafters.items():
-        if d == PROMPT_LOOKUP:
+        if is_lookup(d):
             sizes[name] = block_size or (neural[0].cfg.block_size if neural else DEFAULT_BLOCK_SIZE)
         else:
             if block_size and block_size > d.cfg.block_size:
@@ -412,11 +421,13 @@ def resolve_block_sizes(drafters, block_size):
 
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
-                      progress=True, path=None):
+                      progress=True, path=None, continuations=None):
     """tau of each drafter on the same prompts and the same target continuations.
 
     drafters: {name: DFlashDrafter | "prompt-lookup"}; prompts: list of token-id lists; mode "exact" (DESIGN 5, any
-    target) or "loop" (a real speculative decoding loop, KV-cache targets). Returns the JSON-shaped report."""
+    target) or "loop" (a real speculative decoding loop, KV-cache targets). continuations: the target's greedy
+    continuations of the prompts if already known (else generated here, once per prompt, shared by all drafters;
+    in loop mode they are the plain greedy reference). Returns the JSON-shaped report."""
     from tqdm import tqdm
     if not drafters:
         raise DFlashError("no drafters to evaluate")
@@ -426,8 +437,12 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
         raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise DFlashError("every prompt needs at least one token")
+    if continuations is not None and len(continuations) != len(prompts):
+        raise DFlashError(f"{len(continuations)} continuations for {len(prompts)} prompts")
     for name, d in drafters.items():
-        if d != PROMPT_LOOKUP:
+        if isinstance(d, str) and not is_lookup(d):
+            raise DFlashError(f"drafter {name}: {d!r} is neither a DFlashDrafter nor {PROMPT_LOOKUP!r}")
+        if not is_lookup(d):
             dflash.check_compatible(d.cfg, target, where=f"drafter {name}")
     if mode == "loop":
         check_loop_target(target)
@@ -435,15 +450,18 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     dev = target.lm_head.weight.device
     path = path or dflash.default_attention_path(dev)
     eos = eos_token_ids(target)
-    union = sorted({t for d in drafters.values() if d != PROMPT_LOOKUP for t in d.cfg.target_layer_ids})
+    union = sorted({t for d in drafters.values() if not is_lookup(d) for t in d.cfg.target_layer_ids})
 
     per = {name: {"prompts": [], "time_s": 0.0} for name in drafters}
     timing = {"generate_s": 0.0, "features_s": 0.0}
-    if mode == "loop":  # a first short generation pays the one-time costs outside the timed baseline
+    if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
         greedy_continuation(target, prompts[0], 2, eos)
-    for prompt in tqdm(prompts, desc=f"tau ({mode})", disable=not progress, dynamic_ncols=True):
+    for i, prompt in enumerate(tqdm(prompts, desc=f"tau ({mode})", disable=not progress, dynamic_ncols=True)):
         t0 = time.perf_counter()
-        continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
+        if continuations is None:
+            continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
+        else:
+            continuation = [int(t) for t in continuations[i]]
         timing["generate_s"] += time.perf_counter() - t0
         if mode == "exact" and union:
             t0 = time.perf_counter()
@@ -458,7 +476,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                 entry = {"prompt_tokens": len(prompt), "continuation": tokens, "acceptance_lengths": lengths,
                          "matches_greedy": tokens == continuation}
             else:
-                if d == PROMPT_LOOKUP:
+                if is_lookup(d):
                     at = LookupDrafts(prompt, continuation, B - 1)
                 else:
                     ctx = select_layers(features, union, d.cfg.target_layer_ids)
@@ -479,7 +497,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
              "tokens": sum(len(e["continuation"]) for e in entries), "time_s": per[name]["time_s"]}
         if mode == "loop":
             r["tokens_per_s"] = r["tokens"] / max(per[name]["time_s"], 1e-9)
-            r["greedy_tokens_per_s"] = r["tokens"] / max(timing["generate_s"], 1e-9)
+            r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if continuations is None else None
             r["matches_greedy"] = all(e["matches_greedy"] for e in entries)
         r["prompts"] = entries
         results.append(r)
@@ -499,17 +517,20 @@ def print_report(report, file=None):
     results = report["results"]
     t = report["timing"]
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
-        f"{report['max_new_tokens']}  (greedy generation {t['generate_s']:.1f}s, context features {t['features_s']:.1f}s)")
+        f"{report['max_new_tokens']}  (greedy generation {t['generate_s']:.1f}s"
+        + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
     w = max(16, *(len(r["drafter"]) for r in results))
     loop = report["mode"] == "loop"
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
         tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
-        line = f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {r['steps']:>7}  {r['tokens']:>7}  {r['time_s']:>7.1f}"
+        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {r['steps']:>7}  {r['tokens']:>7}  "
+                f"{r['time_s']:>7.1f}")
         if loop:
-            line += (f"  {r['tokens_per_s']:>8.1f}  {r['greedy_tokens_per_s']:>8.1f}  "
-                     f"{r['tokens_per_s'] / max(r['greedy_tokens_per_s'], 1e-9):>6.2f}x  {'yes' if r['matches_greedy'] else 'NO'}")
+            greedy = r["greedy_tokens_per_s"]
+            vs = f"{greedy:>8.1f}  {r['tokens_per_s'] / greedy:>6.2f}x" if greedy else f"{'-':>8}  {'-':>7}"
+            line += f"  {r['tokens_per_s']:>8.1f}  {vs}  {'yes' if r['matches_greedy'] else 'NO'}"
         out(line)
     out()
     out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
@@ -611,6 +632,8 @@ def run(args):
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors (and our own progress bar)
     try:
         return run(args)
     except DFlashError as e:

@@ -1,0 +1,357 @@
+"""eval.py: the tau walk, the exact method against a real speculative decoding loop, hybrid targets, z-lab drafter
+directories, prompts and the command line. Tiny random models on CPU, fp32."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import dflash  # noqa: E402
+import eval as ev  # noqa: E402
+from dflash import DFlashError  # noqa: E402
+
+V, D, L = 96, 64, 4                       # tiny target: vocab, hidden, decoder layers
+MASK = V - 1
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and do not fight other processes for the cores); restored after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_dense_target(path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return dflash.load_target(path)
+
+
+def drafter_config(**kw):
+    base = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=V, rope_theta=10000.0, max_position_embeddings=512, block_size=8,
+                mask_token_id=MASK, target_layer_ids=[1, 2], num_target_layers=L,
+                layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+    return dflash.DFlashConfig(**{**base, **kw})
+
+
+def reference_greedy(target, prompt, n):
+    """Plain greedy decoding by the target itself (HF generate), independent of eval.py."""
+    x = torch.tensor([prompt])
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def train_on_continuations(target, drafter, prompts, continuations, steps):
+    """A few optimizer steps of the real loss on the target's own continuations (regenerated data)."""
+    args = dflash.get_parser().parse_args(["--num_anchors", "24", "--noise_std", "0"])
+    batch = dflash.collate([(p + c, [0] * len(p) + [1] * len(c)) for p, c in zip(prompts, continuations)], 0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for step in range(steps):
+        anchors, valid = dflash.batch_anchors(batch, args.num_anchors, step_salt=step)
+        loss_sum, stats = dflash.forward_batch(drafter, target, drafter.cfg, batch, args, anchors, valid, "dense", True)
+        opt.zero_grad()
+        (loss_sum / stats["w"]).backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A tiny Qwen3 target, its greedy continuations of 6 random prompts, and a drafter trained on them briefly
+    (random targets fall into repetitive continuations, which a few steps teach the drafter to draft)."""
+    path = str(tmp_path_factory.mktemp("dense") / "target")
+    target = tiny_dense_target(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, MASK, (8,), generator=g).tolist() for _ in range(6)]
+    continuations = [reference_greedy(target, p, NEW_TOKENS) for p in prompts]
+    torch.manual_seed(0)
+    drafter = train_on_continuations(target, dflash.DFlashDrafter(drafter_config()), prompts, continuations, steps=30)
+    return {"path": path, "target": target, "prompts": prompts, "continuations": continuations, "drafter": drafter}
+
+
+# -----------------------------------------------------------------------------
+# The tau walk and the prompt-lookup baseline: hand-computed examples
+
+
+def test_tau_walk_hand_example():
+    s = list(range(10, 19))  # 9 tokens: s[0] comes with the prefill, so the first block is anchored at s[0]
+    drafts = {0: [11, 12, 99],   # 2 accepted -> 3 tokens, next anchor s[3]
+              3: [99, 15, 16],   # 0 accepted -> 1 token (the target's own), next anchor s[4]
+              4: [15, 16, 99],   # 2 accepted -> 3 tokens, next anchor s[7]
+              7: [18, 50, 51]}   # only s[8] is left: 1 accepted -> 2, done. Unvisited anchors are never read.
+    lengths = ev.tau_walk(s, drafts)
+    assert lengths == [3, 1, 3, 2]
+    assert ev.step_anchors(lengths) == [0, 3, 4, 7]
+    stats = ev.acceptance_stats(lengths, block_size=4)
+    assert stats["tau"] == 9 / 4 and stats["steps"] == 4
+    assert stats["histogram"] == [1, 1, 2, 0]
+    assert stats["per_offset_acceptance"] == [3 / 4, 2 / 4, 0.0]
+    assert stats["tau"] == 1 + sum(stats["per_offset_acceptance"])
+    assert ev.tau_walk([5], {}) == []          # only the prefill token: no verification step
+    assert ev.tau_walk([5, 6], {0: []}) == [1]  # no drafts: the target's own token only
+
+
+def test_prompt_lookup_hand_examples():
+    assert ev.PromptLookup([1, 2, 3, 9, 1, 2, 3]).draft(4) == [9, 1, 2, 3]  # 3-gram match, copies what followed
+    assert ev.PromptLookup([5, 6, 5, 6]).draft(5) == [5, 6, 5, 6, 5]        # the copy runs on into its own output
+    assert ev.PromptLookup([7, 1, 8, 7, 2, 9, 7]).draft(2) == [2, 9]          # the most recent match, not the first
+    assert ev.PromptLookup([4, 1, 2, 3, 8, 4]).draft(3) == [1, 2, 3]          # falls back to shorter n-grams
+    assert ev.PromptLookup([1, 2, 3]).draft(4) == []                          # no match, no drafts
+    lookup = ev.PromptLookup([1, 2])
+    lookup.extend([3, 1, 2])  # incremental indexing gives the same answer as indexing all at once
+    assert lookup.draft(3) == ev.PromptLookup([1, 2, 3, 1, 2]).draft(3) == [3, 1, 2]
+
+
+# -----------------------------------------------------------------------------
+# Exact method vs a real speculative decoding loop (dense target)
+
+
+def test_exact_equals_loop_and_loop_equals_greedy(dense):
+    target, prompts, ref = dense["target"], dense["prompts"], dense["continuations"]
+    drafters = {"ours": dense["drafter"], "prompt-lookup": ev.PROMPT_LOOKUP}
+    exact = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, continuations=ref, progress=False)
+    loop = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, mode="loop", continuations=ref, progress=False)
+    for re_, rl in zip(exact["results"], loop["results"]):
+        assert re_["drafter"] == rl["drafter"]
+        assert [e["continuation"] for e in rl["prompts"]] == ref          # loop: token for token plain greedy
+        assert rl["matches_greedy"]
+        assert [e["acceptance_lengths"] for e in re_["prompts"]] == [e["acceptance_lengths"] for e in rl["prompts"]]
+        assert re_["tau"] == rl["tau"]
+        lengths = [n for e in re_["prompts"] for n in e["acceptance_lengths"]]
+        assert max(lengths) > 1                      # drafts do get accepted, so the comparison is not vacuous
+        assert re_["tau"] > 1.5
+        # every step produces accepted+1 tokens: they cover the continuation after s[0] (the last may overshoot by 1)
+        for e in re_["prompts"]:
+            assert len(e["continuation"]) - 1 <= sum(e["acceptance_lengths"]) <= len(e["continuation"])
+
+
+def test_exact_equals_loop_when_eos_stops_generation(dense):
+    target, prompts, ref = dense["target"], dense["prompts"][:1], dense["continuations"][:1]
+    eos = ref[0][5]  # a token the target really generates: generation stops after at most 6 tokens
+    gc = target.model.generation_config
+    saved = gc.eos_token_id
+    gc.eos_token_id = eos
+    try:
+        drafters = {"ours": dense["drafter"], "prompt-lookup": ev.PROMPT_LOOKUP}
+        exact = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, progress=False)
+        loop = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, mode="loop", progress=False)
+    finally:
+        gc.eos_token_id = saved
+    first = exact["results"][0]["prompts"][0]["continuation"]
+    assert first == ref[0][:ref[0].index(eos) + 1]  # stopped right after eos
+    for re_, rl in zip(exact["results"], loop["results"]):
+        assert rl["matches_greedy"]
+        assert [e["continuation"] for e in re_["prompts"]] == [e["continuation"] for e in rl["prompts"]]
+        assert [e["acceptance_lengths"] for e in re_["prompts"]] == [e["acceptance_lengths"] for e in rl["prompts"]]
+
+
+def test_block_size_truncates_drafts(dense):
+    target, prompts, ref = dense["target"], dense["prompts"][:2], dense["continuations"][:2]
+    drafters = {"ours": dense["drafter"]}
+    full = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, continuations=ref, dump_drafts=True,
+                                progress=False)["results"][0]
+    small = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, block_size=3, continuations=ref,
+                                 progress=False)["results"][0]
+    assert full["block_size"] == 8 and small["block_size"] == 3
+    assert len(small["histogram"]) == 3 and len(small["per_offset_acceptance"]) == 2
+    assert max(n for e in small["prompts"] for n in e["acceptance_lengths"]) <= 3
+    assert max(n for e in full["prompts"] for n in e["acceptance_lengths"]) > 3
+    assert all(len(d) == 7 for e in full["prompts"] for d in e["drafts"])
+    with pytest.raises(DFlashError, match="trained block size"):
+        ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, block_size=9, continuations=ref, progress=False)
+
+
+# -----------------------------------------------------------------------------
+# Hybrid (Gated DeltaNet + full attention) target: the exact method needs no rollback
+
+
+def test_hybrid_target_exact_method(tmp_path):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    torch.manual_seed(0)
+    cfg = Qwen3_5TextConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+                            linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                            max_position_embeddings=512)
+    Qwen3_5ForCausalLM(cfg).save_pretrained(tmp_path / "hybrid")
+    target = dflash.load_target(str(tmp_path / "hybrid"))
+    prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28]]
+    drafter = dflash.DFlashDrafter(drafter_config(target_layer_ids=[0, 3])).eval()
+    report = ev.evaluate_drafters(target, {"random": drafter, "prompt-lookup": ev.PROMPT_LOOKUP}, prompts, 10,
+                                  dump_drafts=True, progress=False)
+    for r in report["results"]:
+        for p, e in zip(prompts, r["prompts"]):
+            assert e["continuation"] == reference_greedy(target, p, 10)
+            assert len(e["acceptance_lengths"]) == len(e["drafts"]) >= 1
+    with pytest.raises(DFlashError, match="cannot be rolled back"):
+        ev.evaluate_drafters(target, {"prompt-lookup": ev.PROMPT_LOOKUP}, prompts, 10, mode="loop", progress=False)
+
+
+# -----------------------------------------------------------------------------
+# A drafter directory written by hand in the z-lab layout
+
+
+def write_zlab_drafter(directory, cfg, seed=0):
+    """config.json as z-lab writes it (flat rope_theta, nested dflash_config) and model.safetensors with the z-lab
+    key names (no `model.` prefix, no embedding, no lm_head) holding random tensors."""
+    from safetensors.torch import save_file
+    os.makedirs(directory, exist_ok=True)
+    config = {
+        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "block_size": cfg["block_size"],
+        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": cfg["target_layer_ids"]},
+        "dtype": "float32", "head_dim": 16, "hidden_act": "silu", "hidden_size": cfg["hidden_size"],
+        "initializer_range": 0.02, "intermediate_size": 96, "layer_types": cfg["layer_types"],
+        "max_position_embeddings": 512, "max_window_layers": 3, "num_attention_heads": 4, "num_hidden_layers": 3,
+        "num_key_value_heads": 2, "num_target_layers": cfg["num_target_layers"], "rms_norm_eps": 1e-6,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": cfg["sliding_window"],
+        "tie_word_embeddings": False, "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": True,
+        "vocab_size": V}
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    g = torch.Generator().manual_seed(seed)
+    hd, Dm, m, I = 16, cfg["hidden_size"], len(cfg["target_layer_ids"]), 96
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
+    norm = lambda n: 1.0 + 0.1 * torch.randn(n, generator=g)      # noqa: E731
+    t = {"fc.weight": rnd(Dm, m * Dm), "hidden_norm.weight": norm(Dm), "norm.weight": norm(Dm)}
+    for i in range(3):
+        p = f"layers.{i}."
+        t.update({p + "input_layernorm.weight": norm(Dm), p + "post_attention_layernorm.weight": norm(Dm),
+                  p + "self_attn.q_proj.weight": rnd(4 * hd, Dm), p + "self_attn.k_proj.weight": rnd(2 * hd, Dm),
+                  p + "self_attn.v_proj.weight": rnd(2 * hd, Dm), p + "self_attn.o_proj.weight": rnd(Dm, 4 * hd),
+                  p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
+                  p + "mlp.gate_proj.weight": rnd(I, Dm), p + "mlp.up_proj.weight": rnd(I, Dm),
+                  p + "mlp.down_proj.weight": rnd(Dm, I)})
+    save_file(t, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+ZLAB = {"hidden_size": D, "block_size": 6, "target_layer_ids": [0, 2, 3], "num_target_layers": L,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "sliding_window": 5}
+
+
+def test_zlab_directory_drafts_match_inference_forward(dense, tmp_path):
+    target, prompts, ref = dense["target"], dense["prompts"][:3], dense["continuations"][:3]
+    directory = write_zlab_drafter(str(tmp_path / "zlab"), ZLAB)
+    drafters = ev.load_drafters([directory], target, torch.float32, prompt_lookup=False)
+    drafter = drafters[directory]
+    assert drafter.cfg.layer_types == ZLAB["layer_types"] and drafter.cfg.sliding_window == 5
+    report = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, continuations=ref, dump_drafts=True,
+                                  progress=False)
+    entries = report["results"][0]["prompts"]
+    steps = 0
+    for prompt, cont, e in zip(prompts, ref, entries):
+        ids = torch.tensor([prompt + cont])
+        features, _ = dflash.target_features(target, ids, drafter.cfg.target_layer_ids)
+        for k, drafts in zip(ev.step_anchors(e["acceptance_lengths"]), e["drafts"]):
+            a = len(prompt) + k  # the anchor's position: context is everything before it
+            cache = dflash.DraftCache(drafter)
+            cache.extend(features[:, :a])
+            expected = dflash.draft_block(drafter, cache, cont[k], target.embed, target.lm_head).tolist()
+            assert drafts == expected, f"anchor {a}"
+            steps += 1
+        # drafting in chunks of one anchor (a tiny memory budget) gives the same drafts as one big batch
+        every = ev.draft_every_anchor(drafter, target, features, ids, len(prompt))
+        assert torch.equal(ev.draft_every_anchor(drafter, target, features, ids, len(prompt), budget=1), every)
+    assert steps > len(prompts) and steps == report["results"][0]["steps"]
+
+
+# -----------------------------------------------------------------------------
+# Prompts
+
+
+def test_prompts_jsonl_formats_and_errors(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<unk>", "<eos>", "hello", "world", "user:", "assistant:", "think", "nothink", "bye"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}assistant: "
+                               "{% if enable_thinking is defined and not enable_thinking %}nothink{% else %}think"
+                               "{% endif %}{% endif %}")
+    ids = {w: i for i, w in enumerate(words)}
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"prompt": "hello world"}) + "\n\n"
+                 + json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                            {"role": "assistant", "content": "bye"}]}) + "\n"
+                 + json.dumps({"text": "hello world"}) + "\n"
+                 + json.dumps({"input_ids": [7, 8, 9]}) + "\n")
+    got = ev.load_prompts(str(p), tokenizer)
+    gen = [ids["user:"]]  # the template renders "user: ..." then the generation prompt
+    assert got[0] == gen + [ids["hello"], ids["world"], ids["assistant:"], ids["think"]]
+    assert got[1] == gen + [ids["hello"], ids["assistant:"], ids["think"]]  # trailing assistant turn dropped
+    assert got[2] == [ids["hello"], ids["world"]]                          # raw text, no template
+    assert got[3] == [7, 8, 9]
+    assert ev.load_prompts(str(p), tokenizer, enable_thinking=False)[0][-1] == ids["nothink"]  # passed through
+    assert len(ev.load_prompts(None, tokenizer)) == len(ev.BUILTIN_PROMPTS)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, 2]}) + "\n{not json\n")
+    with pytest.raises(DFlashError, match=r"bad\.jsonl:2: not valid JSON"):
+        ev.load_prompts(str(bad), tokenizer)
+    bad.write_text(json.dumps({"input_ids": [1, "x"]}) + "\n")
+    with pytest.raises(DFlashError, match=r"bad\.jsonl:1: input_ids"):
+        ev.load_prompts(str(bad), tokenizer)
+    bad.write_text(json.dumps({"question": "hi"}) + "\n")
+    with pytest.raises(DFlashError, match=r"bad\.jsonl:1: none of the known fields"):
+        ev.load_prompts(str(bad), tokenizer)
+    with pytest.raises(DFlashError, match=r"p\.jsonl:1: the target has no tokenizer"):
+        ev.load_prompts(str(p), None)
+    with pytest.raises(DFlashError, match="no tokenizer"):
+        ev.load_prompts(None, None)
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def test_cli_mismatched_drafter_is_one_error_line(dense, tmp_path):
+    other = write_zlab_drafter(str(tmp_path / "other"), {**ZLAB, "num_target_layers": 8, "target_layer_ids": [1, 4, 7]})
+    env = {**{k: v for k, v in os.environ.items() if k != "DFLASH_DEBUG"}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--target", dense["path"], "--drafter", other,
+                           "--no_progress"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "num_target_layers 8" in lines[0] and "another target" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_end_to_end_json(dense, tmp_path, capsys):
+    directory = write_zlab_drafter(str(tmp_path / "zlab"), ZLAB)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in dense["prompts"][:2]))
+    out = tmp_path / "out" / "tau.json"
+    ev.main(["--target", dense["path"], "--drafter", directory, "--prompts", str(prompts), "--max_new_tokens", "12",
+             "--json", str(out), "--dump_drafts", "--no_progress"])
+    printed = capsys.readouterr().out
+    assert "prompt-lookup" in printed and "tau" in printed
+    report = json.loads(out.read_text())
+    assert report["target"] == dense["path"] and report["block_size"] == 6 and report["max_new_tokens"] == 12
+    assert [r["drafter"] for r in report["results"]] == [directory, "prompt-lookup"]  # the baseline by default
+    for r in report["results"]:
+        assert set(r) >= {"drafter", "tau", "histogram", "per_offset_acceptance", "prompts"}
+        assert len(r["histogram"]) == 6 and len(r["per_offset_acceptance"]) == 5
+        lengths = [n for e in r["prompts"] for n in e["acceptance_lengths"]]
+        assert sum(r["histogram"]) == len(lengths) and r["tau"] == pytest.approx(sum(lengths) / len(lengths))
+        for i, e in enumerate(r["prompts"]):
+            assert e["prompt_tokens"] == len(dense["prompts"][i])
+            assert e["continuation"] == dense["continuations"][i][:12]
+            assert len(e["drafts"]) == len(e["acceptance_lengths"])
+    assert all(len(d) == 5 for e in report["results"][0]["prompts"] for d in e["drafts"])
