@@ -27,13 +27,16 @@ DEMO_TRAIN_SAMPLES = 2048
 DEMO_PROMPTS, DEMO_NEW_TOKENS = 24, 64
 
 
-def run_demo(args):
+def run_demo(argv=()):
+    """argv: extra dflash.py flags, applied after the preset (e.g. `python dflash.py --demo --noise_std 0`)."""
     import eval as tau_eval
     from tiny_target import build_tiny_target, heldout_prompts, make_regenerated_data
 
     t0 = time.time()
+    argv = [a for a in argv if a != "--demo"]
+    args = dflash.get_parser().parse_args(argv)
     out = args.out if args.out != "out" else os.path.join("out", "demo")
-    cache = os.path.join(".cache")
+    cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
     os.makedirs(out, exist_ok=True)
     print("== 1/4 tiny Qwen3.5-hybrid target (cached in .cache/ after the first run)")
     target_path = build_tiny_target(cache)
@@ -42,7 +45,7 @@ def run_demo(args):
     t_train = time.time()
     print("== 3/4 training the drafter with dflash.train")
     train_args = dflash.get_parser().parse_args(
-        ["--target", target_path, "--data", data, "--out", out, "--seed", str(args.seed), *DEMO_FLAGS])
+        ["--target", target_path, "--data", data, *DEMO_FLAGS, *argv, "--out", out])
     drafter, cfg, target = dflash.train(train_args)
     t_train = time.time() - t_train
     print(f"== 4/4 tau on {DEMO_PROMPTS} held-out stdlib prompts, {DEMO_NEW_TOKENS}-token greedy continuations")

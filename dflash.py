@@ -1448,7 +1448,7 @@ def main(argv=None):
     try:
         if args.demo or not argv:
             from demo import run_demo
-            run_demo(args)
+            run_demo(argv)
         else:
             for flag in ("target", "data"):
                 if not getattr(args, flag):

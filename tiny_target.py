@@ -21,12 +21,13 @@ import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tqdm.auto import tqdm
 from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast,
                           Qwen3_5ForCausalLM, Qwen3_5TextConfig)
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
 VOCAB_SIZE = 2048                    # a ~2k BPE beat raw bytes for this model size
-CORPUS_MAX_BYTES = 4_000_000         # cap on pretraining text: ~1M tokens, more than 150 s of training sees
+CORPUS_MAX_BYTES = 4_000_000         # cap on pretraining text: ~1.3M tokens, about one pass in 150 s
 TOKENIZER_MAX_BYTES = 1_500_000      # BPE training on this much text takes seconds
 MAX_FILE_BYTES = 200_000             # skip giant generated files
 HELDOUT_PERCENT = 10
@@ -111,7 +112,7 @@ def tiny_config(tokenizer) -> Qwen3_5TextConfig:
 
 
 def _lr_at(frac: float, peak: float) -> float:
-    """Linear warmup over the first 5% of the time budget, then cosine decay to 10% of peak."""
+    """Linear warmup over the first 5% of the steps, then cosine decay to 10% of peak."""
     if frac < 0.05:
         return peak * frac / 0.05
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (frac - 0.05) / 0.95))))
@@ -122,26 +123,22 @@ def _eval_loss(model, tokens: torch.Tensor, seq_len: int, n_windows: int = 16, s
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(tokens) - seq_len, (n_windows,), generator=g)
     x = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
-    model.eval()
-    loss = model(input_ids=x, labels=x).loss.item()
-    model.train()
-    return loss
+    return model(input_ids=x, labels=x).loss.item()
 
 
-def pretrain(model, tokens: torch.Tensor, train_seconds: float, seed: int = 0, batch_size: int = 16,
+def pretrain(model, tokens: torch.Tensor, train_steps: int, seed: int = 0, batch_size: int = 16,
              seq_len: int = 256, lr: float = 3e-3, log=print) -> dict:
-    """Next-token training on random windows of the token stream for a wall-clock budget.
-    The LR schedule follows elapsed time, so a slower machine just takes fewer steps."""
-    from tqdm.auto import tqdm
+    """Next-token training on random windows of the token stream for a fixed number of steps (the same target
+    on every machine; a slower machine just takes longer: ~0.75 s/step on 2 quiet cores)."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     model.train()
-    bar = tqdm(total=int(train_seconds), unit="s", desc="pretrain", disable=None)
+    bar = tqdm(total=train_steps, desc="pretrain", disable=None)
     t0 = last_log = time.time()
     step, ema = 0, None
-    while (elapsed := time.time() - t0) < train_seconds:
+    while step < train_steps:
         for group in opt.param_groups:
-            group["lr"] = _lr_at(elapsed / train_seconds, lr)
+            group["lr"] = _lr_at(step / train_steps, lr)
         starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=g)
         x = torch.stack([tokens[s:s + seq_len] for s in starts.tolist()])
         loss = model(input_ids=x, labels=x).loss  # HF shifts labels inside
@@ -151,7 +148,7 @@ def pretrain(model, tokens: torch.Tensor, train_seconds: float, seed: int = 0, b
         opt.step()
         step += 1
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
-        bar.update(int(time.time() - t0) - bar.n)
+        bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}")
         if time.time() - last_log >= 20:
             last_log = time.time()
@@ -169,7 +166,7 @@ def _encode_files(tokenizer, files: list[str]) -> torch.Tensor:
     return torch.tensor([t for doc in ids for t in doc + [eos]], dtype=torch.long)
 
 
-def build_tiny_target(cache_dir: str, train_seconds: float = 150.0, seed: int = 0, log=print) -> str:
+def build_tiny_target(cache_dir: str, train_steps: int = 300, seed: int = 0, log=print) -> str:
     """Return the path of a HF-format directory (config.json, model.safetensors, tokenizer files) holding a tiny
     Qwen3_5ForCausalLM pretrained on Python stdlib sources. Cached: if `<cache_dir>/tiny_qwen35/` is complete
     (it has a DONE marker, written last) return at once. Built in a tmp dir and moved into place atomically."""
@@ -194,8 +191,8 @@ def build_tiny_target(cache_dir: str, train_seconds: float = 150.0, seed: int = 
 
     model = Qwen3_5ForCausalLM(tiny_config(tokenizer))
     n_params = sum(p.numel() for p in model.parameters())
-    log(f"tiny target: {n_params / 1e6:.2f}M params; pretraining for {train_seconds:.0f}s")
-    stats = pretrain(model, tokens, train_seconds, seed=seed, log=log)
+    log(f"tiny target: {n_params / 1e6:.2f}M params; pretraining for {train_steps} steps")
+    stats = pretrain(model, tokens, train_steps, seed=seed, log=log)
     stats.update(params=n_params, tokenizer_seconds=t_tok, heldout_loss=_eval_loss(model, heldout, 256, seed=seed))
     log(f"tiny target: {stats['steps']} steps, {stats['tokens_per_s']:.0f} tok/s, "
         f"train loss {stats['loss']:.3f}, held-out loss {stats['heldout_loss']:.3f}")
@@ -312,11 +309,11 @@ if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="Build the tiny Qwen3.5 target and its drafter data.")
     ap.add_argument("--cache_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache"))
-    ap.add_argument("--train_seconds", type=float, default=150.0)
+    ap.add_argument("--train_steps", type=int, default=300, help="pretraining steps of 16 x 256 tokens")
     args = ap.parse_args()
 
     t = time.time()
-    path = build_tiny_target(args.cache_dir, args.train_seconds)
+    path = build_tiny_target(args.cache_dir, args.train_steps)
     print(f"target: {path} ({time.time() - t:.1f}s)")
     t = time.time()
     data = make_regenerated_data(path, os.path.join(args.cache_dir, "tiny_qwen35_regen.jsonl"))
