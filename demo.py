@@ -15,12 +15,12 @@ import torch
 
 import dflash
 
-# The demo's preset: a small drafter for a 128-wide, 4-layer target. Fewer anchors (16) at a higher learning rate
-# than the paper's recipe suit a drafter this small; everything else is the default path.
+# The demo's preset: a small drafter for a 128-wide, 4-layer target. Fewer anchors (32 of ~64 response tokens)
+# at a higher learning rate than the paper's recipe suit a drafter this small; everything else is the default path.
 DEMO_FLAGS = [
     "--num_draft_layers", "2", "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "32",
-    "--target_layer_ids", "0,1,2", "--block_size", "8", "--num_anchors", "16", "--max_len", "128",
-    "--batch_size", "16", "--grad_accum", "1", "--lr", "3e-3", "--warmup_ratio", "0.05", "--epochs", "1",
+    "--target_layer_ids", "0,1,2", "--block_size", "8", "--num_anchors", "32", "--max_len", "128",
+    "--batch_size", "16", "--grad_accum", "1", "--lr", "3e-3", "--warmup_ratio", "0.05", "--epochs", "3",
     "--eval_fraction", "0.05", "--log_every", "20", "--eval_every", "100", "--save_every", "0",
 ]
 DEMO_TRAIN_SAMPLES = 2048

@@ -111,7 +111,8 @@ class DFlashConfig:
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling:
             d["rope_parameters"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
-        d.pop("rope_scaling")
+        if not self.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
+            d.pop("rope_scaling")
         if self.is_causal is None:
             d.pop("is_causal")
         d["dflash_config"] = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
@@ -427,6 +428,7 @@ def build_masks(cfg, anchors, anchor_valid, S, path):
 
 
 _flex_compiled = None
+FLEX_PAD = 128  # pad sequence lengths to multiples of this on the flex path: compiled flex sees few shapes
 
 
 def flex_attention_fn(*args, **kwargs):
@@ -577,13 +579,17 @@ def load_drafter(path, device="cpu", dtype=torch.float32):
 
 @contextmanager
 def atomic_dir(path):
-    """Yield a temporary directory that replaces `path` only once everything in it is written: a crash
-    leaves either the old or the new directory, never a partial one."""
+    """Yield a temporary directory that replaces `path` only once everything in it is written: a crash never
+    leaves a partial directory at `path` (between the two renames the old copy waits at <path>.old<pid>)."""
     path = path.rstrip("/")
     tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    yield tmp
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.exists(path):
         os.replace(path, old)
     os.replace(tmp, path)
@@ -666,6 +672,8 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError):
         tokenizer = None  # a target without a tokenizer still works with pre-tokenized data
+    if tokenizer is not None and len(tokenizer) <= max(1, len(tokenizer.all_special_ids)):
+        tokenizer = None  # transformers 5 returns an empty stand-in when the directory has no tokenizer files
     backbone = find_decoder(model)
     lm_head = model.get_output_embeddings()
     if lm_head is None:
@@ -839,9 +847,9 @@ class Batches:
     """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
     own slice. Deterministic for a given seed and epoch; the position is just the step number."""
 
-    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id, pad_to=None):
+    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id, pad_to=None, multiple=1):
         self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
-        self.seed, self.pad_id, self.pad_to = seed, pad_id, pad_to
+        self.seed, self.pad_id, self.pad_to, self.multiple = seed, pad_id, pad_to, multiple
         self.global_batch = batch_size * grad_accum * world
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
@@ -859,12 +867,14 @@ class Batches:
         epoch, k = divmod(step, self.steps_per_epoch)
         start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
         idx = self.order(epoch)[start:start + self.bs]
-        return collate([self.samples[i] for i in idx], self.pad_id, self.pad_to, [mix_seed(self.seed, epoch, i) for i in idx])
+        return collate([self.samples[i] for i in idx], self.pad_id, self.pad_to,
+                       [mix_seed(self.seed, epoch, i) for i in idx], self.multiple)
 
 
-def collate(samples, pad_id, pad_to=None, keys=None):
-    """Right-pad to the longest sample (or to pad_to, a fixed shape for torch.compile)."""
-    S = pad_to or max(len(ids) for ids, _ in samples)
+def collate(samples, pad_id, pad_to=None, keys=None, multiple=1):
+    """Right-pad to the longest sample rounded up to `multiple` (few distinct shapes for compiled flex), or to
+    pad_to (one fixed shape for torch.compile). Right padding never changes a causal target's real positions."""
+    S = pad_to or -(-max(len(ids) for ids, _ in samples) // multiple) * multiple
     input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
     for r, (ids, mask) in enumerate(samples):
@@ -958,7 +968,7 @@ class ChunkedLMHeadCE(torch.autograd.Function):
             ce[s:s + chunk] = lse - logits.gather(1, ys[:, None]).squeeze(1)
             pred[s:s + chunk] = logits.argmax(-1)
             if grad is not None:
-                p = (logits - lse[:, None]).exp_()
+                p = logits.sub_(lse[:, None]).exp_()  # in place: one (chunk, V) buffer, not three
                 p[torch.arange(len(ys), device=h.device), ys] -= 1.0
                 grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
         ctx.save_for_backward(grad)
@@ -1089,7 +1099,8 @@ def evaluate(drafter, target, cfg, samples, args, rank, world, path):
         part = mine[s:s + args.batch_size]
         if not part:  # a rank without eval samples still joins the all-reduce with zeros
             break
-        batch = collate(part, pad_id, keys=[mix_seed(args.seed, rank, s + r) for r in range(len(part))])
+        batch = collate(part, pad_id, keys=[mix_seed(args.seed, rank, s + r) for r in range(len(part))],
+                        multiple=FLEX_PAD if path == "flex" else 1)
         anchors, valid = batch_anchors(batch, args.num_anchors, step_salt=12345)
         _, stats = forward_batch(drafter, target, cfg, batch, args, anchors, valid, path, train=False)
         total = add_stats(total, stats)
@@ -1222,7 +1233,7 @@ def train(args):
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed, pad_id,
-                      pad_to=args.max_len if compile_ else None)
+                      pad_to=args.max_len if compile_ else None, multiple=FLEX_PAD if path == "flex" else 1)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank

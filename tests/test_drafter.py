@@ -55,6 +55,15 @@ def block_ids(tokens, anchors):
     return ids
 
 
+@pytest.fixture
+def one_thread():
+    """Many tiny ops: on a shared, oversubscribed CPU, intra-op threads only add waiting (seconds, not ms)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 S = 24  # context length, larger than the window W
 # anchors at 0, 1, near the end (23 = S-1: the block runs past the end), duplicates/overlaps, and padding anchors
 ANCHORS = torch.tensor([[0, 1, 2, 5, 6, 11, 20, 22, 23, 0],
@@ -131,7 +140,7 @@ def reference_block(drafter, ctx_feats, a, x):
     return ref_rms(h, P["norm.weight"])
 
 
-def test_training_forward_matches_independent_reference(setup):
+def test_training_forward_matches_independent_reference(setup, one_thread):
     s = setup
     for r, n in [(0, 0), (0, 1), (0, 4), (0, 8), (1, 1), (1, 4), (1, 5)]:
         a = int(ANCHORS[r, n])
@@ -151,7 +160,7 @@ def cache_kv(cache, cfg):
     return cache.kv
 
 
-def test_training_forward_equals_per_block_inference(setup):
+def test_training_forward_equals_per_block_inference(setup, one_thread):
     s = setup
     drafter, cfg, hidden = s["drafter"], s["cfg"], s["hidden"]
     assert torch.isfinite(hidden).all(), "padding anchors must not produce NaN/inf"
@@ -187,7 +196,7 @@ def test_padding_anchors_backward_is_finite(setup):
     assert torch.equal(x.grad[~VALID], torch.zeros_like(x.grad[~VALID])), "padding anchors leak gradient"
 
 
-def test_draft_cache_extend_in_pieces_and_crop(setup):
+def test_draft_cache_extend_in_pieces_and_crop(setup, one_thread):
     drafter, ctx, cfg = setup["drafter"], setup["ctx"][:1], setup["cfg"]
     whole = DraftCache(drafter)
     whole.extend(ctx[:, :15])
@@ -233,6 +242,7 @@ def attention_outputs(drafter, setup, path):
     return hidden, outs
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("mode", ["compiled", "eager"])
 def test_flex_equals_dense(setup, mode, monkeypatch):
     if mode == "eager":
@@ -242,7 +252,8 @@ def test_flex_equals_dense(setup, mode, monkeypatch):
     dense, dense_attn = attention_outputs(drafter, setup, "dense")
     flex, flex_attn = attention_outputs(drafter, setup, "flex")
     if mode == "compiled":
-        assert dflash._flex_compiled is not None
+        from torch.nn.attention.flex_attention import flex_attention
+        assert dflash._flex_compiled is not None and dflash._flex_compiled is not flex_attention
     assert (flex[VALID] - dense[VALID]).abs().max().item() < 1e-5
     assert (flex[~VALID] - dense[~VALID]).abs().max().item() < 1e-5
     for a_d, a_f in zip(dense_attn, flex_attn):
@@ -633,7 +644,7 @@ def good_dir(tmp_path):
     return make
 
 
-def test_bad_checkpoints(good_dir):
+def test_bad_checkpoints(good_dir, tmp_path):
     t = zlab_tensors()
     missing = dict(t)
     del missing["layers.1.mlp.up_proj.weight"]
@@ -660,8 +671,16 @@ def test_bad_checkpoints(good_dir):
     with pytest.raises(DFlashError, match=r"fc\.weight|model\."):
         dflash.load_drafter(good_dir(tensors=prefixed, name="prefixed"))
 
+    with pytest.raises(DFlashError, match="does not exist"):
+        dflash.load_drafter(str(tmp_path / "does_not_exist"))
+    nocfg = Path(good_dir(name="nocfg"))
+    (nocfg / "config.json").unlink()
     with pytest.raises(DFlashError, match="config.json"):
-        dflash.load_drafter(str(Path(good_dir(name="nocfg")).parent / "does_not_exist"))
+        dflash.load_drafter(str(nocfg))
+    noweights = Path(good_dir(name="noweights"))
+    (noweights / "model.safetensors").unlink()
+    with pytest.raises(DFlashError, match="model.safetensors"):
+        dflash.load_drafter(str(noweights))
 
 
 @pytest.mark.parametrize("rope", [
