@@ -181,6 +181,83 @@ def check_target_layer_ids(ids, num_target_layers):
 
 
 # -----------------------------------------------------------------------------
+# Attention visibility: DESIGN 3, written once as a flex_attention mask_mod
+
+
+def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
+    """Visibility for queries laid out as N blocks of B tokens and keys as [S context ; N blocks of B].
+
+    Query q_idx is offset i = q_idx % B of block n = q_idx // B (anchor a, position a+i).
+    - context key j < S: visible iff j < a, and in a sliding layer (a+i) - j < window;
+    - block key: visible iff same block and (not causal or i' <= i); a non-causal sliding layer also
+      needs k_pos - q_pos < window;
+    - padding anchors (anchor_valid False) see nothing."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        n, i = q_idx // B, q_idx % B
+        a = anchors[b, n]
+        is_ctx = kv_idx < S
+        ctx_ok = is_ctx & (kv_idx < a)
+        k_rel = kv_idx - S
+        blk_ok = ~is_ctx & (k_rel // B == n)
+        k_off = k_rel % B
+        if causal:
+            blk_ok = blk_ok & (k_off <= i)
+        if window is not None:
+            ctx_ok = ctx_ok & (a + i - kv_idx < window)
+            if not causal:
+                blk_ok = blk_ok & (k_off - i < window)
+        return anchor_valid[b, n] & (ctx_ok | blk_ok)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod, b, N, S, B, device):
+    """Evaluate mask_mod where the dense path needs it: each block's queries against [context ; own block]."""
+    n = torch.arange(N, device=device)
+    q_idx = (n[:, None] * B + torch.arange(B, device=device))[:, :, None]              # (N, B, 1)
+    own = S + n[:, None] * B + torch.arange(B, device=device)                           # (N, B)
+    kv_idx = torch.cat([torch.arange(S, device=device).expand(N, S), own], 1)[:, None]  # (N, 1, S+B)
+    bi = torch.arange(b, device=device)[:, None, None, None]
+    return mask_mod(bi, 0, q_idx[None], kv_idx[None])                                   # (b, N, B, S+B)
+
+
+def flex_block_mask(mask_mod, b, N, S, B, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(mask_mod, b, None, N * B, S + N * B, device=device, _compile=device.type == "cuda")
+
+
+def build_masks(cfg, anchors, anchor_valid, S, path):
+    b, N = anchors.shape
+    masks = {}
+    for i in range(cfg.num_hidden_layers):
+        key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+        if key not in masks:
+            mod = make_mask_mod(anchors, anchor_valid, S, cfg.block_size, *key)
+            build = flex_block_mask if path == "flex" else dense_mask
+            masks[key] = build(mod, b, N, S, cfg.block_size, anchors.device)
+    return masks
+
+
+_flex_compiled = None
+FLEX_PAD = 128  # pad sequence lengths to multiples of this on the flex path: compiled flex sees few shapes
+
+
+def flex_attention_fn(*args, **kwargs):
+    """flex_attention, compiled once (uncompiled flex materialises the full score matrix)."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import flex_attention
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=False)
+    return _flex_compiled(*args, **kwargs)
+
+
+def default_attention_path(device):
+    """flex on CUDA (block-sparse, compiled); dense SDPA elsewhere (flex has no backward on CPU)."""
+    return "flex" if torch.device(device).type == "cuda" else "dense"
+
+
+# -----------------------------------------------------------------------------
 # The drafter: Qwen3 decoder layers whose keys/values also see the target's context features
 
 
@@ -366,83 +443,6 @@ class DFlashDrafter(nn.Module):
             key = (self.cfg.layer_is_causal(i), self.cfg.layer_window(i))
             x = layer(x, cos, sin, kv[i][0], kv[i][1], masks[key], path)
         return self.norm(x)
-
-
-# -----------------------------------------------------------------------------
-# Attention visibility: DESIGN 3, written once as a flex_attention mask_mod
-
-
-def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
-    """Visibility for queries laid out as N blocks of B tokens and keys as [S context ; N blocks of B].
-
-    Query q_idx is offset i = q_idx % B of block n = q_idx // B (anchor a, position a+i).
-    - context key j < S: visible iff j < a, and in a sliding layer (a+i) - j < window;
-    - block key: visible iff same block and (not causal or i' <= i); a non-causal sliding layer also
-      needs k_pos - q_pos < window;
-    - padding anchors (anchor_valid False) see nothing."""
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        n, i = q_idx // B, q_idx % B
-        a = anchors[b, n]
-        is_ctx = kv_idx < S
-        ctx_ok = is_ctx & (kv_idx < a)
-        k_rel = kv_idx - S
-        blk_ok = ~is_ctx & (k_rel // B == n)
-        k_off = k_rel % B
-        if causal:
-            blk_ok = blk_ok & (k_off <= i)
-        if window is not None:
-            ctx_ok = ctx_ok & (a + i - kv_idx < window)
-            if not causal:
-                blk_ok = blk_ok & (k_off - i < window)
-        return anchor_valid[b, n] & (ctx_ok | blk_ok)
-
-    return mask_mod
-
-
-def dense_mask(mask_mod, b, N, S, B, device):
-    """Evaluate mask_mod where the dense path needs it: each block's queries against [context ; own block]."""
-    n = torch.arange(N, device=device)
-    q_idx = (n[:, None] * B + torch.arange(B, device=device))[:, :, None]              # (N, B, 1)
-    own = S + n[:, None] * B + torch.arange(B, device=device)                           # (N, B)
-    kv_idx = torch.cat([torch.arange(S, device=device).expand(N, S), own], 1)[:, None]  # (N, 1, S+B)
-    bi = torch.arange(b, device=device)[:, None, None, None]
-    return mask_mod(bi, 0, q_idx[None], kv_idx[None])                                   # (b, N, B, S+B)
-
-
-def flex_block_mask(mask_mod, b, N, S, B, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-    return create_block_mask(mask_mod, b, None, N * B, S + N * B, device=device, _compile=device.type == "cuda")
-
-
-def build_masks(cfg, anchors, anchor_valid, S, path):
-    b, N = anchors.shape
-    masks = {}
-    for i in range(cfg.num_hidden_layers):
-        key = (cfg.layer_is_causal(i), cfg.layer_window(i))
-        if key not in masks:
-            mod = make_mask_mod(anchors, anchor_valid, S, cfg.block_size, *key)
-            build = flex_block_mask if path == "flex" else dense_mask
-            masks[key] = build(mod, b, N, S, cfg.block_size, anchors.device)
-    return masks
-
-
-_flex_compiled = None
-FLEX_PAD = 128  # pad sequence lengths to multiples of this on the flex path: compiled flex sees few shapes
-
-
-def flex_attention_fn(*args, **kwargs):
-    """flex_attention, compiled once (uncompiled flex materialises the full score matrix)."""
-    global _flex_compiled
-    from torch.nn.attention.flex_attention import flex_attention
-    if _flex_compiled is None:
-        _flex_compiled = torch.compile(flex_attention, dynamic=False)
-    return _flex_compiled(*args, **kwargs)
-
-
-def default_attention_path(device):
-    """flex on CUDA (block-sparse, compiled); dense SDPA elsewhere (flex has no backward on CPU)."""
-    return "flex" if torch.device(device).type == "cuda" else "dense"
 
 
 # -----------------------------------------------------------------------------
