@@ -971,6 +971,8 @@ class ChunkedLMHeadCE(torch.autograd.Function):
                 p = logits.sub_(lse[:, None]).exp_()  # in place: one (chunk, V) buffer, not three
                 p[torch.arange(len(ys), device=h.device), ys] -= 1.0
                 grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
+                del p
+            del logits  # free this chunk's (chunk, V) buffer before the next one is allocated
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(pred)
         return ce, pred
