@@ -10,7 +10,8 @@ rolled back, so hybrid targets (Qwen3.5/3.6: Gated DeltaNet state) work too. `--
 speculative decoding loop instead (KV-cache targets only) and checks it reproduces plain greedy decoding.
 
     # ours vs z-lab's drafter vs the prompt-lookup baseline, on the built-in coding prompts
-    python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000 --drafter z-lab/Qwen3-8B-DFlash-b16 \
+    huggingface-cli download z-lab/Qwen3-8B-DFlash-b16 --local-dir drafters/zlab-q3-8b
+    python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000 --drafter drafters/zlab-q3-8b \
         --max_new_tokens 2048 --json tau.json
 
     # your prompts (JSONL: {"prompt": ...} | {"messages": [...]} | {"text": ...} | {"input_ids": [...]})
