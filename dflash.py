@@ -1453,25 +1453,34 @@ def get_parser():
     return p
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    args = get_parser().parse_args(argv)
+def run_main(fn, args):
+    """Run fn(args) as a command: bad input (a DFlashError) is one `error:` line on stderr and exit code 2, with the
+    traceback only under --debug or DFLASH_DEBUG=1. Shared by dflash.py and eval.py."""
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # keep stderr to our own lines (errors are one line)
+    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
     try:
-        if args.demo or not argv:
-            from demo import run_demo
-            run_demo(argv)
-        else:
-            for flag in ("target", "data"):
-                if not getattr(args, flag):
-                    raise DFlashError(f"--{flag} is required (or run `python dflash.py` with no arguments for the demo)")
-            train(args)
+        return fn(args)
     except DFlashError as e:
         if args.debug or os.environ.get("DFLASH_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = get_parser().parse_args(argv)
+
+    def run(args):
+        if args.demo or not argv:
+            from demo import run_demo
+            return run_demo(argv)
+        for flag in ("target", "data"):
+            if not getattr(args, flag):
+                raise DFlashError(f"--{flag} is required (or run `python dflash.py` with no arguments for the demo)")
+        return train(args)
+
+    run_main(run, args)
 
 
 if __name__ == "__main__":

@@ -632,16 +632,7 @@ def run(args):
 
 
 def main(argv=None):
-    args = get_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors (and our own progress bar)
-    try:
-        return run(args)
-    except DFlashError as e:
-        if args.debug or os.environ.get("DFLASH_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    return dflash.run_main(run, get_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
