@@ -1332,19 +1332,19 @@ def train(args):
                 with sync:
                     loss_sum, stats = forward_batch(model, target, cfg, mb, args, a, v, path, train=True)
                     (loss_sum * world / w_total.clamp(min=1e-9)).backward()  # DDP averages over ranks: undo it
-                total = add_stats(total, stats)
-                tokens_since += mb["tokens"]
+                total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
             total = all_reduce_stats(total, ddp)
+            tokens_since += total["tokens"].item()  # all ranks' tokens, exactly
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
             loss = (total["ce_w"] / total["w"].clamp(min=1e-9))
             if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
                 # grads are all-reduced and the loss summed, so every rank takes this branch together
                 optimizer.zero_grad(set_to_none=True)
                 bad_steps += 1
-                print0(f"step {step}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the update "
-                       f"({bad_steps} in a row)")
+                print0(f"step {step + 1}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the "
+                       f"update ({bad_steps} in a row)")
                 if bad_steps >= args.max_bad_steps:
-                    raise DFlashError(f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr or "
+                    raise DFlashError(f"{bad_steps} consecutive non-finite steps (last at step {step + 1}); lower --lr or "
                                       f"check the data; the last good checkpoint is in {args.out}")
             else:
                 bad_steps = 0
@@ -1357,7 +1357,7 @@ def train(args):
             if done % args.log_every == 0 or done == total_steps:
                 m = summarize(total)
                 dt = time.time() - t_last
-                tok_s = tokens_since * world / max(dt, 1e-9)
+                tok_s = tokens_since / max(dt, 1e-9)
                 mem = peak_memory_mb(device)
                 print0(f"step {done}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
                        f"grad {grad_norm.item():.2f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MB")
