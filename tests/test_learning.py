@@ -74,3 +74,11 @@ def test_short_training_raises_tau_over_untrained(setup, seed):
     tau = {r["drafter"]: r["tau"] for r in report["results"]}
     print(f"seed {seed}: {tau}")
     assert tau["trained"] > tau["untrained"] + 2.0, tau  # measured here: 8.0 vs 1.07-1.26 for seeds 0-2
+    # the checkpoint the run wrote is what eval.py loads: it drafts exactly like the in-memory drafter
+    with open(out / "latest") as f:
+        ckpt = str(out / f.read().strip())
+    loaded = ev.load_drafters([ckpt], setup["target"], torch.float32, prompt_lookup=False)
+    again = ev.evaluate_drafters(setup["target"], loaded, setup["heldout"], NEW_TOKENS,
+                                 continuations=setup["continuations"], progress=False)
+    assert [p["acceptance_lengths"] for p in again["results"][0]["prompts"]] == \
+        [p["acceptance_lengths"] for p in report["results"][0]["prompts"]]
