@@ -773,9 +773,13 @@ def encode_record(rec, tokenizer, where):
         mask = [0] * len(ids)
         for k, msg in enumerate(messages):
             if msg.get("role") == "assistant":  # the assistant turn spans [prefix + generation prompt, prefix + turn)
-                start = len(chat_ids(tokenizer, messages[:k], add_generation_prompt=True))
+                prefix = chat_ids(tokenizer, messages[:k], add_generation_prompt=True)
                 end = len(chat_ids(tokenizer, messages[:k + 1]))
-                mask[start:end] = [1] * (min(end, len(ids)) - start)
+                if ids[:len(prefix)] != prefix:  # e.g. a template that rewrites earlier turns (strips <think>)
+                    raise DFlashError(f"{where}: the chat template renders the conversation before assistant turn {k} "
+                                      f"differently inside the full conversation, so its loss mask is ambiguous; "
+                                      f"split the conversation into one sample per assistant turn")
+                mask[len(prefix):end] = [1] * (min(end, len(ids)) - len(prefix))
         return ids, mask
     if "prompt" in rec and "response" in rec:
         if tokenizer.chat_template:

@@ -101,6 +101,12 @@ def test_mismatched_drafter_and_resume(w, capsys, tmp_path):
         Qwen3ForCausalLM(Qwen3Config(**c)).save_pretrained(path)
         fails_with(capsys, replace(w["base"], "--target", path) + ["--out", str(tmp_path / "x"), "--init_from", drafter],
                    needle, "another target")
+    # fine-tuning from a drafter directory (ours or z-lab's) keeps its geometry and trains on
+    tuned = str(tmp_path / "tuned")
+    dflash.main(replace(w["base"], "--block_size", "3") + ["--out", tuned, "--init_from", drafter])
+    assert dflash.read_drafter_config(os.path.join(tuned, "step_2")) == dflash.read_drafter_config(drafter)
+    before, after = dflash.load_drafter(drafter), dflash.load_drafter(os.path.join(tuned, "step_2"))
+    assert not torch.equal(before.fc.weight, after.fc.weight)
     # resuming with another drafter geometry is refused, naming the field
     fails_with(capsys, replace(w["base"], "--block_size", "3") + ["--out", out, "--resume"], "block_size", "cannot resume")
 
