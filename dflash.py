@@ -12,7 +12,7 @@ Quick start
     python dflash.py
 
     # one GPU
-    python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669
+    python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 --sliding_window 0
 
     # 8 GPUs, one node (reproduces the z-lab Qwen3.6-27B-DFlash geometry by default)
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl \
@@ -1095,6 +1095,30 @@ def add_stats(total, stats):
     return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
 
 
+def accumulate_gradients(model, target, cfg, micro_batches, args, path, world):
+    """Forward and backward over one optimizer step's micro-batches; returns the step's stats summed over ranks.
+
+    Anchors (hence the loss weights) are known before any forward, so the loss is normalised by the global sum of
+    weights: sum(w * CE) / sum(w) over the whole global batch, whatever its split over ranks and micro-steps."""
+    ddp = world > 1
+    device = target.lm_head.weight.device
+    anchors = [batch_anchors(mb, args.num_anchors) for mb in micro_batches]
+    w_total = sum(loss_weights(a, v, mb["loss_mask"], cfg.block_size, args.gamma).sum()
+                  for mb, (a, v) in zip(micro_batches, anchors)).to(device)
+    if ddp:
+        import torch.distributed as dist
+        dist.all_reduce(w_total)
+    total = None
+    for m, (mb, (a, v)) in enumerate(zip(micro_batches, anchors)):
+        # no gradient all-reduce until the last micro-step (around forward *and* backward)
+        sync = model.no_sync() if ddp and m < len(micro_batches) - 1 else nullcontext()
+        with sync:
+            loss_sum, stats = forward_batch(model, target, cfg, mb, args, a, v, path, train=True)
+            (loss_sum * world / w_total.clamp(min=1e-9)).backward()  # DDP averages over ranks: undo it
+        total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
+    return all_reduce_stats(total, ddp)
+
+
 @torch.no_grad()
 def evaluate(drafter, target, cfg, samples, args, rank, world, path):
     """Held-out loss and tau estimate on every rank (its shard), combined by summing numerators/denominators."""
@@ -1321,23 +1345,8 @@ def train(args):
             lr = lr_at(step, total_steps, args.lr, args.warmup_ratio)
             for g in optimizer.param_groups:
                 g["lr"] = lr
-            # Anchors (hence the loss weights) are known before any forward: normalise by the global sum of weights,
-            # so sum(w * CE) / sum(w) is taken over the whole global batch whatever the split over ranks/micro-steps.
-            micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            anchors = [batch_anchors(mb, args.num_anchors) for mb in micro]
-            w_total = sum(loss_weights(a, v, mb["loss_mask"], cfg.block_size, args.gamma).sum() for mb, (a, v)
-                          in zip(micro, anchors)).to(device)
-            if ddp:
-                dist.all_reduce(w_total)
-            total = None
-            for m, (mb, (a, v)) in enumerate(zip(micro, anchors)):
-                # no gradient all-reduce until the last micro-step (around forward *and* backward)
-                sync = nullcontext() if (not ddp or m == args.grad_accum - 1) else model.no_sync()
-                with sync:
-                    loss_sum, stats = forward_batch(model, target, cfg, mb, args, a, v, path, train=True)
-                    (loss_sum * world / w_total.clamp(min=1e-9)).backward()  # DDP averages over ranks: undo it
-                total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
-            total = all_reduce_stats(total, ddp)
+            total = accumulate_gradients(model, target, cfg, [batches.get(step, m) for m in range(args.grad_accum)],
+                                         args, path, world)
             tokens_since += total["tokens"].item()  # all ranks' tokens, exactly
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
             loss = (total["ce_w"] / total["w"].clamp(min=1e-9))

@@ -89,7 +89,8 @@ def run_cli(args, nproc=1, check=True, **kw):
 
 
 def test_ddp_two_ranks_equals_one_process(workdir):
-    """torchrun --nproc_per_node=2 (gloo) with batch 2/rank == one process with batch 2 x grad_accum 2."""
+    """torchrun --nproc_per_node=2 (gloo) with batch 2/rank, or batch 1/rank x grad_accum 2, == one process with
+    batch 2 x grad_accum 2: the same global batch gives the same losses and weights."""
     d = workdir["dir"]
     common = ["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "4", *SMALL]
     run_cli(common + ["--out", str(d / "ddp"), "--batch_size", "2", "--grad_accum", "1"], nproc=2)
@@ -100,6 +101,11 @@ def test_ddp_two_ranks_equals_one_process(workdir):
     wa, wb = final_weights(d / "ddp"), final_weights(d / "one")
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
     assert la[0] != la[-1]  # it did train
+    # gradient accumulation under DDP (no_sync on the first micro-step) gives the same run again
+    run_cli(common + ["--out", str(d / "ddp_accum"), "--batch_size", "1", "--grad_accum", "2"], nproc=2)
+    lc, wc = losses(d / "ddp_accum"), final_weights(d / "ddp_accum")
+    assert max(abs(a - b) for a, b in zip(lc, lb)) < 1e-5, (lc, lb)
+    assert max((wc[k] - wb[k]).abs().max().item() for k in wc) < 1e-5
 
 
 def test_sigterm_then_resume_equals_uninterrupted(workdir):
