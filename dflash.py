@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
@@ -794,31 +794,37 @@ def encode_record(rec, tokenizer, where):
                       f"got keys {sorted(rec)}")
 
 
-def load_samples(path, tokenizer, max_len, log=print):
-    """Read a JSONL file; truncate to max_len; skip (and count) samples with nothing to learn."""
+def read_jsonl(path, what, hint=""):
+    """Yield ("file:line", record) for each non-blank line; every problem is a one-line error naming file and line."""
     if not os.path.isfile(path):
-        raise DFlashError(f"data file {path!r} does not exist; pass --data with a JSONL file")
-    samples, skipped, lines = [], 0, 0
+        raise DFlashError(f"{what} file {path!r} does not exist{hint}")
     try:
         f = open(path)
     except OSError as e:
-        raise DFlashError(f"cannot read data file {path!r}: {e.strerror}") from None
+        raise DFlashError(f"cannot read {what} file {path!r}: {e.strerror}") from None
     with f:
         for lineno, line in enumerate(f, 1):
-            lines += bool(line.strip())
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            ids, mask = encode_record(rec, tokenizer, f"{path}:{lineno}")
-            ids, mask = ids[:max_len], mask[:max_len]
-            # usable iff some anchor a has loss_mask[a] = loss_mask[a+1] = 1 (needs >= 2 tokens)
-            if len(ids) < 2 or not any(mask[j] and mask[j + 1] for j in range(len(ids) - 1)):
-                skipped += 1
-                continue
-            samples.append((ids, mask))
+            yield f"{path}:{lineno}", rec
+
+
+def load_samples(path, tokenizer, max_len, log=print):
+    """Read a JSONL file; truncate to max_len; skip (and count) samples with nothing to learn."""
+    samples, skipped, lines = [], 0, 0
+    for where, rec in read_jsonl(path, "data", "; pass --data with a JSONL file"):
+        lines += 1
+        ids, mask = encode_record(rec, tokenizer, where)
+        ids, mask = ids[:max_len], mask[:max_len]
+        # usable iff some anchor a has loss_mask[a] = loss_mask[a+1] = 1 (needs >= 2 tokens)
+        if len(ids) < 2 or not any(mask[j] and mask[j + 1] for j in range(len(ids) - 1)):
+            skipped += 1
+            continue
+        samples.append((ids, mask))
     if not lines:
         raise DFlashError(f"data file {path!r} is empty; it needs one JSON object per line")
     if not samples:

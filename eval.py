@@ -125,18 +125,7 @@ def load_prompts(path, tokenizer, enable_thinking=None):
                               "with pre-tokenized {\"input_ids\": [...]} lines")
         return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
-    if not os.path.isfile(path):
-        raise DFlashError(f"prompts file {path!r} does not exist")
-    prompts = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            prompts.append(encode_prompt(rec, tokenizer, f"{path}:{lineno}", kw))
+    prompts = [encode_prompt(rec, tokenizer, where, kw) for where, rec in dflash.read_jsonl(path, "prompts")]
     if not prompts:
         raise DFlashError(f"{path}: no prompts")
     return prompts
