@@ -108,9 +108,7 @@ class DFlashConfig:
     def to_json(self):
         """The z-lab config.json layout: Qwen3-style fields plus the DFlash ones."""
         d = asdict(self)
-        d["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_scaling:
-            d["rope_parameters"] = {**self.rope_scaling, "rope_theta": self.rope_theta}
+        d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
         if not self.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
             d.pop("rope_scaling")
         if self.is_causal is None:
@@ -1135,7 +1133,8 @@ def evaluate(drafter, target, cfg, samples, args, rank, world, path):
         part = mine[s:s + args.batch_size]
         if not part:  # a rank without eval samples still joins the all-reduce with zeros
             break
-        batch = collate(part, pad_id, keys=[mix_seed(args.seed, rank, s + r) for r in range(len(part))],
+        # anchors keyed by the sample's index in the eval set: the same blocks whatever the number of ranks
+        batch = collate(part, pad_id, keys=[mix_seed(args.seed, rank + world * (s + r)) for r in range(len(part))],
                         multiple=FLEX_PAD if path == "flex" else 1)
         anchors, valid = batch_anchors(batch, args.num_anchors, step_salt=12345)
         _, stats = forward_batch(drafter, target, cfg, batch, args, anchors, valid, path, train=False)
@@ -1345,7 +1344,6 @@ def train(args):
         bar = tqdm(range(start_step, total_steps), initial=start_step, total=total_steps, disable=not master,
                    dynamic_ncols=True, desc="train")
         t_last, tokens_since, first_step_time = time.time(), 0, None
-        step = start_step
         for step in bar:
             t0 = time.time()
             lr = lr_at(step, total_steps, args.lr, args.warmup_ratio)
