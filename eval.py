@@ -2,7 +2,7 @@
 eval.py: measure tau, the mean number of tokens per verification step, of DFlash drafters against their target.
 
 Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
-tau is computed exactly without a decode loop (DESIGN 5): the target generates s once per prompt (its normal
+tau is computed exactly without a decode loop: the target generates s once per prompt (its normal
 cached generation), one hooked pass over prompt + s gives every context feature, and each drafter's blocks are
 walked along s: draft the block anchored at s[k] from the context < its position, accept the longest prefix
 that equals s, move the anchor past the accepted tokens and the target's own token, repeat. Nothing is ever
@@ -20,8 +20,13 @@ speculative decoding loop instead (KV-cache targets only) and checks it reproduc
     # a real speculative decoding loop (dense targets: Qwen3, Llama): tokens/s against plain greedy decoding
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000 --mode loop
 
-As a library (demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup": "prompt-lookup"}, prompts,
-max_new_tokens)` returns the report that `print_report` prints and `write_json` saves.
+As a library (scripts/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
+PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json`
+saves.
+
+Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is
+pooled (all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each
+prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length").
 """
 
 import argparse
@@ -31,11 +36,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import dflash
 from dflash import DFlashError
 
-PROMPT_LOOKUP = "prompt-lookup"
+PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
 DEFAULT_BLOCK_SIZE = 16          # prompt-lookup's block size when no neural drafter sets one
 MEMORY_BUDGET = 2**27            # elements of the largest intermediate when drafting many anchors at once
@@ -110,15 +116,9 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None):
     return ids
 
 
-def template_kwargs(tokenizer, enable_thinking):
-    """Pass enable_thinking through only when it is set and the chat template reads it."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
-
-
 def load_prompts(path, tokenizer, enable_thinking=None):
     """A JSONL file (or None: the built-in coding prompts) -> list of prompt token-id lists."""
-    kw = template_kwargs(tokenizer, enable_thinking)
+    kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
         if tokenizer is None:
             raise DFlashError("the target has no tokenizer, so the built-in prompts cannot be encoded; pass --prompts "
@@ -132,7 +132,7 @@ def load_prompts(path, tokenizer, enable_thinking=None):
 
 
 # -----------------------------------------------------------------------------
-# The tau walk (DESIGN 5) and the statistics of acceptance lengths
+# The tau walk and the statistics of acceptance lengths
 
 
 def accepted_prefix(drafts, truth):
@@ -183,11 +183,11 @@ def acceptance_stats(lengths, block_size):
 
 
 # -----------------------------------------------------------------------------
-# The prompt-lookup baseline: copy what followed the most recent earlier match of the last tokens
-
-
-def is_lookup(drafter):
-    return isinstance(drafter, str) and drafter == PROMPT_LOOKUP
+# Drafters as eval sees them. Both kinds answer the same two questions:
+#   walk_drafts(target, prompt, continuation, features, num_drafts) -> drafts[k] for the block anchored at
+#       continuation[k] (the exact walk);
+#   start(prompt, first_token, features) / draft(anchor_token, num_drafts) / extend(tokens, features) (the loop).
+# layer_ids: the target layers whose features the drafter reads ([] for prompt lookup).
 
 
 class PromptLookup:
@@ -241,16 +241,65 @@ class LookupDrafts:
         return self.drafted[k]
 
 
+class PromptLookupDrafter:
+    """The prompt-lookup baseline: copy what followed the most recent earlier match of the last tokens."""
+
+    block_size, layer_ids = None, []  # any block size; reads no target features
+
+    def walk_drafts(self, target, prompt, continuation, features, num_drafts):
+        return LookupDrafts(prompt, continuation, num_drafts)
+
+    def start(self, target, prompt, features):
+        self.lookup = PromptLookup(prompt)
+
+    def draft(self, anchor, num_drafts):
+        self.lookup.extend([anchor])
+        return self.lookup.draft(num_drafts)
+
+    def accept(self, tokens, features):
+        self.lookup.extend(tokens[1:])  # the anchor is already indexed
+
+
+class NeuralDrafter:
+    """A DFlashDrafter: every anchor at once through the training-mode forward (the walk), or one block at a time
+    over an incremental cache of per-layer context keys/values (the loop: fc/k_proj/v_proj of each position are
+    computed once, and the features of rejected drafts never enter)."""
+
+    def __init__(self, drafter):
+        self.drafter, self.cfg = drafter, drafter.cfg
+        self.block_size, self.layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
+
+    def walk_drafts(self, target, prompt, continuation, features, num_drafts):
+        ids = torch.tensor([prompt + continuation], device=features.device)
+        return draft_every_anchor(self.drafter, target, features, ids, len(prompt))[:, :num_drafts].tolist()
+
+    def start(self, target, prompt, features):
+        """features (1, P, m*D) of the prompt's positions: the context of the first block."""
+        self.target, self.kv, self.length = target, None, 0  # kv: per layer (k, v), each (1, length, hk, hd)
+        self.accept(prompt, features)
+
+    @torch.no_grad()
+    def accept(self, tokens, features):
+        """tokens became context: add their features (1, len(tokens), m*D) at positions length, length+1, ..."""
+        new = self.drafter.context_kv(features.to(self.drafter.fc.weight.dtype), start=self.length)
+        self.kv = new if self.kv is None else [(torch.cat([k0, k1], 1), torch.cat([v0, v1], 1))
+                                               for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.length += features.shape[1]
+
+    @torch.no_grad()
+    def draft(self, anchor, num_drafts):
+        """The drafts after `anchor`, which sits at position self.length (its context is everything before it)."""
+        cfg, dev, t = self.cfg, self.drafter.fc.weight.device, self.target
+        ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[0, 0, 0] = anchor
+        anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
+        x = t.embed(ids).to(self.drafter.fc.weight.dtype)
+        h = self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv, self.length)
+        return t.lm_head(h[0, 0, 1:].to(t.lm_head.weight.dtype)).argmax(-1)[:num_drafts].tolist()
+
+
 # -----------------------------------------------------------------------------
 # The target: greedy continuation, context features
-
-
-def eos_token_ids(target):
-    """The token ids that end a generation (the target's generation_config), as a set; used by both methods."""
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
 @torch.no_grad()
@@ -279,47 +328,42 @@ def select_layers(features, union, layer_ids):
 # Exact method: draft at every anchor of the continuation in batches, then walk
 
 
-def anchors_per_chunk(cfg, S, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates (the dense path's per-block copies of the
-    context keys/values and its scores, the MLP, the logits) stay near `budget` elements."""
+def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
+    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. The dense path
+    copies the context keys/values and scores per block, (S+B) each; flex shares them, so only the MLP and the
+    logits grow with the number of blocks."""
     B = cfg.block_size
-    per_anchor = ((S + B) * (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * cfg.num_attention_heads * B)
-                  + 3 * B * cfg.intermediate_size + B * cfg.vocab_size)
+    per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
+    if attention == "dense":
+        per_anchor += (S + B) * (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * cfg.num_attention_heads * B)
     return max(1, budget // per_anchor)
 
 
 @torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, path="dense", budget=MEMORY_BUDGET):
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET):
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
     (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids, row k for anchor first+k."""
-    cfg = drafter.cfg
+    cfg, flex = drafter.cfg, drafter.attention == "flex"
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
-    if path == "flex":
-        # few distinct shapes for the compiled flex kernel (it recompiles per shape): the context padded to a power
-        # of two (padding is never visible, j >= S > a, and flex skips fully masked tiles), anchors padded to whole
-        # chunks (padding anchors see nothing)
-        pad = max(256, 1 << (S - 1).bit_length()) - S
-        context_features = torch.nn.functional.pad(context_features, (0, 0, 0, pad))
-        ids = torch.nn.functional.pad(ids, (0, pad))
+    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
+        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
+        pad = dflash.padded_length(S) - S
+        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
     S_ctx = context_features.shape[1]
-    chunk = anchors_per_chunk(cfg, S_ctx, budget)
-    kv = drafter.context_kv(drafter.context(context_features.to(dtype)))  # per layer (1, S_ctx, hk, hd), computed once
+    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
+    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
     out = []
     for c in range(0, len(anchors), chunk):
         a = anchors[c:c + chunk]
         n = len(a)
         valid = torch.ones(n, dtype=torch.bool, device=ids.device)
-        if path == "flex" and n < chunk:
-            a = torch.cat([a, a.new_zeros(chunk - n)])
-            valid = torch.cat([valid, valid.new_zeros(chunk - n)])
+        if flex and n < chunk:
+            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
         x = target.embed(dflash.block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # (1, N, B, D)
-        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx, path)                          # (1, N, B, D)
-        logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))                   # (n, B-1, V)
-        out.append(logits.argmax(-1))
-    if not out:
-        return torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
-    return torch.cat(out)
+        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                                # (1, N, B, D)
+        out.append(target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype)).argmax(-1))    # (n, B-1)
+    return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
 
 
 # -----------------------------------------------------------------------------
@@ -336,38 +380,26 @@ def check_loop_target(target):
 
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos):
-    """Greedy speculative decoding of up to max_new_tokens tokens (stopping after eos), drafter a DFlashDrafter or
-    PROMPT_LOOKUP. Each step drafts B-1 tokens after the anchor (the last token so far, at position `pos`), verifies
-    [anchor, drafts] in one target pass on the KV cache, keeps the accepted drafts plus the target's own next token,
-    and crops both caches back to the anchor and the accepted drafts. Returns (tokens, acceptance lengths, drafts)."""
+    """Greedy speculative decoding of up to max_new_tokens tokens (stopping after eos). Each step drafts B-1 tokens
+    after the anchor (the last token so far, at position `pos`), verifies [anchor, drafts] in one target pass on the
+    KV cache, keeps the accepted drafts plus the target's own next token, and crops the target's cache back to the
+    anchor and the accepted drafts (the drafter only ever sees those). Returns (tokens, acceptance lengths, drafts)."""
     from transformers import DynamicCache
-    model, dev = target.model, target.lm_head.weight.device
-    neural = not is_lookup(drafter)
-    layer_ids = drafter.cfg.target_layer_ids if neural else []
+    model, dev, layer_ids = target.model, target.lm_head.weight.device, drafter.layer_ids
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what a crop may need
-    features = lambda store: torch.cat([store[t] for t in layer_ids], -1)  # noqa: E731  (1, T, m*D)
+    features = lambda store: torch.cat([store[t] for t in layer_ids], -1) if layer_ids else None  # noqa: E731
 
-    ids = torch.tensor([prompt], device=dev)
     with dflash.capture_hidden(target, layer_ids) as store:
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
+    drafter.start(target, prompt, features(store))
     tokens = [int(out.logits[0, -1].argmax())]  # the prefill's token: the first anchor
-    if neural:
-        draft_cache = dflash.DraftCache(drafter)
-        draft_cache.extend(features(store))
-    else:
-        lookup = PromptLookup(prompt + tokens)
     lengths, all_drafts = [], []
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
         pos = len(prompt) + len(tokens) - 1  # the anchor's position = tokens the caches hold
-        if neural:
-            drafts = dflash.draft_block(drafter, draft_cache, tokens[-1], target.embed, target.lm_head)
-            drafts = drafts[:block_size - 1].tolist()
-        else:
-            drafts = lookup.draft(block_size - 1)
-        block = torch.tensor([[tokens[-1]] + drafts], device=dev)
+        drafts = drafter.draft(tokens[-1], block_size - 1)
         with dflash.capture_hidden(target, layer_ids) as store:
-            out = model(input_ids=block, cache=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[tokens[-1]] + drafts], device=dev), cache=cache, use_cache=True)
         choice = out.logits[0].argmax(-1).tolist()  # choice[i]: the target's token at pos+1+i
         accepted = accepted_prefix(drafts, choice)
         new = choice[:accepted + 1][:max_new_tokens - len(tokens)]  # accepted drafts + the target's own token
@@ -375,16 +407,11 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
             if t in eos:
                 new = new[:i + 1]
                 break
-        tokens += new
         lengths.append(min(accepted, len(new)) + 1)  # as tau_walk counts it: drafts match up to where tokens end
         all_drafts.append(drafts)
-        keep = pos + accepted + 1  # the anchor and the accepted drafts; the target's own token is the next anchor
-        cache.crop(keep - cache.get_seq_length())  # a negative count removes that many positions
-        if neural:
-            draft_cache.extend(features(store)[:, :accepted + 1])
-            assert draft_cache.length == keep
-        else:
-            lookup.extend(new)
+        drafter.accept([tokens[-1]] + drafts[:accepted], features(store)[:, :accepted + 1] if layer_ids else None)
+        tokens += new
+        cache.crop(pos + accepted + 1 - cache.get_seq_length())  # the target's own token is the next anchor
     return tokens, lengths, all_drafts
 
 
@@ -392,56 +419,43 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
 # Evaluation of several drafters on the same target and prompts
 
 
-def resolve_block_sizes(drafters, block_size):
-    """Per drafter: --block_size (at most the drafter's trained block size) or its own; prompt-lookup takes
-    --block_size, else the first neural drafter's, else DEFAULT_BLOCK_SIZE."""
-    neural = [d for d in drafters.values() if not is_lookup(d)]
-    sizes = {}
-    for name, d in drafters.items():
-        if is_lookup(d):
-            sizes[name] = block_size or (neural[0].cfg.block_size if neural else DEFAULT_BLOCK_SIZE)
-        else:
-            if block_size and block_size > d.cfg.block_size:
-                raise DFlashError(f"--block_size {block_size} is larger than drafter {name}'s trained block size "
-                                  f"{d.cfg.block_size}; it can only be evaluated at a block size <= {d.cfg.block_size}")
-            sizes[name] = block_size or d.cfg.block_size
-        if sizes[name] < 2:
-            raise DFlashError(f"block size must be >= 2 (one anchor + drafts), got {sizes[name]}")
-    return sizes
+def as_eval_drafter(name, d, target, block_size):
+    """A DFlashDrafter (wrapped) or an eval drafter object, checked; and the block size it is evaluated at."""
+    if isinstance(d, dflash.DFlashDrafter):
+        d = NeuralDrafter(d)
+    if not isinstance(d, (NeuralDrafter, PromptLookupDrafter)):
+        raise DFlashError(f"drafter {name}: {d!r} is neither a DFlashDrafter nor a PromptLookupDrafter")
+    if d.block_size is not None:
+        dflash.check_compatible(d.cfg, target, where=f"drafter {name}")
+        if block_size and block_size > d.block_size:
+            raise DFlashError(f"--block_size {block_size} is larger than drafter {name}'s trained block size "
+                              f"{d.block_size}; it can only be evaluated at a block size <= {d.block_size}")
+    return d, block_size or d.block_size
 
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
-                      progress=True, path=None, continuations=None):
+                      progress=True, continuations=None):
     """tau of each drafter on the same prompts and the same target continuations.
 
-    drafters: {name: DFlashDrafter | "prompt-lookup"}; prompts: list of token-id lists; mode "exact" (DESIGN 5, any
-    target) or "loop" (a real speculative decoding loop, KV-cache targets). continuations: the target's greedy
-    continuations of the prompts if already known (else generated here, once per prompt, shared by all drafters;
-    in loop mode they are the plain greedy reference). Returns the JSON-shaped report."""
+    drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
+    walk along the greedy continuation, any target) or "loop" (a real speculative decoding loop, KV-cache targets).
+    continuations: the target's greedy continuations if already known (else generated here, once per prompt, shared
+    by all drafters; in loop mode they are the plain greedy reference). Returns the JSON-shaped report."""
     from tqdm import tqdm
     if not drafters:
         raise DFlashError("no drafters to evaluate")
     if mode not in ("exact", "loop"):
         raise DFlashError(f"unknown mode {mode!r}; use exact or loop")
-    if max_new_tokens < 1:
-        raise DFlashError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise DFlashError("every prompt needs at least one token")
     if continuations is not None and len(continuations) != len(prompts):
         raise DFlashError(f"{len(continuations)} continuations for {len(prompts)} prompts")
-    for name, d in drafters.items():
-        if isinstance(d, str) and not is_lookup(d):
-            raise DFlashError(f"drafter {name}: {d!r} is neither a DFlashDrafter nor {PROMPT_LOOKUP!r}")
-        if not is_lookup(d):
-            dflash.check_compatible(d.cfg, target, where=f"drafter {name}")
+    drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
+    default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
+    drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
         check_loop_target(target)
-    sizes = resolve_block_sizes(drafters, block_size)
-    dev = target.lm_head.weight.device
-    path = path or dflash.default_attention_path(dev)
-    eos = eos_token_ids(target)
-    union = sorted({t for d in drafters.values() if not is_lookup(d) for t in d.cfg.target_layer_ids})
-
+    eos = target.eos_ids()
     per = {name: {"prompts": [], "time_s": 0.0} for name in drafters}
     timing = {"generate_s": 0.0, "features_s": 0.0}
     if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
@@ -453,46 +467,57 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
         else:
             continuation = [int(t) for t in continuations[i]]
         timing["generate_s"] += time.perf_counter() - t0
-        if mode == "exact" and union:
-            t0 = time.perf_counter()
-            ids = torch.tensor([prompt + continuation], device=dev)
-            features, _ = dflash.target_features(target, ids, union)  # (1, S, len(union)*D), one hooked pass
-            timing["features_s"] += time.perf_counter() - t0
-        for name, d in drafters.items():
-            B = sizes[name]
-            t0 = time.perf_counter()
-            if mode == "loop":
-                tokens, lengths, drafts = speculative_decode(target, d, prompt, max_new_tokens, B, eos)
-                entry = {"prompt_tokens": len(prompt), "continuation": tokens, "acceptance_lengths": lengths,
-                         "matches_greedy": tokens == continuation}
-            else:
-                if is_lookup(d):
-                    at = LookupDrafts(prompt, continuation, B - 1)
-                else:
-                    ctx = select_layers(features, union, d.cfg.target_layer_ids)
-                    at = draft_every_anchor(d, target, ctx, ids, len(prompt), path)[:, :B - 1].tolist()
-                lengths = tau_walk(continuation, at)
-                drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
-                entry = {"prompt_tokens": len(prompt), "continuation": continuation, "acceptance_lengths": lengths}
-            if dump_drafts:
-                entry["drafts"] = drafts
-            per[name]["time_s"] += time.perf_counter() - t0
+        for name, entry, seconds in evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens,
+                                                    eos, dump_drafts, timing):
+            per[name]["time_s"] += seconds
             per[name]["prompts"].append(entry)
-
-    results = []
-    for name in drafters:
-        entries = per[name]["prompts"]
-        lengths = [n for e in entries for n in e["acceptance_lengths"]]
-        r = {"drafter": name, "block_size": sizes[name], **acceptance_stats(lengths, sizes[name]),
-             "tokens": sum(len(e["continuation"]) for e in entries), "time_s": per[name]["time_s"]}
-        if mode == "loop":
-            r["tokens_per_s"] = r["tokens"] / max(per[name]["time_s"], 1e-9)
-            r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if continuations is None else None
-            r["matches_greedy"] = all(e["matches_greedy"] for e in entries)
-        r["prompts"] = entries
-        results.append(r)
+    results = [summarize_drafter(name, B, per[name], mode, timing if continuations is None else None)
+               for name, (_, B) in drafters.items()]
     return {"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
             "max_new_tokens": max_new_tokens, "num_prompts": len(prompts), "timing": timing, "results": results}
+
+
+def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing):
+    """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
+    drafters' context layers in one hooked target pass over prompt + continuation."""
+    union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
+    if mode == "exact" and union:
+        t0 = time.perf_counter()
+        ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
+        features, _ = dflash.target_features(target, ids, union)  # (1, S, len(union)*D)
+        timing["features_s"] += time.perf_counter() - t0
+    for name, (d, B) in drafters.items():
+        t0 = time.perf_counter()
+        entry = {"prompt_tokens": len(prompt)}
+        if mode == "loop":
+            tokens, lengths, drafts = speculative_decode(target, d, prompt, max_new_tokens, B, eos)
+            entry.update(continuation=tokens, acceptance_lengths=lengths, matches_greedy=tokens == continuation)
+        else:
+            ctx = select_layers(features, union, d.layer_ids) if d.layer_ids else None
+            at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
+            lengths = tau_walk(continuation, at)
+            drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
+            entry.update(continuation=continuation, acceptance_lengths=lengths)
+        if dump_drafts:
+            entry["drafts"] = drafts
+        yield name, entry, time.perf_counter() - t0
+
+
+def summarize_drafter(name, B, per, mode, timing):
+    """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means)."""
+    entries = per["prompts"]
+    lengths = [n for e in entries for n in e["acceptance_lengths"]]
+    per_prompt = [sum(e["acceptance_lengths"]) / len(e["acceptance_lengths"]) for e in entries
+                  if e["acceptance_lengths"]]
+    r = {"drafter": name, "block_size": B, **acceptance_stats(lengths, B),
+         "tau_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+         "tokens": sum(len(e["continuation"]) for e in entries), "time_s": per["time_s"]}
+    if mode == "loop":
+        r["tokens_per_s"] = r["tokens"] / max(per["time_s"], 1e-9)
+        r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if timing else None
+        r["matches_greedy"] = all(e["matches_greedy"] for e in entries)
+    r["prompts"] = entries
+    return r
 
 
 # -----------------------------------------------------------------------------
@@ -511,17 +536,18 @@ def print_report(report, file=None):
         + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
     w = max(16, *(len(r["drafter"]) for r in results))
     loop = report["mode"] == "loop"
-    out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
+    out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
-        tau = f"{r['tau']:.3f}" if r["tau"] is not None else "-"
-        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {r['steps']:>7}  {r['tokens']:>7}  "
+        tau, tpp = (f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("tau", "tau_per_prompt"))
+        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {tpp:>10}  {r['steps']:>7}  {r['tokens']:>7}  "
                 f"{r['time_s']:>7.1f}")
         if loop:
             greedy = r["greedy_tokens_per_s"]
             vs = f"{greedy:>8.1f}  {r['tokens_per_s'] / greedy:>6.2f}x" if greedy else f"{'-':>8}  {'-':>7}"
             line += f"  {r['tokens_per_s']:>8.1f}  {vs}  {'yes' if r['matches_greedy'] else 'NO'}"
         out(line)
+    out("tau: pooled over all steps of all prompts; tau/prompt: mean over prompts of each prompt's mean (z-lab's)")
     out()
     out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
     cw = 18
@@ -551,25 +577,24 @@ def write_json(report, path):
 # Command line
 
 
-def load_drafters(names, target, dtype, prompt_lookup=True):
-    """--drafter values -> {name: DFlashDrafter | "prompt-lookup"}, each checked against the target before its
+def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
+    """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
     weights are read; the prompt-lookup baseline is included unless prompt_lookup is False."""
     drafters = {}
     for name in names:
         if name == PROMPT_LOOKUP:
-            drafters[name] = PROMPT_LOOKUP
+            drafters[name] = PromptLookupDrafter()
             continue
-        cfg = dflash.read_drafter_config(name)
-        dflash.check_compatible(cfg, target, where=f"drafter {name}")
-        drafters[name] = dflash.load_drafter(name, target.lm_head.weight.device, dtype).eval()
+        dflash.check_compatible(dflash.read_drafter_config(name), target, where=f"drafter {name}")
+        drafters[name] = NeuralDrafter(dflash.load_drafter(name, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
-        drafters[PROMPT_LOOKUP] = PROMPT_LOOKUP
+        drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
     return drafters
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
-                                            "their target.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
+                                          "their target.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--target", required=True, help="target model: a local directory or a hub id (loaded as dflash.py does)")
     a("--drafter", action="append", default=[],
@@ -578,13 +603,13 @@ def get_parser():
     a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
-    a("--limit", type=int, default=0, help="use only the first N prompts (0: all)")
-    a("--max_new_tokens", type=int, default=256, help="greedy continuation length per prompt (stops early at eos)")
-    a("--block_size", type=int, default=None,
-      help="evaluate at this block size (<= each drafter's trained one; drafts are truncated to B-1); default: each "
-           "drafter's own, prompt-lookup the first drafter's or 16")
+    p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)", lo=0)
+    p.add(p, "--max_new_tokens", int, 256, "greedy continuation length per prompt (stops early at eos)", lo=1,
+          hi=2**20)
+    p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
+          "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2, hi=1024)
     a("--mode", choices=["exact", "loop"], default="exact",
-      help="exact: DESIGN 5, no decode loop, any target; loop: a real speculative decoding loop with the KV cache "
+      help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with the KV cache "
            "(dense targets), reports tokens/s and checks the output equals plain greedy decoding")
     a("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
       help="passed to the chat template when it reads enable_thinking (default: the template's own default)")
@@ -592,7 +617,7 @@ def get_parser():
     a("--dump_drafts", action="store_true", help="also write every verification step's drafted tokens to --json")
     a("--attention", choices=["auto", "flex", "dense"], default="auto",
       help="drafter attention path for the exact method (auto: flex on CUDA, dense elsewhere)")
-    a("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
+    a("--dtype", choices=list(dflash.DTYPES), default="auto",
       help="target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)")
     a("--device", default=None, help="device (default: cuda if available, else cpu)")
     a("--trust_remote_code", action="store_true", help="allow the target's custom code")
@@ -602,18 +627,22 @@ def get_parser():
 
 
 def run(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+    device = dflash.pick_device(args.device)
     if args.dump_drafts and not args.json:
         raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")
-    target = dflash.load_target(args.target, device, dtype, args.trust_remote_code)
-    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, prompt_lookup=not args.no_prompt_lookup)
+    if args.json:
+        dflash.check_writable_dir(os.path.dirname(os.path.abspath(args.json)), "--json")
+        if os.path.isdir(args.json):
+            raise DFlashError(f"--json {args.json!r} is a directory; give a file path")
+    target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
+    attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
+        "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
+    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
     prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking)
     if args.limit:
         prompts = prompts[:args.limit]
-    path = None if args.attention == "auto" else args.attention
     report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens, args.block_size, args.mode,
-                               args.dump_drafts, progress=not args.no_progress, path=path)
+                               args.dump_drafts, progress=not args.no_progress)
     print_report(report)
     if args.json:
         print(f"wrote {write_json(report, args.json)}")

@@ -1,36 +1,27 @@
 """The drafter: training-mode forward vs per-block inference, flex vs dense attention, the mask rule against a
-brute-force table written from DESIGN 3, checkpoints (round trip, atomic save, z-lab directories, strict
+brute-force table of who sees what, checkpoints (round trip, atomic save, z-lab directories, strict
 loading), RoPE against Hugging Face's, and the default geometry. Tiny fp32 configs on CPU."""
 
 import json
 import math
 import os
-import sys
 from pathlib import Path
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dflash  # noqa: E402
-from dflash import DFlashConfig, DFlashDrafter, DFlashError, DraftCache  # noqa: E402
+import dflash
+from conftest import TINY_CFG, ZL, tiny_cfg, write_zlab_dir, zlab_config, zlab_tensors
+from dflash import DFlashConfig, DFlashDrafter, DFlashError
+from eval import NeuralDrafter
 
-V, D, HD, B, W = 97, 32, 8, 4, 6
-MASK_ID = 96
-
-
-def tiny_cfg(**kw):
-    base = dict(hidden_size=D, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=HD, vocab_size=V, rms_norm_eps=1e-6, rope_theta=10000.0,
-                max_position_embeddings=256, block_size=B, mask_token_id=MASK_ID, target_layer_ids=[1, 3],
-                num_target_layers=5, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                sliding_window=W)
-    base.update(kw)
-    return DFlashConfig(**base)
+V, D, HD, B, W = (TINY_CFG[k] for k in ("vocab_size", "hidden_size", "head_dim", "block_size", "sliding_window"))
+MASK_ID = TINY_CFG["mask_token_id"]
 
 
 def randomized(cfg, seed=0):
@@ -55,15 +46,6 @@ def block_ids(tokens, anchors):
     return ids
 
 
-@pytest.fixture
-def one_thread():
-    """Many tiny ops: on a shared, oversubscribed CPU, intra-op threads only add waiting (seconds, not ms)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 S = 24  # context length, larger than the window W
 # anchors at 0, 1, near the end (23 = S-1: the block runs past the end), duplicates/overlaps, and padding anchors
 ANCHORS = torch.tensor([[0, 1, 2, 5, 6, 11, 20, 22, 23, 0],
@@ -85,12 +67,13 @@ def setup():
         embed.weight.normal_(generator=g)
         lm_head.weight.normal_(generator=g)
         x = embed(block_ids(tokens, ANCHORS))
-        hidden = drafter(ctx_feats, x, ANCHORS, VALID, "dense")
+        hidden = drafter(ctx_feats, x, ANCHORS, VALID)
     return dict(cfg=cfg, drafter=drafter, ctx=ctx_feats, tokens=tokens, embed=embed, lm_head=lm_head, x=x, hidden=hidden)
 
 
 # -----------------------------------------------------------------------------
-# An independent reference for one block, written from DESIGN 3 with the drafter's weights only
+# An independent reference for one block, from the drafter's weights only: a block token sees the context before
+# its anchor (within the window on sliding layers) and its own block (earlier offsets only on causal layers)
 
 
 def ref_rms(x, w, eps=1e-6):
@@ -146,7 +129,7 @@ def test_training_forward_matches_independent_reference(setup, one_thread):
         a = int(ANCHORS[r, n])
         ref = reference_block(s["drafter"], s["ctx"][r], a, s["x"][r, n])
         diff = (s["hidden"][r, n].double() - ref).abs().max().item()
-        assert diff < 1e-4, f"row {r} anchor {a}: training forward differs from the DESIGN 3 reference by {diff}"
+        assert diff < 1e-4, f"row {r} anchor {a}: training forward differs from the reference by {diff}"
 
 
 # -----------------------------------------------------------------------------
@@ -170,15 +153,15 @@ def test_training_forward_equals_per_block_inference(setup, one_thread):
             if not VALID[r, n]:
                 continue
             a = int(ANCHORS[r, n])
-            cache = DraftCache(drafter)
-            cache.extend(s["ctx"][r:r + 1, :a])       # the target has produced hidden states for positions < a
+            cache = NeuralDrafter(drafter)
+            cache.start(target_like(s), [0] * a, s["ctx"][r:r + 1, :a])  # hidden states exist for positions < a
             assert cache.length == a
             with torch.no_grad():
                 h = drafter.blocks(s["x"][r:r + 1, n:n + 1], ANCHORS[r:r + 1, n:n + 1],
-                                   torch.ones(1, 1, dtype=torch.bool), cache_kv(cache, cfg), a, "dense")
+                                   torch.ones(1, 1, dtype=torch.bool), cache_kv(cache, cfg), a)
             diff = (h[0, 0] - hidden[r, n]).abs().max().item()
             assert diff < 1e-5, f"row {r} anchor {a}: training vs inference hidden differ by {diff}"
-            toks = dflash.draft_block(drafter, cache, int(s["tokens"][r, a]), s["embed"], s["lm_head"])
+            toks = torch.tensor(cache.draft(int(s["tokens"][r, a]), B - 1))
             assert toks.shape == (B - 1,)
             assert torch.equal(toks, s["lm_head"](hidden[r, n, 1:]).argmax(-1)), f"row {r} anchor {a}: drafts differ"
             checked += 1
@@ -189,41 +172,32 @@ def test_padding_anchors_backward_is_finite(setup):
     cfg = setup["cfg"]
     drafter = randomized(cfg).train()
     x = setup["x"].clone().requires_grad_(True)
-    hidden = drafter(setup["ctx"], x, ANCHORS, VALID, "dense")
+    hidden = drafter(setup["ctx"], x, ANCHORS, VALID)
     (hidden * VALID[..., None, None]).square().sum().backward()
     for name, p in drafter.named_parameters():
         assert torch.isfinite(p.grad).all(), f"non-finite gradient in {name} (fully masked padding rows?)"
     assert torch.equal(x.grad[~VALID], torch.zeros_like(x.grad[~VALID])), "padding anchors leak gradient"
 
 
-def test_draft_cache_extend_in_pieces_and_crop(setup, one_thread):
+def target_like(setup):
+    """What NeuralDrafter reads of a target: its embedding and lm_head."""
+    return SimpleNamespace(embed=setup["embed"], lm_head=setup["lm_head"])
+
+
+def test_draft_cache_extend_in_pieces(setup, one_thread):
     drafter, ctx, cfg = setup["drafter"], setup["ctx"][:1], setup["cfg"]
-    whole = DraftCache(drafter)
-    whole.extend(ctx[:, :15])
-    parts = DraftCache(drafter)
-    parts.extend(ctx[:, :0])         # empty: a no-op
-    parts.extend(ctx[:, :7])
-    parts.extend(ctx[:, 7:8])
-    parts.extend(ctx[:, 8:15])
+    whole = NeuralDrafter(drafter)
+    whole.start(target_like(setup), [0] * 15, ctx[:, :15])
+    parts = NeuralDrafter(drafter)
+    parts.start(target_like(setup), [0] * 7, ctx[:, :7])
+    parts.accept([0], ctx[:, 7:8])
+    parts.accept([0] * 7, ctx[:, 8:15])
     assert parts.length == whole.length == 15
     for (k0, v0), (k1, v1) in zip(whole.kv, parts.kv):
         assert k0.shape == k1.shape == (1, 15, cfg.num_key_value_heads, cfg.head_dim)
         torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0)
         torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0)
-
-    ten = DraftCache(drafter)
-    ten.extend(ctx[:, :10])
-    parts.crop(10)                   # forget rejected positions 10..14
-    assert parts.length == 10
-    for (k0, v0), (k1, v1) in zip(ten.kv, parts.kv):
-        assert k1.shape[1] == 10
-        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0)
-        torch.testing.assert_close(v1, v0, atol=1e-5, rtol=0)
-    emb, head = setup["embed"], setup["lm_head"]
-    assert torch.equal(dflash.draft_block(drafter, parts, 5, emb, head), dflash.draft_block(drafter, ten, 5, emb, head))
-    parts.extend(ctx[:, 10:15])      # re-extend after the crop: positions continue at 10
-    for (k0, _), (k1, _) in zip(whole.kv, parts.kv):
-        torch.testing.assert_close(k1, k0, atol=1e-5, rtol=0)
+    assert parts.draft(5, cfg.block_size - 1) == whole.draft(5, cfg.block_size - 1)
 
 
 # -----------------------------------------------------------------------------
@@ -231,12 +205,13 @@ def test_draft_cache_extend_in_pieces_and_crop(setup, one_thread):
 
 
 def attention_outputs(drafter, setup, path):
-    outs = []
+    drafter.attention, outs = path, []
     hooks = [layer.self_attn.register_forward_hook(lambda m, i, o: outs.append(o)) for layer in drafter.layers]
     try:
         with torch.no_grad():
-            hidden = drafter(setup["ctx"], setup["x"], ANCHORS, VALID, path)
+            hidden = drafter(setup["ctx"], setup["x"], ANCHORS, VALID)
     finally:
+        drafter.attention = "dense"
         for h in hooks:
             h.remove()
     return hidden, outs
@@ -247,13 +222,13 @@ def attention_outputs(drafter, setup, path):
 def test_flex_equals_dense(setup, mode, monkeypatch):
     if mode == "eager":
         from torch.nn.attention.flex_attention import flex_attention
-        monkeypatch.setattr(dflash, "_flex_compiled", flex_attention)
+        monkeypatch.setattr(dflash, "compiled_flex_attention", flex_attention)
     drafter = setup["drafter"]
     dense, dense_attn = attention_outputs(drafter, setup, "dense")
     flex, flex_attn = attention_outputs(drafter, setup, "flex")
     if mode == "compiled":
         from torch.nn.attention.flex_attention import flex_attention
-        assert dflash._flex_compiled is not None and dflash._flex_compiled is not flex_attention
+        assert dflash.compiled_flex_attention is not flex_attention
     assert (flex[VALID] - dense[VALID]).abs().max().item() < 1e-5
     assert (flex[~VALID] - dense[~VALID]).abs().max().item() < 1e-5
     for a_d, a_f in zip(dense_attn, flex_attn):
@@ -264,11 +239,11 @@ def test_flex_equals_dense(setup, mode, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# The mask rule against a brute-force table written from DESIGN 3
+# The mask rule against a brute-force table: context strictly before the anchor, then the own block
 
 
 def spec_layer_kind(layer_type, is_causal, window):
-    """DESIGN 3: causal iff config.is_causal says so, else iff sliding; a sliding layer has window W."""
+    """Causal iff config.is_causal says so, else iff sliding; a sliding layer has window W."""
     causal = is_causal if is_causal is not None else layer_type == "sliding_attention"
     return causal, (window if layer_type == "sliding_attention" else None)
 
@@ -280,12 +255,12 @@ def spec_visible(a, valid, i, key, S, Bk, causal, window, same_block=True):
     q_pos = a + i
     kind, idx = key
     if kind == "ctx":
-        return idx < a and (window is None or q_pos - idx < window)
-    if not same_block:
-        return False
-    ok = (not causal) or idx <= i
-    if window is not None and not causal:
-        ok = ok and (a + idx) - q_pos < window
+        k_pos, ok = idx, idx < a
+    else:
+        k_pos, ok = a + idx, same_block and ((not causal) or idx <= i)
+    # a sliding layer windows every key by position, context and block keys alike (as vLLM and SGLang serve it)
+    if window is not None:
+        ok = ok and q_pos - k_pos < window and (causal or k_pos - q_pos < window)
     return ok
 
 
@@ -335,7 +310,7 @@ def test_mask_equals_brute_force(is_causal, window):
     masks = dflash.build_masks(cfg, MASK_ANCHORS, MASK_VALID, MASK_S, "dense")
     for li, lt in enumerate(cfg.layer_types):
         causal, win = spec_layer_kind(lt, is_causal, window)
-        assert (cfg.layer_is_causal(li), cfg.layer_window(li)) == (causal, win)
+        assert cfg.layer_kind(li) == (causal, win)
         expected = brute_dense(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, causal, win)
         mod = dflash.make_mask_mod(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, causal, win)
         got = dflash.dense_mask(mod, b, N, MASK_S, MASK_B, torch.device("cpu"))
@@ -355,7 +330,7 @@ def test_mask_sanity_examples():
     assert not m[0, 2]                      # q_pos 4 - j 2 = 2 is not < W=2
     assert not m[2, 3]                      # q_pos 6 - j 3 = 3 >= W
     assert m[0, 10 + 1] and not m[0, 10 + 2]  # non-causal sliding: k_pos - q_pos < W
-    assert m[3, 10 + 0]                     # backward within the block is visible (spec: only k_pos - q_pos < W)
+    assert m[3, 10 + 2] and not m[3, 10 + 0]  # the window cuts inside the block too: q_pos 7 - k_pos 4 = 3 >= W
 
 
 # -----------------------------------------------------------------------------
@@ -393,10 +368,11 @@ def test_dense_mask_is_linear_in_anchors(setup, monkeypatch):
 
     monkeypatch.setattr(dflash, "dense_mask", rec_dense)
     monkeypatch.setattr(dflash, "make_mask_mod", rec_make)
-    monkeypatch.setattr(dflash, "flex_block_mask", no_flex)
+    monkeypatch.setattr(dflash, "create_block_mask", no_flex)
+    monkeypatch.setattr(dflash, "compiled_create_block_mask", no_flex)
     monkeypatch.setattr(F, "scaled_dot_product_attention", rec_sdpa)
     with torch.no_grad():
-        drafter(torch.randn(b, Sx, 2 * D), torch.randn(b, N, B, D), anchors, valid, "dense")
+        drafter(torch.randn(b, Sx, 2 * D), torch.randn(b, N, B, D), anchors, valid)
     assert len(mask_shapes) == 2, "one mask per distinct (causal, window), shared by the layers"
     assert all(s == (b, N, B, Sx + B) for s in mask_shapes)
     assert sdpa_shapes == [(b * N, 1, B, Sx + B)] * cfg.num_hidden_layers
@@ -484,101 +460,41 @@ def test_save_is_atomic(tmp_path, monkeypatch, crash_in):
     assert state_equal(dflash.load_drafter(path), new)
 
 
-# z-lab layout, written by hand from DESIGN 3 (not from dflash's helpers)
-ZL = dict(D=32, layers=3, heads=4, kv=2, hd=8, inter=40, V=120, M=117, T=[1, 4], L=6, Bs=8, Wz=5)
-
-
-def zlab_tensors(seed=0, bias=False):
-    z = ZL
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: (0.2 * torch.randn(*s, generator=g)).to(torch.bfloat16)  # noqa: E731
-    t = {"fc.weight": r(z["D"], len(z["T"]) * z["D"]), "hidden_norm.weight": 1 + r(z["D"]), "norm.weight": 1 + r(z["D"])}
-    for i in range(z["layers"]):
-        p = f"layers.{i}."
-        t[p + "input_layernorm.weight"] = 1 + r(z["D"])
-        t[p + "post_attention_layernorm.weight"] = 1 + r(z["D"])
-        t[p + "self_attn.q_proj.weight"] = r(z["heads"] * z["hd"], z["D"])
-        t[p + "self_attn.k_proj.weight"] = r(z["kv"] * z["hd"], z["D"])
-        t[p + "self_attn.v_proj.weight"] = r(z["kv"] * z["hd"], z["D"])
-        t[p + "self_attn.o_proj.weight"] = r(z["D"], z["heads"] * z["hd"])
-        t[p + "self_attn.q_norm.weight"] = 1 + r(z["hd"])
-        t[p + "self_attn.k_norm.weight"] = 1 + r(z["hd"])
-        t[p + "mlp.gate_proj.weight"] = r(z["inter"], z["D"])
-        t[p + "mlp.up_proj.weight"] = r(z["inter"], z["D"])
-        t[p + "mlp.down_proj.weight"] = r(z["D"], z["inter"])
-    return t
-
-
-def zlab_config(rope="flat", **over):
-    z = ZL
-    c = {
-        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": z["Bs"], "bos_token_id": 1,
-        "dflash_config": {"mask_token_id": z["M"], "target_layer_ids": z["T"]}, "eos_token_id": 2,
-        "head_dim": z["hd"], "hidden_act": "silu", "hidden_size": z["D"], "initializer_range": 0.02,
-        "intermediate_size": z["inter"], "layer_types": ["sliding_attention"] * (z["layers"] - 1) + ["full_attention"],
-        "max_position_embeddings": 40960, "max_window_layers": z["layers"], "model_type": "qwen3",
-        "num_attention_heads": z["heads"], "num_hidden_layers": z["layers"], "num_key_value_heads": z["kv"],
-        "num_target_layers": z["L"], "rms_norm_eps": 1e-6, "sliding_window": z["Wz"], "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": True,
-        "vocab_size": z["V"],
-    }
-    if rope == "flat":
-        c.update(rope_theta=1000000, rope_scaling=None)
-    else:  # transformers 5 writes rope_parameters
-        c["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
-    c.update(over)
-    return c
-
-
-def write_dir(path, config, tensors, shards=1):
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    if shards == 1:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return path
-    keys = sorted(tensors)
-    weight_map = {}
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {k: tensors[k] for k in keys[s::shards]}
-        save_file(part, os.path.join(path, name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in part})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
-    return path
+# z-lab layout directories, written by hand in conftest (not from dflash's helpers)
 
 
 def test_zlab_directory_loads_and_drafts(tmp_path):
     z = ZL
     t = zlab_tensors()
-    d = dflash.load_drafter(write_dir(str(tmp_path / "zlab"), zlab_config(), t))
+    d = dflash.load_drafter(write_zlab_dir(str(tmp_path / "zlab"), zlab_config(), t))
     cfg = d.cfg
     assert (cfg.mask_token_id, cfg.target_layer_ids, cfg.num_target_layers) == (z["M"], z["T"], z["L"])
     assert (cfg.block_size, cfg.sliding_window, cfg.rope_theta) == (z["Bs"], z["Wz"], 1e6)
     assert cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert cfg.rope_scaling is None and cfg.head_dim == z["hd"] and cfg.num_key_value_heads == z["kv"]
-    assert [cfg.layer_is_causal(i) for i in range(3)] == [True, True, False]
+    assert [cfg.layer_kind(i)[0] for i in range(3)] == [True, True, False]
     sd = d.state_dict()
     assert all(torch.equal(sd[k], v.float()) for k, v in t.items())
 
     g = torch.Generator().manual_seed(3)
     embed, head = nn.Embedding(z["V"], z["D"]), nn.Linear(z["D"], z["V"], bias=False)
-    cache = DraftCache(d)
-    cache.extend(torch.randn(1, 9, 2 * z["D"], generator=g))
-    toks = dflash.draft_block(d, cache, 7, embed, head)
+    target, ctx = SimpleNamespace(embed=embed, lm_head=head), torch.randn(1, 9, 2 * z["D"], generator=g)
+    cache = NeuralDrafter(d)
+    cache.start(target, [0] * 9, ctx)
+    toks = torch.tensor(cache.draft(7, z["Bs"] - 1))
     assert toks.shape == (z["Bs"] - 1,) and toks.dtype == torch.long
     assert ((toks >= 0) & (toks < z["V"])).all()
 
     # the transformers-5 rope_parameters form and a two-shard checkpoint load the same drafter
-    d5 = dflash.load_drafter(write_dir(str(tmp_path / "zlab5"), zlab_config(rope="nested"), t))
+    d5 = dflash.load_drafter(write_zlab_dir(str(tmp_path / "zlab5"), zlab_config(rope="nested"), t))
     assert d5.cfg == cfg and state_equal(d5, d)
-    ds = dflash.load_drafter(write_dir(str(tmp_path / "sharded"), zlab_config(), t, shards=2))
+    ds = dflash.load_drafter(write_zlab_dir(str(tmp_path / "sharded"), zlab_config(), t, shards=2))
     assert len([f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors")]) == 2
     assert ds.cfg == cfg and state_equal(ds, d)
     # the same drafts, and torch_dtype does not silently change the requested dtype
-    assert torch.equal(dflash.draft_block(ds, cache, 7, embed, head), toks)
+    cache_s = NeuralDrafter(ds)
+    cache_s.start(target, [0] * 9, ctx)
+    assert cache_s.draft(7, z["Bs"] - 1) == toks.tolist()
     assert d.fc.weight.dtype == torch.float32
 
 
@@ -588,7 +504,7 @@ def test_zlab_top_level_fallbacks(tmp_path):
     c["dflash_config"] = {"mask_token_id": ZL["M"]}
     c["target_layer_ids"] = ZL["T"]
     c["mask_token_id"] = 3  # dflash_config wins
-    d = dflash.load_drafter(write_dir(str(tmp_path / "z"), c, zlab_tensors()))
+    d = dflash.load_drafter(write_zlab_dir(str(tmp_path / "z"), c, zlab_tensors()))
     assert d.cfg.target_layer_ids == ZL["T"] and d.cfg.mask_token_id == ZL["M"]
 
 
@@ -640,7 +556,7 @@ def test_rope_matches_hf(rope):
 @pytest.fixture
 def good_dir(tmp_path):
     def make(config=None, tensors=None, name="bad"):
-        return write_dir(str(tmp_path / name), config or zlab_config(), tensors if tensors is not None else zlab_tensors())
+        return write_zlab_dir(str(tmp_path / name), config or zlab_config(), tensors if tensors is not None else zlab_tensors())
     return make
 
 
@@ -705,12 +621,13 @@ def test_missing_target_layer_ids(good_dir, tmp_path):
     with pytest.raises(DFlashError, match="target_layer_ids"):
         dflash.load_drafter(good_dir(config=c, name="neither"))
 
-    # num_target_layers present: DESIGN 2's default, round(1 + i*(L-4)/(n-1)) with n = num_hidden_layers
+    # num_target_layers present: the default spread from layer 1 to layer L-3, round(1 + i*(L-4)/(n-1)) with
+    # n = num_hidden_layers
     c = zlab_config(num_hidden_layers=2, num_target_layers=10,
                     layer_types=["sliding_attention", "full_attention"])
     c["dflash_config"] = {"mask_token_id": ZL["M"]}
     t = {k: v for k, v in zlab_tensors().items() if not k.startswith("layers.2.")}
-    d = dflash.load_drafter(write_dir(str(tmp_path / "derived"), c, t))
+    d = dflash.load_drafter(write_zlab_dir(str(tmp_path / "derived"), c, t))
     assert d.cfg.target_layer_ids == [1, 7]
 
 

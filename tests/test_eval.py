@@ -9,42 +9,24 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import dflash  # noqa: E402
-import eval as ev  # noqa: E402
-from dflash import DFlashError  # noqa: E402
+import dflash
+import eval as ev
+from conftest import ROOT, tiny_cfg, tiny_qwen3, tiny_qwen35, tiny_tokenizer, write_zlab_dir, zlab_config, zlab_tensors
+from dflash import DFlashError
 
 V, D, L = 96, 64, 4                       # tiny target: vocab, hidden, decoder layers
 MASK = V - 1
 NEW_TOKENS = 32
+# the tiny targets here: wider than conftest's default, with longer positions
+TARGET = dict(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L, head_dim=16,
+              max_position_embeddings=512)
+# tiny_cfg overrides for a drafter over those targets
+DRAFTER = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=2, head_dim=16, vocab_size=V,
+               max_position_embeddings=512, block_size=8, mask_token_id=MASK, target_layer_ids=[1, 2],
+               num_target_layers=L, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other processes for the cores); restored after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_dense_target(path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return dflash.load_target(path)
-
-
-def drafter_config(**kw):
-    base = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=V, rope_theta=10000.0, max_position_embeddings=512, block_size=8,
-                mask_token_id=MASK, target_layer_ids=[1, 2], num_target_layers=L,
-                layer_types=["sliding_attention", "full_attention"], sliding_window=16)
-    return dflash.DFlashConfig(**{**base, **kw})
+# tiny models run fastest on one thread (and do not fight other processes for the cores), module fixtures included
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def reference_greedy(target, prompt, n):
@@ -56,15 +38,14 @@ def reference_greedy(target, prompt, n):
 
 def train_on_continuations(target, drafter, prompts, continuations, steps):
     """A few optimizer steps of the real loss on the target's own continuations (regenerated data)."""
-    args = dflash.get_parser().parse_args(["--num_anchors", "24", "--noise_std", "0"])
     batch = dflash.collate([(p + c, [0] * len(p) + [1] * len(c)) for p, c in zip(prompts, continuations)], 0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     drafter.train()
     for step in range(steps):
-        anchors, valid = dflash.batch_anchors(batch, args.num_anchors, step_salt=step)
-        loss_sum, stats = dflash.forward_batch(drafter, target, drafter.cfg, batch, args, anchors, valid, "dense", True)
+        anchors, valid = dflash.batch_anchors(batch, 24, salt=step)
+        loss, _ = dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=0.0)
         opt.zero_grad()
-        (loss_sum / stats["w"]).backward()
+        loss.backward()
         opt.step()
     return drafter.eval()
 
@@ -74,12 +55,12 @@ def dense(tmp_path_factory):
     """A tiny Qwen3 target, its greedy continuations of 6 random prompts, and a drafter trained on them briefly
     (random targets fall into repetitive continuations, which a few steps teach the drafter to draft)."""
     path = str(tmp_path_factory.mktemp("dense") / "target")
-    target = tiny_dense_target(path)
+    target = dflash.load_target(tiny_qwen3(path, **TARGET))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, MASK, (8,), generator=g).tolist() for _ in range(6)]
     continuations = [reference_greedy(target, p, NEW_TOKENS) for p in prompts]
     torch.manual_seed(0)
-    drafter = train_on_continuations(target, dflash.DFlashDrafter(drafter_config()), prompts, continuations, steps=30)
+    drafter = train_on_continuations(target, dflash.DFlashDrafter(tiny_cfg(DRAFTER)), prompts, continuations, steps=30)
     return {"path": path, "target": target, "prompts": prompts, "continuations": continuations, "drafter": drafter}
 
 
@@ -122,7 +103,7 @@ def test_prompt_lookup_hand_examples():
 
 def test_exact_equals_loop_and_loop_equals_greedy(dense):
     target, prompts, ref = dense["target"], dense["prompts"], dense["continuations"]
-    drafters = {"ours": dense["drafter"], "prompt-lookup": ev.PROMPT_LOOKUP}
+    drafters = {"ours": dense["drafter"], "prompt-lookup": ev.PromptLookupDrafter()}
     exact = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, continuations=ref, progress=False)
     loop = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, mode="loop", continuations=ref, progress=False)
     for re_, rl in zip(exact["results"], loop["results"]):
@@ -146,7 +127,7 @@ def test_exact_equals_loop_when_eos_stops_generation(dense):
     saved = gc.eos_token_id
     gc.eos_token_id = eos
     try:
-        drafters = {"ours": dense["drafter"], "prompt-lookup": ev.PROMPT_LOOKUP}
+        drafters = {"ours": dense["drafter"], "prompt-lookup": ev.PromptLookupDrafter()}
         exact = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, progress=False)
         loop = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, mode="loop", progress=False)
     finally:
@@ -180,76 +161,38 @@ def test_block_size_truncates_drafts(dense):
 
 
 def test_hybrid_target_exact_method(tmp_path):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
-                            linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                            max_position_embeddings=512)
-    Qwen3_5ForCausalLM(cfg).save_pretrained(tmp_path / "hybrid")
-    target = dflash.load_target(str(tmp_path / "hybrid"))
+    target = dflash.load_target(tiny_qwen35(tmp_path / "hybrid", **TARGET, linear_key_head_dim=16,
+                                            linear_value_head_dim=16))
     prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28]]
-    drafter = dflash.DFlashDrafter(drafter_config(target_layer_ids=[0, 3])).eval()
-    report = ev.evaluate_drafters(target, {"random": drafter, "prompt-lookup": ev.PROMPT_LOOKUP}, prompts, 10,
+    drafter = dflash.DFlashDrafter(tiny_cfg(DRAFTER, target_layer_ids=[0, 3])).eval()
+    report = ev.evaluate_drafters(target, {"random": drafter, "prompt-lookup": ev.PromptLookupDrafter()}, prompts, 10,
                                   dump_drafts=True, progress=False)
     for r in report["results"]:
         for p, e in zip(prompts, r["prompts"]):
             assert e["continuation"] == reference_greedy(target, p, 10)
             assert len(e["acceptance_lengths"]) == len(e["drafts"]) >= 1
     with pytest.raises(DFlashError, match="cannot be rolled back"):
-        ev.evaluate_drafters(target, {"prompt-lookup": ev.PROMPT_LOOKUP}, prompts, 10, mode="loop", progress=False)
+        ev.evaluate_drafters(target, {"prompt-lookup": ev.PromptLookupDrafter()}, prompts, 10, mode="loop", progress=False)
 
 
 # -----------------------------------------------------------------------------
 # A drafter directory written by hand in the z-lab layout
 
 
-def write_zlab_drafter(directory, cfg, seed=0):
-    """config.json as z-lab writes it (flat rope_theta, nested dflash_config) and model.safetensors with the z-lab
-    key names (no `model.` prefix, no embedding, no lm_head) holding random tensors."""
-    from safetensors.torch import save_file
-    os.makedirs(directory, exist_ok=True)
-    config = {
-        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "block_size": cfg["block_size"],
-        "dflash_config": {"mask_token_id": MASK, "target_layer_ids": cfg["target_layer_ids"]},
-        "dtype": "float32", "head_dim": 16, "hidden_act": "silu", "hidden_size": cfg["hidden_size"],
-        "initializer_range": 0.02, "intermediate_size": 96, "layer_types": cfg["layer_types"],
-        "max_position_embeddings": 512, "max_window_layers": 3, "num_attention_heads": 4, "num_hidden_layers": 3,
-        "num_key_value_heads": 2, "num_target_layers": cfg["num_target_layers"], "rms_norm_eps": 1e-6,
-        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": cfg["sliding_window"],
-        "tie_word_embeddings": False, "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": True,
-        "vocab_size": V}
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    g = torch.Generator().manual_seed(seed)
-    hd, Dm, m, I = 16, cfg["hidden_size"], len(cfg["target_layer_ids"]), 96
-    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.05  # noqa: E731
-    norm = lambda n: 1.0 + 0.1 * torch.randn(n, generator=g)      # noqa: E731
-    t = {"fc.weight": rnd(Dm, m * Dm), "hidden_norm.weight": norm(Dm), "norm.weight": norm(Dm)}
-    for i in range(3):
-        p = f"layers.{i}."
-        t.update({p + "input_layernorm.weight": norm(Dm), p + "post_attention_layernorm.weight": norm(Dm),
-                  p + "self_attn.q_proj.weight": rnd(4 * hd, Dm), p + "self_attn.k_proj.weight": rnd(2 * hd, Dm),
-                  p + "self_attn.v_proj.weight": rnd(2 * hd, Dm), p + "self_attn.o_proj.weight": rnd(Dm, 4 * hd),
-                  p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd),
-                  p + "mlp.gate_proj.weight": rnd(I, Dm), p + "mlp.up_proj.weight": rnd(I, Dm),
-                  p + "mlp.down_proj.weight": rnd(Dm, I)})
-    save_file(t, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
-ZLAB = {"hidden_size": D, "block_size": 6, "target_layer_ids": [0, 2, 3], "num_target_layers": L,
-        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "sliding_window": 5}
+# z-lab geometry (conftest.ZL's keys) for a drafter over the dense target, and its files: fp32 tensors
+ZLAB = dict(D=D, layers=3, heads=4, kv=2, hd=16, inter=96, V=V, M=MASK, T=[0, 2, 3], L=L, Bs=6, Wz=5)
+ZLAB_CONFIG = dict(torch_dtype="float32", max_position_embeddings=512)
+ZLAB_TENSORS = dict(scale=0.05, norm_scale=0.1, dtype=torch.float32)
 
 
 def test_zlab_directory_drafts_match_inference_forward(dense, tmp_path):
     target, prompts, ref = dense["target"], dense["prompts"][:3], dense["continuations"][:3]
-    directory = write_zlab_drafter(str(tmp_path / "zlab"), ZLAB)
+    directory = write_zlab_dir(str(tmp_path / "zlab"), zlab_config(ZLAB, **ZLAB_CONFIG),
+                               zlab_tensors(ZLAB, **ZLAB_TENSORS))
     drafters = ev.load_drafters([directory], target, torch.float32, prompt_lookup=False)
-    drafter = drafters[directory]
-    assert drafter.cfg.layer_types == ZLAB["layer_types"] and drafter.cfg.sliding_window == 5
+    drafter = drafters[directory].drafter  # the DFlashDrafter inside eval's NeuralDrafter
+    assert drafter.cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert drafter.cfg.sliding_window == 5
     report = ev.evaluate_drafters(target, drafters, prompts, NEW_TOKENS, continuations=ref, dump_drafts=True,
                                   progress=False)
     entries = report["results"][0]["prompts"]
@@ -259,9 +202,9 @@ def test_zlab_directory_drafts_match_inference_forward(dense, tmp_path):
         features, _ = dflash.target_features(target, ids, drafter.cfg.target_layer_ids)
         for k, drafts in zip(ev.step_anchors(e["acceptance_lengths"]), e["drafts"]):
             a = len(prompt) + k  # the anchor's position: context is everything before it
-            cache = dflash.DraftCache(drafter)
-            cache.extend(features[:, :a])
-            expected = dflash.draft_block(drafter, cache, cont[k], target.embed, target.lm_head).tolist()
+            cache = ev.NeuralDrafter(drafter)
+            cache.start(target, prompt + cont[:k], features[:, :a])
+            expected = cache.draft(cont[k], drafter.cfg.block_size - 1)
             assert drafts == expected, f"anchor {a}"
             steps += 1
         # drafting in chunks of one anchor (a tiny memory budget) gives the same drafts as one big batch
@@ -275,16 +218,11 @@ def test_zlab_directory_drafts_match_inference_forward(dense, tmp_path):
 
 
 def test_prompts_jsonl_formats_and_errors(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
     words = ["<unk>", "<eos>", "hello", "world", "user:", "assistant:", "think", "nothink", "bye"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
-                               "{% if add_generation_prompt %}assistant: "
-                               "{% if enable_thinking is defined and not enable_thinking %}nothink{% else %}think"
-                               "{% endif %}{% endif %}")
+    tokenizer = tiny_tokenizer(("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                                "{% if add_generation_prompt %}assistant: "
+                                "{% if enable_thinking is defined and not enable_thinking %}nothink{% else %}think"
+                                "{% endif %}{% endif %}"), words=words, eos_token="<eos>", unk_token="<unk>")
     ids = {w: i for i, w in enumerate(words)}
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"prompt": "hello world"}) + "\n\n"
@@ -322,7 +260,9 @@ def test_prompts_jsonl_formats_and_errors(tmp_path):
 
 
 def test_cli_mismatched_drafter_is_one_error_line(dense, tmp_path):
-    other = write_zlab_drafter(str(tmp_path / "other"), {**ZLAB, "num_target_layers": 8, "target_layer_ids": [1, 4, 7]})
+    geometry = {**ZLAB, "L": 8, "T": [1, 4, 7]}
+    other = write_zlab_dir(str(tmp_path / "other"), zlab_config(geometry, **ZLAB_CONFIG),
+                           zlab_tensors(geometry, **ZLAB_TENSORS))
     env = {**{k: v for k, v in os.environ.items() if k != "DFLASH_DEBUG"}, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "--target", dense["path"], "--drafter", other,
                            "--no_progress"], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=120)
@@ -334,7 +274,8 @@ def test_cli_mismatched_drafter_is_one_error_line(dense, tmp_path):
 
 
 def test_cli_end_to_end_json(dense, tmp_path, capsys):
-    directory = write_zlab_drafter(str(tmp_path / "zlab"), ZLAB)
+    directory = write_zlab_dir(str(tmp_path / "zlab"), zlab_config(ZLAB, **ZLAB_CONFIG),
+                               zlab_tensors(ZLAB, **ZLAB_TENSORS))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in dense["prompts"][:2]))
     out = tmp_path / "out" / "tau.json"

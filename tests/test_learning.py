@@ -9,7 +9,7 @@ import torch
 
 import dflash
 import eval as ev
-from test_train import CYCLE, SMALL, VOCAB, tiny_qwen3
+from conftest import CYCLE, SMALL, VOCAB, tiny_qwen3
 
 NEW_TOKENS = 24
 

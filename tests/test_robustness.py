@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 import dflash
-from test_train import ROOT, SMALL, VOCAB, tiny_qwen3, write_data
+from conftest import ROOT, SMALL, VOCAB, tiny_qwen3, write_data, write_lines
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +39,6 @@ def replace(argv, flag, value):
     i = argv.index(flag)
     argv[i + 1] = value
     return argv
-
-
-def write_lines(path, lines):
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return str(path)
 
 
 def test_missing_paths(w, capsys, tmp_path):
@@ -82,23 +76,18 @@ def test_bad_flags(w, capsys):
     fails_with(capsys, replace(b, "--mask_token_id", str(VOCAB + 5)), "mask_token_id", "outside the vocabulary")
     i = b.index("--mask_token_id")
     fails_with(capsys, b[:i] + b[i + 2:], "no mask token", "--mask_token_id")  # no tokenizer, no flag
-    fails_with(capsys, replace(b, "--block_size", "1"), "block_size", ">= 2")
-    fails_with(capsys, replace(b, "--num_anchors", "0"), "num_anchors", ">= 1")
+    fails_with(capsys, replace(b, "--block_size", "1"), "--block_size", "1 is outside", "[2, 1024]")
+    fails_with(capsys, replace(b, "--num_anchors", "0"), "--num_anchors", "0 is outside", "[1, 65536]")
 
 
 def test_mismatched_drafter_and_resume(w, capsys, tmp_path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
     out = str(tmp_path / "run")
     fails_with(capsys, w["base"] + ["--out", out, "--resume"], "no checkpoint", "--resume")
     dflash.main(w["base"] + ["--out", out])  # a good run, then reuse its drafter against other targets
     drafter = os.path.join(out, "step_2")
     for name, kw, needle in [("wide", {"hidden_size": 48}, "hidden size"), ("vocab", {"vocab_size": VOCAB + 32}, "vocab"),
                              ("deep", {"num_hidden_layers": 6}, "num_target_layers")]:
-        c = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=8, vocab_size=VOCAB)
-        c.update(kw)
-        path = str(tmp_path / name)
-        Qwen3ForCausalLM(Qwen3Config(**c)).save_pretrained(path)
+        path = tiny_qwen3(tmp_path / name, **kw)  # tiny_qwen3's geometry but for one field
         fails_with(capsys, replace(w["base"], "--target", path) + ["--out", str(tmp_path / "x"), "--init_from", drafter],
                    needle, "another target")
     # fine-tuning from a drafter directory (ours or z-lab's) keeps its geometry and trains on

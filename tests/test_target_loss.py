@@ -1,11 +1,9 @@
-"""Target hooks, labels, data, anchors, context noise and the corrected loss (DESIGN 4, 6), on tiny random
+"""Target hooks, labels, data, anchors, context noise and the corrected loss, on tiny random
 targets of every supported class (Qwen3, Llama, Qwen3.5 hybrid, Qwen3.5 multimodal), built in-process in fp32,
 saved and loaded back through dflash.load_target."""
 
 import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,48 +11,31 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dflash  # noqa: E402
-from dflash import DFlashError  # noqa: E402
+import dflash
+from conftest import (build_llama, build_qwen3, build_qwen35, build_qwen35_multimodal, tiny_cfg, tiny_tokenizer,
+                      write_lines)
+from dflash import DFlashError
 
 V, D, L = 128, 64, 4
 COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-              layer_types=["linear_attention"] * 3 + ["full_attention"])
-# kind -> (HF class expected from AutoModelForCausalLM, path of its decoder stack)
+HYBRID = dict(linear_key_head_dim=16, linear_value_head_dim=16)  # conftest's hybrid layout, at this head_dim
+# kind -> (HF class expected from AutoModelForCausalLM, path of its decoder stack, the in-memory model)
 KINDS = {
-    "qwen3": ("Qwen3ForCausalLM", "model"),
-    "llama": ("LlamaForCausalLM", "model"),
-    "qwen3_5": ("Qwen3_5ForCausalLM", "model"),
-    "qwen3_5_mm_checkpoint": ("Qwen3_5ForCausalLM", "model"),          # multimodal checkpoint, text-only class
-    "qwen3_5_mm_class": ("Qwen3_5ForConditionalGeneration", "model.language_model"),
+    "qwen3": ("Qwen3ForCausalLM", "model", lambda: build_qwen3(**COMMON)),
+    "llama": ("LlamaForCausalLM", "model", lambda: build_llama(**COMMON)),
+    "qwen3_5": ("Qwen3_5ForCausalLM", "model", lambda: build_qwen35(**COMMON, **HYBRID)),
+    # multimodal checkpoint, text-only class
+    "qwen3_5_mm_checkpoint": ("Qwen3_5ForCausalLM", "model", lambda: build_qwen35_multimodal(**COMMON, **HYBRID)),
+    "qwen3_5_mm_class": ("Qwen3_5ForConditionalGeneration", "model.language_model", None),  # built from the above
 }
+# tiny_cfg overrides for a drafter over these targets
+DRAFTER = dict(hidden_size=D, intermediate_size=96, num_hidden_layers=2, head_dim=16, vocab_size=V, block_size=4,
+               mask_token_id=V - 1, target_layer_ids=[0, 2], num_target_layers=L,
+               layer_types=["sliding_attention", "full_attention"], sliding_window=8)
 
-
-@pytest.fixture(autouse=True)
-def one_thread(request):
-    """Tiny models run many small ops: on a shared, oversubscribed CPU a second intra-op thread only adds waiting.
-    The large-vocabulary memory test keeps the default."""
-    n = torch.get_num_threads()
-    if "qwen_vocab" not in request.node.name:
-        torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def build_hf(kind):
-    import transformers as tf
-    torch.manual_seed(0)
-    if kind == "qwen3":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON))
-    if kind == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**COMMON))
-    if kind == "qwen3_5":
-        return tf.Qwen3_5ForCausalLM(tf.Qwen3_5TextConfig(**COMMON, **HYBRID))
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                  temporal_patch_size=2, out_hidden_size=D, num_position_embeddings=16)
-    return tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config={**COMMON, **HYBRID}, vision_config=vision))
+# tiny models run many small ops: one intra-op thread (tests marked all_threads keep the default)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +48,10 @@ def zoo(tmp_path_factory):
             if kind == "qwen3_5_mm_class":  # the multimodal class itself: no Auto class loads it as a causal LM
                 model = get("qwen3_5_mm_checkpoint")[1].eval().requires_grad_(False)  # as load_target does
                 back = dflash.find_decoder(model)
-                cache[kind] = (dflash.Target(model, back, back.layers, back.norm, model.get_input_embeddings(),
+                cache[kind] = (dflash.Target(model, back, model.get_input_embeddings(),
                                              model.get_output_embeddings(), None, kind), model)
             else:
-                model = build_hf(kind).eval()
+                model = KINDS[kind][2]().eval()
                 path = str(tmp_path_factory.mktemp(kind))
                 model.save_pretrained(path)
                 cache[kind] = (dflash.load_target(path), model)
@@ -95,7 +76,7 @@ def module_at(model, dotted):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_load_target_class_and_decoder(zoo, kind):
     target, original = zoo(kind)
-    cls, dec = KINDS[kind]
+    cls, dec, _ = KINDS[kind]
     assert type(target.model).__name__ == cls
     assert target.backbone is module_at(target.model, dec)
     assert target.layers is target.backbone.layers and len(target.layers) == L
@@ -197,16 +178,7 @@ def test_greedy_labels(zoo, kind):
 
 
 # -----------------------------------------------------------------------------
-# forward_batch: context noise only on the context, never at eval
-
-
-def tiny_drafter_cfg(**kw):
-    base = dict(hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=V, rope_theta=10000.0, max_position_embeddings=256, block_size=4,
-                mask_token_id=V - 1, target_layer_ids=[0, 2], num_target_layers=L,
-                layer_types=["sliding_attention", "full_attention"], sliding_window=8)
-    base.update(kw)
-    return dflash.DFlashConfig(**base)
+# dflash_loss: context noise only on the context, never at eval
 
 
 def tiny_batch():
@@ -218,7 +190,7 @@ def tiny_batch():
 
 def run_forward_batch(target, drafter, cfg, batch, anchors, valid, noise_std, train, monkeypatch):
     seen = {}
-    real_greedy, real_loss = dflash.greedy_labels, dflash.block_loss
+    real_greedy, real_loss = dflash.greedy_labels, dflash.weighted_ce
 
     def greedy(final, lm_head, chunk=None):
         seen["final"] = final.clone()
@@ -229,12 +201,11 @@ def run_forward_batch(target, drafter, cfg, batch, anchors, valid, noise_std, tr
         return real_loss(hidden, lm_head, labels, weights, chunk)
 
     monkeypatch.setattr(dflash, "greedy_labels", greedy)
-    monkeypatch.setattr(dflash, "block_loss", loss)
+    monkeypatch.setattr(dflash, "weighted_ce", loss)
     h1 = drafter.fc.register_forward_pre_hook(lambda m, a: seen.__setitem__("fc_in", a[0].clone()))
     h2 = drafter.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[1].clone()))
-    args = SimpleNamespace(labels="target", gamma=4.0, noise_std=noise_std)
     try:
-        out = dflash.forward_batch(drafter, target, cfg, batch, args, anchors, valid, "dense", train)
+        out = dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=noise_std if train else 0)
     finally:
         h1.remove()
         h2.remove()
@@ -244,7 +215,7 @@ def run_forward_batch(target, drafter, cfg, batch, anchors, valid, noise_std, tr
 
 def test_noise_only_on_context(zoo, monkeypatch):
     target, _ = zoo("qwen3")
-    cfg = tiny_drafter_cfg()
+    cfg = tiny_cfg(DRAFTER)
     torch.manual_seed(0)
     drafter = dflash.DFlashDrafter(cfg)
     batch = tiny_batch()
@@ -326,7 +297,7 @@ def test_weights_labels_tau_by_hand():
     lm_head = nn.Linear(5, 5, bias=False)
     with torch.no_grad():
         lm_head.weight.copy_(torch.eye(5))
-    loss_sum, stats = dflash.block_loss(hidden, lm_head, labels, w)
+    loss_sum, stats = dflash.weighted_ce(hidden, lm_head, labels, w)
     m = dflash.summarize(stats)
 
     assert stats["blocks"].item() == 4
@@ -402,7 +373,7 @@ def test_chunked_loss_equals_unchunked(chunk):
     weights = torch.rand(2, 5, 4, generator=g) * (torch.rand(2, 5, 4, generator=g) > 0.3)
     weights[..., 0] = 0
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
-    loss, _ = dflash.block_loss(h1, lm_head, labels, weights, chunk=chunk)
+    loss, _ = dflash.weighted_ce(h1, lm_head, labels, weights, chunk=chunk)
     loss.backward()
     ref = reference_loss(h2, lm_head, labels, weights)
     ref.backward()
@@ -425,6 +396,7 @@ def peak_cpu_bytes(fn):
     return peak
 
 
+@pytest.mark.all_threads  # a large-vocabulary memory measurement, not a swarm of tiny ops
 def test_chunked_loss_memory_at_qwen_vocab():
     Vq, Dq, chunk = 248320, 64, 16
     g = torch.Generator().manual_seed(0)
@@ -438,7 +410,7 @@ def test_chunked_loss_memory_at_qwen_vocab():
 
     def chunked():
         h = hidden.clone().requires_grad_(True)
-        loss, _ = dflash.block_loss(h, lm_head, labels, weights, chunk=chunk)
+        loss, _ = dflash.weighted_ce(h, lm_head, labels, weights, chunk=chunk)
         loss.backward()
         out["chunked"] = (loss.item(), h.grad)
 
@@ -462,57 +434,39 @@ def test_chunked_loss_memory_at_qwen_vocab():
 # Data
 
 
-def tiny_tokenizer(chat_template=True):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    words = ["<unk>", "<pad>", "<|user|>", "<|assistant|>", "<|end|>", "hi", "there", "good", "day", "bye", "ok",
-             "sure", "thing", "hello", "world", "a", "b", "c"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>")
-    if chat_template:
-        fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-                              "{% if add_generation_prompt %}<|assistant|> {% endif %}")
-    return fast
-
-
 U, A, E = 2, 3, 4  # <|user|>, <|assistant|>, <|end|>
 
 
-def test_encode_record_formats():
+def test_encode_sample_formats():
     tok = tiny_tokenizer()
     msgs = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "good day"},
                          {"role": "user", "content": "bye"}, {"role": "assistant", "content": "ok sure thing"}]}
-    ids, mask = dflash.encode_record(msgs, tok, "x:1")
+    ids, mask = dflash.encode_sample(msgs, tok, where="x:1")
     assert ids == [U, 5, 6, E, A, 7, 8, E, U, 9, E, A, 10, 11, 12, E]
     # 1 exactly on the assistant turns' tokens (content and its end-of-turn token), 0 on user turns and headers
     assert mask == [0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]
 
-    ids, mask = dflash.encode_record({"prompt": "hi", "response": "good day"}, tok, "x:2")
+    ids, mask = dflash.encode_sample({"prompt": "hi", "response": "good day"}, tok, where="x:2")
     assert ids == [U, 5, E, A, 7, 8, E] and mask == [0, 0, 0, 0, 1, 1, 1]
     plain = tiny_tokenizer(chat_template=False)
-    ids, mask = dflash.encode_record({"prompt": "hi there", "response": "good day"}, plain, "x:3")
+    ids, mask = dflash.encode_sample({"prompt": "hi there", "response": "good day"}, plain, where="x:3")
     assert ids == [5, 6, 7, 8] and mask == [0, 0, 1, 1]
-    ids, mask = dflash.encode_record({"text": "hello world a"}, tok, "x:4")
+    ids, mask = dflash.encode_sample({"text": "hello world a"}, tok, where="x:4")
     assert ids == [13, 14, 15] and mask == [1, 1, 1]
-    assert dflash.encode_record({"input_ids": [5, 6, 7], "loss_mask": [0, 2, 1]}, None, "x:5") == ([5, 6, 7], [0, 1, 1])
-    assert dflash.encode_record({"input_ids": [5, 6, 7]}, None, "x:6") == ([5, 6, 7], [1, 1, 1])
+    ids_mask = dflash.encode_sample({"input_ids": [5, 6, 7], "loss_mask": [0, 2, 1]}, None, where="x:5")
+    assert ids_mask == ([5, 6, 7], [0, 1, 1])
+    assert dflash.encode_sample({"input_ids": [5, 6, 7]}, None, where="x:6") == ([5, 6, 7], [1, 1, 1])
 
     with pytest.raises(DFlashError, match="x:7"):
-        dflash.encode_record({"input_ids": [5, 6], "loss_mask": [1]}, None, "x:7")
+        dflash.encode_sample({"input_ids": [5, 6], "loss_mask": [1]}, None, where="x:7")
     with pytest.raises(DFlashError, match="x:8"):
-        dflash.encode_record({"input_ids": ["a", "b"]}, None, "x:8")
+        dflash.encode_sample({"input_ids": ["a", "b"]}, None, where="x:8")
     with pytest.raises(DFlashError, match="x:9"):
-        dflash.encode_record({"text": "hi"}, None, "x:9")
+        dflash.encode_sample({"text": "hi"}, None, where="x:9")
     with pytest.raises(DFlashError, match="x:10"):
-        dflash.encode_record({"messages": msgs["messages"]}, plain, "x:10")
+        dflash.encode_sample({"messages": msgs["messages"]}, plain, where="x:10")
     with pytest.raises(DFlashError, match="x:11"):
-        dflash.encode_record([1, 2], tok, "x:11")
-
-
-def write_lines(path, lines):
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
+        dflash.encode_sample([1, 2], tok, where="x:11")
 
 
 def test_load_samples(tmp_path):
@@ -583,18 +537,16 @@ def test_batches_order_and_shards():
 
 def test_one_step_lowers_the_loss(zoo):
     target, _ = zoo("qwen3")
-    cfg = tiny_drafter_cfg()
+    cfg = tiny_cfg(DRAFTER)
     torch.manual_seed(0)
     drafter = dflash.DFlashDrafter(cfg).train()
     batch = tiny_batch()
     anchors, valid = dflash.batch_anchors(batch, 10)  # more anchors than the short row has: padding anchors too
     assert not valid.all()
-    args = SimpleNamespace(labels="target", gamma=4.0, noise_std=0.0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
 
     def loss():
-        s, stats = dflash.forward_batch(drafter, target, cfg, batch, args, anchors, valid, "dense", True)
-        return s / stats["w"]
+        return dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=0.0)[0]
 
     l0 = loss()
     l0.backward()
@@ -625,17 +577,17 @@ def test_load_target_without_tokenizer_files_has_no_tokenizer(zoo):
 
 def test_check_compatible(zoo):
     target, _ = zoo("qwen3")
-    cfg = tiny_drafter_cfg()
+    cfg = tiny_cfg(DRAFTER)
     dflash.check_compatible(cfg, target)  # matches
     with pytest.raises(DFlashError, match="hidden size"):
-        dflash.check_compatible(tiny_drafter_cfg(hidden_size=32), target)
+        dflash.check_compatible(tiny_cfg(DRAFTER, hidden_size=32), target)
     with pytest.raises(DFlashError, match="vocab"):
-        dflash.check_compatible(tiny_drafter_cfg(vocab_size=V + 1), target)
+        dflash.check_compatible(tiny_cfg(DRAFTER, vocab_size=V + 1), target)
     with pytest.raises(DFlashError, match="num_target_layers"):
-        dflash.check_compatible(tiny_drafter_cfg(num_target_layers=6, target_layer_ids=[1, 5]), target)
-    bad = tiny_drafter_cfg()
+        dflash.check_compatible(tiny_cfg(DRAFTER, num_target_layers=6, target_layer_ids=[1, 5]), target)
+    bad = tiny_cfg(DRAFTER)
     bad.target_layer_ids = [0, L]  # slipped past the config check
     with pytest.raises(DFlashError, match="out of range"):
         dflash.check_compatible(bad, target)
     with pytest.raises(DFlashError, match="out of range"):
-        tiny_drafter_cfg(target_layer_ids=[0, L])
+        tiny_cfg(DRAFTER, target_layer_ids=[0, L])

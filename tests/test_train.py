@@ -13,50 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import dflash
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VOCAB = 96
-CYCLE = [7, 23, 41, 60, 88]
-
-
-def tiny_qwen3(path):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
-def tiny_qwen35(path):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-    torch.manual_seed(0)
-    cfg = Qwen3_5TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, linear_num_key_heads=2,
-                            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
-                            initializer_range=0.2)  # a larger lm_head scale: confident logits are reachable
-    Qwen3_5ForCausalLM(cfg).save_pretrained(path)
-    return str(path)
-
-
-def write_data(path, n, seed=0, prompt=6, response=18):
-    """Pre-tokenized samples: a random prompt, then a response cycling through five fixed tokens from a random
-    phase (learnable by a tiny drafter in a few steps: the next tokens depend only on the anchor token)."""
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(n):
-            p = [rng.randrange(VOCAB - 1) for _ in range(prompt)]
-            phase = rng.randrange(len(CYCLE))
-            r = [CYCLE[(phase + k) % len(CYCLE)] for k in range(response)]
-            f.write(json.dumps({"input_ids": p + r, "loss_mask": [0] * prompt + [1] * response}) + "\n")
-    return str(path)
-
-
-SMALL = ["--mask_token_id", str(VOCAB - 1), "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "8",
-         "--num_draft_layers", "2", "--target_layer_ids", "1,3", "--block_size", "4", "--sliding_window", "8",
-         "--num_anchors", "6", "--lr", "3e-3", "--warmup_ratio", "0.1", "--log_every", "1", "--eval_every", "0",
-         "--save_every", "0", "--eval_fraction", "0"]
+from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, write_data
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +129,8 @@ dflash.main({["--target", workdir["q3"], "--data", workdir["data"], "--max_steps
 
 def test_twenty_steps_on_hybrid_target_learn(tmp_path):
     """Twenty steps on a tiny Qwen3.5 hybrid target lower the held-out loss and raise the tau estimate."""
-    target = tiny_qwen35(tmp_path / "q35")
+    # initializer_range 0.2: a larger lm_head scale, so confident logits are reachable
+    target = tiny_qwen35(tmp_path / "q35", initializer_range=0.2)
     data = write_data(tmp_path / "d.jsonl", 96, seed=1)
     out = tmp_path / "out"
     args = dflash.get_parser().parse_args(
@@ -196,16 +154,16 @@ def test_default_config_matches_zlab_qwen36_27b():
     tc = Qwen3_5TextConfig(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, vocab_size=248320,
                            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
                            rms_norm_eps=1e-6, max_position_embeddings=262144)
-    fake = dflash.Target(model=SimpleNamespace(config=tc), backbone=None, layers=[None] * 64, norm=None, embed=None,
+    fake = dflash.Target(model=SimpleNamespace(config=tc), backbone=SimpleNamespace(layers=[None] * 64), embed=None,
                          lm_head=torch.nn.Linear(5120, 248320, bias=False, device="meta"), tokenizer=None, name="fake")
     args = dflash.get_parser().parse_args(["--mask_token_id", "248070"])
-    cfg = dflash.derive_config(fake, args)
+    cfg = dflash.new_drafter_config(fake, **{k: getattr(args, k) for k in dflash.DRAFTER_FLAGS})
     assert cfg == dflash.DFlashConfig()  # the dataclass defaults are z-lab's published drafter
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size) == (5120, 5, 32, 8, 128, 17408)
     assert cfg.target_layer_ids == [1, 16, 31, 46, 61] and cfg.num_target_layers == 64
     assert cfg.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and cfg.sliding_window == 2048
-    assert [cfg.layer_is_causal(i) for i in range(5)] == [True] * 4 + [False]
+    assert [cfg.layer_kind(i)[0] for i in range(5)] == [True] * 4 + [False]
     assert cfg.rope_theta == 1e7 and cfg.rope_scaling is None and cfg.rms_norm_eps == 1e-6
     assert (cfg.block_size, cfg.mask_token_id, cfg.vocab_size) == (16, 248070, 248320)
     assert dflash.expected_shapes(cfg)["fc.weight"] == (5120, 25600)

@@ -1,25 +1,27 @@
 """
-bench.py: the speed and memory of DFlash's training and evaluation paths, measured side by side in one run.
+scripts/bench.py: the speed and memory of DFlash's training and evaluation paths, measured side by side in one
+run.
 
 Not part of the test run. What it measures (CPU, fp32, a small drafter: the shapes are printed):
   a. drafter training step (forward + loss + backward): ours (dflash.DFlashDrafter.forward, every anchor in one
-     call, dense SDPA path) vs a naive loop that drafts one block at a time the way inference does (the drafter's
-     own blocks() per anchor, context keys/values sliced to [:a]); num_anchors 32/128/512 at a fixed length and
-     lengths 512/2048/8192 at fixed anchors; time and peak memory;
-  b. attention forward of one drafter layer: compiled flex_attention (path "flex") vs dense-mask SDPA (path
-     "dense") at the same shapes; compile time apart from steady-state time (CPU flex has no backward);
-  c. the loss at V = 248320: chunked vocabulary projection + CE (dflash.block_loss) vs full logits +
+     call, attention "dense": SDPA) vs a naive loop that drafts one block at a time the way inference does (the
+     drafter's own blocks() per anchor, context keys/values sliced to [:a]); num_anchors 32/128/512 at a fixed
+     length and lengths 512/2048/8192 at fixed anchors; time and peak memory;
+  b. attention forward of one drafter layer: compiled flex_attention (dflash.compiled_flex_attention, taken when
+     the mask is a BlockMask: attention "flex") vs dense-mask SDPA (attention "dense") at the same shapes; compile
+     time apart from steady-state time (CPU flex has no backward);
+  c. the loss at V = 248320: chunked vocabulary projection + CE (dflash.weighted_ce) vs full logits +
      F.cross_entropy, forward + backward; time and peak memory;
   d. tau on a tiny dense Qwen3 target: the exact method (eval.py mode "exact") vs the real decode loop ("loop");
      identical acceptance lengths, time ratio.
 Then it checks the targets (PASS/MISS): training step about linear in num_anchors, chunked loss under 25% of the
 unchunked peak memory, exact tau >= 5x faster than the loop with identical results.
 
-    python bench.py --quick                       # < 5 min on a quiet 2-core CPU
-    python bench.py --json bench.json             # the full run (3 timed repeats everywhere)
-    python bench.py --quick --threads 1           # on a shared, oversubscribed machine (see --threads)
-    bash bench_gpu.sh                             # H200: flex vs dense at the Qwen3-8B drafter shape (--gpu)
-    bash bench_gpu.sh --dry-run                   # the same script at tiny shapes on CPU
+    python scripts/bench.py --quick               # < 5 min on a quiet 2-core CPU
+    python scripts/bench.py --json bench.json     # the full run (3 timed repeats everywhere)
+    python scripts/bench.py --quick --threads 1   # on a shared, oversubscribed machine (see --threads)
+    bash scripts/bench_gpu.sh                     # H200: flex vs dense at the Qwen3-8B drafter shape (--gpu)
+    bash scripts/bench_gpu.sh --dry-run           # the same script at tiny shapes on CPU
 
 Peak memory on CPU: each measured configuration runs in a fresh process forked from this one before it has run
 any torch op; the child builds its inputs, resets the kernel's peak-RSS counter (writing 5 to
@@ -44,13 +46,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import dflash
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root: dflash.py, eval.py
+sys.path.insert(0, ROOT)
+
+import dflash  # noqa: E402
+import eval as tau_eval  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Settings: the CPU drafter and the sweeps
 
 ANCHOR_SWEEP = (32, 128, 512)      # num_anchors at the fixed length FIXED_LEN
 LENGTH_SWEEP = (512, 2048, 8192)   # sequence lengths at the fixed FIXED_ANCHORS
+# Every length here (and in --gpu) is its own dflash.padded_length (a power of two, at least 128), the one padding
+# rule of flex shapes, and N*B is a multiple of 128: the compiled flex kernels are timed at shapes training runs.
 FIXED_LEN, FIXED_ANCHORS = 2048, 128
 BIG_VOCAB = 248320                 # Qwen3.5/3.6
 H200_BF16_PEAK = 989e12            # dense bf16 FLOP/s
@@ -66,7 +74,7 @@ def cpu_config():
 
 def describe(cfg):
     kinds = ", ".join(("sliding(W=%d)" % cfg.sliding_window if t == "sliding_attention" else "full")
-                      + (" causal" if cfg.layer_is_causal(i) else " bidirectional")
+                      + (" causal" if cfg.layer_kind(i)[0] else " bidirectional")
                       for i, t in enumerate(cfg.layer_types))
     return (f"D={cfg.hidden_size}, {cfg.num_hidden_layers} layers [{kinds}], {cfg.num_attention_heads} heads / "
             f"{cfg.num_key_value_heads} kv, head_dim {cfg.head_dim}, MLP {cfg.intermediate_size}, B={cfg.block_size}, "
@@ -180,19 +188,19 @@ def train_inputs(cfg, S, N, seed=0):
 
 def naive_forward(drafter, context, x, anchors, valid):
     """One block at a time, as an inference loop drafts: the block anchored at a sees context keys [:a] and itself.
-    The context keys/values are computed once (as DraftCache does); each block goes through the drafter's own
-    blocks() with the cache sliced to its anchor."""
-    kv = drafter.context_kv(drafter.context(context))
+    The context keys/values are computed once (as eval.NeuralDrafter does); each block goes through the drafter's
+    own blocks() (with its own attention, "dense" here) with the cache sliced to its anchor."""
+    kv = drafter.context_kv(context)
     out = []
     for n, a in enumerate(anchors[0].tolist()):
         kv_a = [(k[:, :a], v[:, :a]) for k, v in kv]
-        out.append(drafter.blocks(x[:, n:n + 1], anchors[:, n:n + 1], valid[:, n:n + 1], kv_a, a, "dense"))
+        out.append(drafter.blocks(x[:, n:n + 1], anchors[:, n:n + 1], valid[:, n:n + 1], kv_a, a))
     return torch.cat(out, 1)                                                                # (1, N, B, D)
 
 
 def train_step_case(impl, cfg, S, N, repeats, long_s=None):
     torch.manual_seed(0)
-    drafter = dflash.DFlashDrafter(cfg).train()
+    drafter = dflash.DFlashDrafter(cfg, attention="dense").train()
     inp = train_inputs(cfg, S, N)
     w_total = inp.weights.sum()
     loss = {}
@@ -200,10 +208,10 @@ def train_step_case(impl, cfg, S, N, repeats, long_s=None):
     def step():
         drafter.zero_grad(set_to_none=True)
         if impl == "ours":
-            hidden = drafter(inp.context, inp.x, inp.anchors, inp.valid, "dense")
+            hidden = drafter(inp.context, inp.x, inp.anchors, inp.valid)
         else:
             hidden = naive_forward(drafter, inp.context, inp.x, inp.anchors, inp.valid)
-        loss_sum, _ = dflash.block_loss(hidden, inp.lm_head, inp.labels, inp.weights)
+        loss_sum, _ = dflash.weighted_ce(hidden, inp.lm_head, inp.labels, inp.weights)
         (loss_sum / w_total).backward()
         loss["value"] = (loss_sum / w_total).item()
 
@@ -223,10 +231,10 @@ def attention_case(cfg, S, N, repeats):
     inp = train_inputs(cfg, S, N)
     i = cfg.num_hidden_layers - 1
     layer = drafter.layers[i]
-    key = (cfg.layer_is_causal(i), cfg.layer_window(i))
+    key = cfg.layer_kind(i)
     out, rows = {}, []
     with torch.no_grad():
-        k, v = drafter.context_kv(drafter.context(inp.context))[i]
+        k, v = drafter.context_kv(inp.context)[i]
         pos = dflash.block_positions(inp.anchors, cfg.block_size)
         cos, sin = dflash.rope_cos_sin(drafter.inv_freq, drafter.rope_scale, pos, inp.x.dtype)
         x = layer.input_layernorm(inp.x)
@@ -234,7 +242,7 @@ def attention_case(cfg, S, N, repeats):
             t0 = time.perf_counter()
             mask = dflash.build_masks(cfg, inp.anchors, inp.valid, S, path)[key]
             mask_s = time.perf_counter() - t0
-            call = lambda: layer.self_attn(x, cos, sin, k, v, mask, path)  # noqa: E731
+            call = lambda: layer.self_attn(x, cos, sin, k, v, mask)  # noqa: E731  (a BlockMask: flex)
             t0 = time.perf_counter()
             out[path] = call()                                      # flex: compiles for this shape
             first = time.perf_counter() - t0
@@ -277,7 +285,7 @@ def loss_case(impl, D, V, tokens, repeats):
     def step():
         hidden.grad = None
         if impl == "chunked":
-            loss_sum, _ = dflash.block_loss(hidden, lm_head, labels, weights)
+            loss_sum, _ = dflash.weighted_ce(hidden, lm_head, labels, weights)
         else:
             w = weights.flatten()
             sel = (w > 0).nonzero().squeeze(1)
@@ -303,8 +311,8 @@ def tiny_qwen3_target(seed=0):
                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
                      initializer_range=0.1, tie_word_embeddings=False)
     model = Qwen3ForCausalLM(tc).eval().requires_grad_(False)
-    return dflash.Target(model, model.model, model.model.layers, model.model.norm, model.get_input_embeddings(),
-                         model.lm_head, None, "tiny random Qwen3 (4 layers, D=64, V=512)")
+    return dflash.Target(model, model.model, model.get_input_embeddings(), model.lm_head, None,
+                         "tiny random Qwen3 (4 layers, D=64, V=512)")
 
 
 def train_tiny_drafter(target, prompts, new_tokens, steps, seed=0):
@@ -323,14 +331,14 @@ def train_tiny_drafter(target, prompts, new_tokens, steps, seed=0):
     P = ids.shape[1]
     samples = [(s.tolist(), [0] * P + [1] * (len(s) - P)) for s in seqs]
     torch.manual_seed(seed)
-    drafter = dflash.DFlashDrafter(cfg).train()
+    drafter = dflash.DFlashDrafter(cfg, attention="dense").train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    args = SimpleNamespace(labels="target", gamma=4.0, noise_std=0.0)
     for step in range(steps):
         batch = dflash.collate(samples, 0, keys=[step * len(samples) + r for r in range(len(samples))])
         anchors, valid = dflash.batch_anchors(batch, 64)
-        loss_sum, stats = dflash.forward_batch(drafter, target, cfg, batch, args, anchors, valid, "dense", train=True)
-        (loss_sum / stats["w"].clamp(min=1e-9)).backward()
+        loss, stats = dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=0.0,
+                                         labels="target")  # sum(w * CE) / sum(w) of the batch
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return drafter.eval(), dflash.summarize(stats)["tau"]
@@ -338,14 +346,13 @@ def train_tiny_drafter(target, prompts, new_tokens, steps, seed=0):
 
 def eval_case(num_prompts, max_new_tokens, train_steps):
     """Both modes of eval.evaluate_drafters on the same prompts, for the trained drafter and prompt lookup."""
-    import eval as tau_eval
     target = tiny_qwen3_target()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 511, (12,), generator=g).tolist() for _ in range(num_prompts)]
     t0 = time.perf_counter()
     drafter, train_tau = train_tiny_drafter(target, prompts, max_new_tokens, train_steps)
     train_s = time.perf_counter() - t0
-    drafters = {"drafter": drafter, "prompt-lookup": "prompt-lookup"}
+    drafters = {"drafter": drafter, tau_eval.PROMPT_LOOKUP: tau_eval.PromptLookupDrafter()}
     reports, wall = {}, {}
     for mode in ("exact", "loop"):
         t0 = time.perf_counter()
@@ -547,7 +554,7 @@ def visible_pairs(cfg, anchors, valid, S):
     """(query, key) pairs the mask lets through, per layer kind, summed over layers (the useful attention work)."""
     total = 0
     for i in range(cfg.num_hidden_layers):
-        mod = dflash.make_mask_mod(anchors, valid, S, cfg.block_size, cfg.layer_is_causal(i), cfg.layer_window(i))
+        mod = dflash.make_mask_mod(anchors, valid, S, cfg.block_size, *cfg.layer_kind(i))
         total += int(dflash.dense_mask(mod, *anchors.shape, S, cfg.block_size, anchors.device).sum())
     return total
 
@@ -607,9 +614,10 @@ def run_gpu(args):
           f"TFLOP/s (H200 dense bf16)")
 
     def forward(model, path):
+        getattr(model, "_orig_mod", model).attention = path  # on the drafter itself, under a compiled wrapper
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not cpu):
-            hidden = model(cur.context, cur.x, cur.anchors, cur.valid, path)
-            loss_sum, _ = dflash.block_loss(hidden, cur.lm_head, cur.labels, cur.weights)
+            hidden = model(cur.context, cur.x, cur.anchors, cur.valid)
+            loss_sum, _ = dflash.weighted_ce(hidden, cur.lm_head, cur.labels, cur.weights)
         return hidden, loss_sum / cur.w_total
 
     def step(model, path):

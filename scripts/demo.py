@@ -7,13 +7,20 @@ The CPU demo behind `python dflash.py` (no arguments): DFlash end to end on a la
 3. a drafter trained with dflash.train, the same loop a GPU run uses (dense attention on CPU);
 4. tau measured by eval.py on held-out stdlib prompts: trained vs untrained drafter vs prompt lookup,
    written to <out>/demo_eval.json.
+
+Under torchrun only rank 0 builds the target and the data (the others wait at a barrier), all ranks train, and
+rank 0 alone measures and reports tau.
 """
 import os
+import sys
 import time
 
 import torch
 
-import dflash
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this folder's scripts import dflash.py and eval.py from the repository root
+
+import dflash  # noqa: E402
 
 # The demo's preset: a small drafter for a 128-wide, 4-layer target. Fewer anchors (32 of ~64 response tokens)
 # at a higher learning rate than the paper's recipe suit a drafter this small; everything else is the default path.
@@ -27,7 +34,7 @@ DEMO_TRAIN_SAMPLES = 2048
 DEMO_PROMPTS, DEMO_NEW_TOKENS = 24, 64
 
 
-def run_demo(argv=()):
+def run_demo(argv):
     """argv: extra dflash.py flags, applied after the preset (e.g. `python dflash.py --demo --noise_std 0`)."""
     import eval as tau_eval
     from tiny_target import build_tiny_target, heldout_prompts, make_regenerated_data
@@ -36,24 +43,34 @@ def run_demo(argv=()):
     argv = [a for a in argv if a != "--demo"]
     args = dflash.get_parser().parse_args(argv)
     out = args.out if args.out != "out" else os.path.join("out", "demo")
-    cache = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
-    os.makedirs(out, exist_ok=True)
-    print("== 1/4 tiny Qwen3.5-hybrid target (cached in .cache/ after the first run)")
-    target_path = build_tiny_target(cache)
-    print("== 2/4 training data: the target's own greedy continuations of stdlib prompts")
-    data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"), num_samples=DEMO_TRAIN_SAMPLES)
+    dflash.check_writable_dir(out, "--out")
+    cache = os.path.join(ROOT, ".cache")
+    rank, world, _ = dflash.setup_distributed(args.device)
+    say = print if rank == 0 else lambda *a: None
+    if rank == 0:
+        print("== 1/4 tiny Qwen3.5-hybrid target (cached in .cache/ after the first run)")
+        target_path = build_tiny_target(cache)
+        print("== 2/4 training data: the target's own greedy continuations of stdlib prompts")
+        data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"),
+                                     num_samples=DEMO_TRAIN_SAMPLES)
+    if world > 1:  # the other ranks wait for rank 0's build, then read the same cached files
+        torch.distributed.barrier()
+        target_path, data = os.path.join(cache, "tiny_qwen35"), os.path.join(cache, "demo_data.jsonl")
     t_train = time.time()
-    print("== 3/4 training the drafter with dflash.train")
-    train_args = dflash.get_parser().parse_args(
-        ["--target", target_path, "--data", data, *DEMO_FLAGS, *argv, "--out", out])
+    say("== 3/4 training the drafter with dflash.train")
+    train_args = dflash.get_parser().parse_args(["--target", target_path, "--data", data, *DEMO_FLAGS, *argv,
+                                                 "--out", out])
     drafter, cfg, target = dflash.train(train_args)
+    if rank != 0:
+        return None
     t_train = time.time() - t_train
     print(f"== 4/4 tau on {DEMO_PROMPTS} held-out stdlib prompts, {DEMO_NEW_TOKENS}-token greedy continuations")
     torch.manual_seed(args.seed)
     untrained = dflash.DFlashDrafter(cfg).eval()
     prompts = heldout_prompts(target_path, num_prompts=DEMO_PROMPTS)
     report = tau_eval.evaluate_drafters(target, {"trained": drafter.eval(), "untrained": untrained,
-                                                 "prompt-lookup": "prompt-lookup"}, prompts, DEMO_NEW_TOKENS)
+                                                 "prompt-lookup": tau_eval.PromptLookupDrafter()},
+                                        prompts, DEMO_NEW_TOKENS)
     report["target"] = target_path
     tau_eval.print_report(report)
     tau_eval.write_json(report, os.path.join(out, "demo_eval.json"))
@@ -62,3 +79,13 @@ def run_demo(argv=()):
           f"untrained {tau['untrained']:.2f}, prompt-lookup {tau['prompt-lookup']:.2f}; "
           f"wrote {os.path.join(out, 'demo_eval.json')}")
     return report
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = dflash.get_parser().parse_args(argv)  # bad flags: one error line before anything is built
+    return dflash.run_main(lambda _: run_demo(argv), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Shared test helpers: the repository root on sys.path, tiny Hugging Face targets, a tiny drafter config, z-lab
+drafter directories, a tiny tokenizer, pre-tokenized training data, and the one_thread fixtures.
+
+Test files import the plain helpers with `from conftest import ...` (pytest puts tests/ on sys.path); fixtures
+defined here are found by name."""
+
+import json
+import os
+import random
+import sys
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # `import dflash`, `import eval` whichever test file runs alone
+
+import dflash  # noqa: E402
+
+VOCAB = 96
+CYCLE = [7, 23, 41, 60, 88]
+
+# dflash.py command-line flags for a small drafter over tiny_qwen3()'s default geometry
+SMALL = ["--mask_token_id", str(VOCAB - 1), "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "8",
+         "--num_draft_layers", "2", "--target_layer_ids", "1,3", "--block_size", "4", "--sliding_window", "8",
+         "--num_anchors", "6", "--lr", "3e-3", "--warmup_ratio", "0.1", "--log_every", "1", "--eval_every", "0",
+         "--save_every", "0", "--eval_fraction", "0"]
+
+
+# -----------------------------------------------------------------------------
+# Threads
+
+
+@contextmanager
+def torch_threads(n):
+    """Run with n intra-op threads, restoring the previous number after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "all_threads: the one_thread fixture leaves this test's thread count alone")
+
+
+@pytest.fixture
+def one_thread(request):
+    """Tiny models run many small ops: on a shared, oversubscribed CPU, extra intra-op threads only add waiting
+    (seconds, not ms). A test marked all_threads keeps the default."""
+    if request.node.get_closest_marker("all_threads"):
+        yield
+        return
+    with torch_threads(1):
+        yield
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """one_thread for a whole module, module-scoped fixtures included (use it before them)."""
+    with torch_threads(1):
+        yield
+
+
+# -----------------------------------------------------------------------------
+# Tiny Hugging Face targets. build_*: the model in memory (seeded, so the same weights every time); tiny_*: the
+# same model saved as a Hugging Face directory at path, whose str is returned. Keyword arguments override the
+# config fields below.
+
+TINY_TARGET = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+# the Qwen3.5 hybrid layout: three Gated DeltaNet (linear attention) layers, then one full-attention layer
+TINY_HYBRID = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"])
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                   temporal_patch_size=2, num_position_embeddings=16)  # out_hidden_size: the text hidden size
+
+
+def build_qwen3(**config):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**{**TINY_TARGET, **config}))
+
+
+def build_llama(**config):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY_TARGET, **config}))
+
+
+def build_qwen35(**config):
+    """The Qwen3.5 hybrid text model (Qwen3_5ForCausalLM)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    torch.manual_seed(0)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY_TARGET, **TINY_HYBRID, **config}))
+
+
+def build_qwen35_multimodal(**config):
+    """The Qwen3.5 multimodal class (Qwen3_5ForConditionalGeneration): the hybrid text model plus a tiny vision
+    tower; config overrides the text config."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    text = {**TINY_TARGET, **TINY_HYBRID, **config}
+    torch.manual_seed(0)
+    return Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+        text_config=text, vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]}))
+
+
+def tiny_qwen3(path, **config):
+    build_qwen3(**config).save_pretrained(path)
+    return str(path)
+
+
+def tiny_llama(path, **config):
+    build_llama(**config).save_pretrained(path)
+    return str(path)
+
+
+def tiny_qwen35(path, **config):
+    build_qwen35(**config).save_pretrained(path)
+    return str(path)
+
+
+def tiny_qwen35_multimodal(path, **config):
+    build_qwen35_multimodal(**config).save_pretrained(path)
+    return str(path)
+
+
+# -----------------------------------------------------------------------------
+# The tiny drafter config
+
+TINY_CFG = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, vocab_size=97, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=256,
+                block_size=4, mask_token_id=96, target_layer_ids=[1, 3], num_target_layers=5,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"], sliding_window=6)
+
+
+def tiny_cfg(*presets, **overrides):
+    """A tiny DFlashConfig: TINY_CFG, then each preset dict in order, then the keyword overrides."""
+    base = dict(TINY_CFG)
+    for p in presets:
+        base.update(p)
+    base.update(overrides)
+    return dflash.DFlashConfig(**base)
+
+
+# -----------------------------------------------------------------------------
+# Drafter directories in the z-lab layout, written by hand (not from dflash's helpers): config.json as z-lab
+# writes it (flat rope_theta, nested dflash_config) and model.safetensors with the z-lab key names (no `model.`
+# prefix, no embedding, no lm_head).
+
+# geometry: D hidden, layers, heads, kv heads, hd head_dim, inter intermediate, V vocab, M mask id,
+# T target_layer_ids, L num_target_layers, Bs block_size, Wz sliding_window
+ZL = dict(D=32, layers=3, heads=4, kv=2, hd=8, inter=40, V=120, M=117, T=[1, 4], L=6, Bs=8, Wz=5)
+
+
+def zlab_tensors(z=ZL, seed=0, scale=0.2, norm_scale=0.2, dtype=torch.bfloat16):
+    """Random tensors under the z-lab names: weights scale * N(0, 1), norms 1 + norm_scale * N(0, 1)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: (scale * torch.randn(*s, generator=g)).to(dtype)  # noqa: E731
+    n = lambda *s: 1 + (norm_scale * torch.randn(*s, generator=g)).to(dtype)  # noqa: E731
+    t = {"fc.weight": r(z["D"], len(z["T"]) * z["D"]), "hidden_norm.weight": n(z["D"]), "norm.weight": n(z["D"])}
+    for i in range(z["layers"]):
+        p = f"layers.{i}."
+        t[p + "input_layernorm.weight"] = n(z["D"])
+        t[p + "post_attention_layernorm.weight"] = n(z["D"])
+        t[p + "self_attn.q_proj.weight"] = r(z["heads"] * z["hd"], z["D"])
+        t[p + "self_attn.k_proj.weight"] = r(z["kv"] * z["hd"], z["D"])
+        t[p + "self_attn.v_proj.weight"] = r(z["kv"] * z["hd"], z["D"])
+        t[p + "self_attn.o_proj.weight"] = r(z["D"], z["heads"] * z["hd"])
+        t[p + "self_attn.q_norm.weight"] = n(z["hd"])
+        t[p + "self_attn.k_norm.weight"] = n(z["hd"])
+        t[p + "mlp.gate_proj.weight"] = r(z["inter"], z["D"])
+        t[p + "mlp.up_proj.weight"] = r(z["inter"], z["D"])
+        t[p + "mlp.down_proj.weight"] = r(z["D"], z["inter"])
+    return t
+
+
+def zlab_config(z=ZL, rope="flat", **over):
+    """config.json contents; rope "flat" (rope_theta, rope_scaling) or "nested" (transformers 5's rope_parameters)."""
+    c = {
+        "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": z["Bs"], "bos_token_id": 1,
+        "dflash_config": {"mask_token_id": z["M"], "target_layer_ids": z["T"]}, "eos_token_id": 2,
+        "head_dim": z["hd"], "hidden_act": "silu", "hidden_size": z["D"], "initializer_range": 0.02,
+        "intermediate_size": z["inter"], "layer_types": ["sliding_attention"] * (z["layers"] - 1) + ["full_attention"],
+        "max_position_embeddings": 40960, "max_window_layers": z["layers"], "model_type": "qwen3",
+        "num_attention_heads": z["heads"], "num_hidden_layers": z["layers"], "num_key_value_heads": z["kv"],
+        "num_target_layers": z["L"], "rms_norm_eps": 1e-6, "sliding_window": z["Wz"], "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": True,
+        "vocab_size": z["V"],
+    }
+    if rope == "flat":
+        c.update(rope_theta=1000000, rope_scaling=None)
+    else:  # transformers 5 writes rope_parameters
+        c["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    c.update(over)
+    return c
+
+
+def write_zlab_dir(path, config, tensors, shards=1):
+    """config.json and model.safetensors at path; shards > 1: model-0000k-of-0000n.safetensors plus the index."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    if shards == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return path
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: tensors[k] for k in keys[s::shards]}
+        save_file(part, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+    return path
+
+
+# -----------------------------------------------------------------------------
+# Data
+
+TOKENIZER_WORDS = ["<unk>", "<pad>", "<|user|>", "<|assistant|>", "<|end|>", "hi", "there", "good", "day", "bye", "ok",
+                   "sure", "thing", "hello", "world", "a", "b", "c"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def tiny_tokenizer(chat_template=True, words=TOKENIZER_WORDS, **special_tokens):
+    """A whitespace word-level tokenizer (word i has id i). chat_template: True for CHAT_TEMPLATE, a template
+    string, or False for none. special_tokens default to unk <unk> and pad <pad>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **(special_tokens or {"unk_token": "<unk>",
+                                                                               "pad_token": "<pad>"}))
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE if chat_template is True else chat_template
+    return fast
+
+
+def write_data(path, n, seed=0, prompt=6, response=18):
+    """Pre-tokenized samples: a random prompt, then a response cycling through five fixed tokens from a random
+    phase (learnable by a tiny drafter in a few steps: the next tokens depend only on the anchor token)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            p = [rng.randrange(VOCAB - 1) for _ in range(prompt)]
+            phase = rng.randrange(len(CYCLE))
+            r = [CYCLE[(phase + k) % len(CYCLE)] for k in range(response)]
+            f.write(json.dumps({"input_ids": p + r, "loss_mask": [0] * prompt + [1] * response}) + "\n")
+    return str(path)
+
+
+def write_lines(path, lines):
+    """Each line plus a newline, to the pathlib.Path path; returns str(path)."""
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
