@@ -43,14 +43,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-
 class DFlashError(Exception):
     """Bad input or a bad checkpoint: printed as one `error:` line (no traceback) by run_main()."""
 
 
 # -----------------------------------------------------------------------------
 # Drafter config: mirrors the z-lab config.json (a Qwen3 config plus the DFlash fields)
-
 
 @dataclass
 class DFlashConfig:
@@ -152,14 +150,12 @@ class DFlashConfig:
         except TypeError as e:
             raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
 
-
 def default_target_layer_ids(num_target_layers, num_draft_layers):
     """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61]."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
-
 
 def check_target_layer_ids(ids, num_target_layers):
     if not ids:
@@ -175,7 +171,6 @@ def check_target_layer_ids(ids, num_target_layers):
 # Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function.
 # Queries are N blocks of B tokens (query q_idx is offset i = q_idx % B of block n = q_idx // B, at position a+i);
 # keys are [S context positions ; the N blocks of B tokens].
-
 
 def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
     """anchors, anchor_valid (b, N). A key is visible to block token i of the block anchored at a iff
@@ -202,7 +197,6 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
 
     return mask_mod
 
-
 def dense_mask(mask_mod, b, N, S, B, device):
     """The dense path's mask: each block's queries against [context ; its own block] only: (b, N, B, S+B)."""
     n = torch.arange(N, device=device)
@@ -219,11 +213,9 @@ def dense_mask(mask_mod, b, N, S, B, device):
 compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
 compiled_create_block_mask = torch.compile(create_block_mask)
 
-
 def padded_length(S):
     """The one padding rule for flex shapes: the next power of two, at least 128 (flex's tile size)."""
     return max(128, 1 << (S - 1).bit_length())
-
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
     """One mask per distinct (causal, window) layer kind: a BlockMask ("flex") or a bool (b, N, B, S+B) ("dense")."""
@@ -242,7 +234,6 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
 # -----------------------------------------------------------------------------
 # The drafter: Qwen3 decoder layers whose keys/values also see the target's context features
 
-
 class RMSNorm(nn.Module):
     """x / rms(x) * w, computed in fp32 like Hugging Face's Qwen3RMSNorm."""
 
@@ -256,7 +247,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
 
 def rope_inv_freq(cfg):
     """Inverse frequencies and cos/sin scale of RoPE over the full head_dim (Hugging Face's default and yarn)."""
@@ -286,19 +276,16 @@ def rope_inv_freq(cfg):
     inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
     return inv_freq, float(attention_factor)
 
-
 def rope_cos_sin(inv_freq, scale, positions, dtype):
     """positions (...,) -> cos, sin (..., head_dim)."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
-
 def apply_rope(x, cos, sin):
     """x (..., T, heads, hd); cos/sin (..., T, hd)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.unsqueeze(-2) + torch.cat([-x2, x1], dim=-1) * sin.unsqueeze(-2)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -343,7 +330,6 @@ class Attention(nn.Module):
             out = out.reshape(b, N, h, B, hd).transpose(2, 3).reshape(b, N, B, h * hd)
         return self.o_proj(out)
 
-
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -353,7 +339,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg):
@@ -366,7 +351,6 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class DFlashDrafter(nn.Module):
     """Holds no embedding and no lm_head: both are the target's (frozen, passed in by the caller).
@@ -416,7 +400,6 @@ class DFlashDrafter(nn.Module):
 # -----------------------------------------------------------------------------
 # Checkpoints: a drafter directory in the z-lab layout (config.json + model.safetensors, no "model." prefix)
 
-
 def expected_shapes(cfg):
     D, hd, h, hk, I = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
         cfg.intermediate_size
@@ -434,7 +417,6 @@ def expected_shapes(cfg):
                            p + "self_attn.v_proj.bias": (hk * hd,), p + "self_attn.o_proj.bias": (D,)})
     return shapes
 
-
 def read_json(path, what):
     try:
         with open(path) as f:
@@ -443,7 +425,6 @@ def read_json(path, what):
         raise DFlashError(f"{path}: not valid JSON ({e}); the {what} is corrupt") from None
     except (OSError, UnicodeDecodeError) as e:
         raise DFlashError(f"cannot read {path}: {e}") from None
-
 
 def read_drafter_config(path):
     if not os.path.isdir(path):
@@ -455,7 +436,6 @@ def read_drafter_config(path):
     if not isinstance(d, dict):
         raise DFlashError(f"{cfg_path}: expected a JSON object")
     return DFlashConfig.from_json(d, where=cfg_path)
-
 
 def read_drafter_tensors(path):
     from safetensors.torch import load_file
@@ -475,7 +455,6 @@ def read_drafter_tensors(path):
                               f"({str(e).splitlines()[0][:200]}); the checkpoint is corrupt") from None
     return tensors
 
-
 def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape."""
     cfg = read_drafter_config(path)
@@ -483,7 +462,8 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     fc = tensors.get("fc.weight")
     if fc is not None and tuple(fc.shape) != expected["fc.weight"]:
         raise DFlashError(f"{path}: tensor fc.weight has shape {tuple(fc.shape)} but len(target_layer_ids) * "
-                          f"hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size} needs {expected['fc.weight']}")
+                          f"hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size} needs "
+                          f"{expected['fc.weight']}")
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing:
         raise DFlashError(f"{path}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)"
@@ -499,7 +479,6 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     drafter.load_state_dict(tensors, strict=True, assign=True)
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
-
 
 @contextmanager
 def atomic_dir(path):
@@ -519,7 +498,6 @@ def atomic_dir(path):
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
-
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
     """Write config.json + model.safetensors (bf16 or fp32) and any {name: torch object} extra files, atomically."""
     from safetensors.torch import save_file
@@ -535,7 +513,6 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
 
 # -----------------------------------------------------------------------------
 # The target: frozen, loaded through AutoModelForCausalLM; forward hooks capture h[t] and the final hidden state f
-
 
 @dataclass
 class Target:
@@ -571,7 +548,6 @@ class Target:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
-
 def find_decoder(model):
     """The text decoder stack, found by inspection rather than by model name: the module holding `layers` (a
     ModuleList), a final `norm` and the input embedding. Qwen3/Llama/Qwen3.5 text: model.model; the Qwen3.5/3.6
@@ -583,7 +559,6 @@ def find_decoder(model):
             return m
     raise DFlashError(f"cannot find the decoder layers of {type(model).__name__}: no submodule holds `layers`, "
                       f"`norm` and the input embedding")
-
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
     """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise."""
@@ -608,7 +583,6 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
     return Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
                   tokenizer, name)
 
-
 def check_compatible(cfg, target, where="drafter"):
     """A drafter made for another target must fail loudly, not draft garbage."""
     for what, ours, theirs in (("hidden size", cfg.hidden_size, target.hidden_size),
@@ -618,7 +592,6 @@ def check_compatible(cfg, target, where="drafter"):
             raise DFlashError(f"{where} {what} {ours} != the target's {theirs}; the drafter was made for another "
                               f"target")
     check_target_layer_ids(cfg.target_layer_ids, target.num_layers)
-
 
 @contextmanager
 def capture_hidden(target, layer_ids):
@@ -639,7 +612,6 @@ def capture_hidden(target, layer_ids):
         for h in handles:
             h.remove()
 
-
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
     """One pass of the target's decoder stack (no lm_head, no all-hidden-states) -> context (b, S, m*D) =
@@ -648,12 +620,10 @@ def target_features(target, input_ids, layer_ids):
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
 
-
 def vocab_chunk(vocab_size, budget=2**27):
     """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]
     logits never exist at once (V = 248320 for Qwen3.5/3.6)."""
     return max(1, budget // vocab_size)
-
 
 @torch.no_grad()
 def greedy_labels(final, lm_head, chunk=None):
@@ -668,7 +638,6 @@ def greedy_labels(final, lm_head, chunk=None):
 
 # -----------------------------------------------------------------------------
 # Data: JSONL -> (input_ids, loss_mask) per sample; one sample per row (HF targets do not separate packed samples)
-
 
 def read_jsonl(path, what, hint=""):
     """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line."""
@@ -687,7 +656,6 @@ def read_jsonl(path, what, hint=""):
     except OSError as e:
         raise DFlashError(f"cannot read {what} file {path!r}: {e.strerror}") from None
 
-
 def check_ids(ids, vocab_size, where):
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
         raise DFlashError(f"{where}: input_ids must be a list of integers")
@@ -696,18 +664,15 @@ def check_ids(ids, vocab_size, where):
         raise DFlashError(f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
     return ids
 
-
 def template_kwargs(tokenizer, enable_thinking):
     """Pass enable_thinking through only when it is set and the chat template reads it (training and eval alike)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
 
-
 def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **template_kwargs)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
 
 def chat_sample(messages, tokenizer, kw, eos, where):
     """(ids, mask) of a conversation, mask 1 exactly on what the target generates for each assistant turn k: from the
@@ -748,7 +713,6 @@ def chat_sample(messages, tokenizer, kw, eos, where):
         mask[start:end] = [1] * (end - start)
     return full, mask
 
-
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
     """One JSONL record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
     Formats: {"messages": [...]} (loss on the assistant turns), {"prompt", "response"}, {"text"} (loss everywhere),
@@ -787,7 +751,6 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
     raise DFlashError(f"{where}: none of the known fields (messages | prompt+response | text | input_ids); "
                       f"got keys {sorted(record)}")
 
-
 def show_data(samples, tokenizer, n, file=None):
     """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
     file = file or sys.stdout
@@ -797,7 +760,6 @@ def show_data(samples, tokenizer, n, file=None):
         anchors = sum(a and b for a, b in zip(mask, mask[1:]))
         print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {anchors} usable anchors", file=file)
         print("".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file)
-
 
 def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """Read a JSONL file through encode_sample; truncate to max_len; skip (and count) samples with nothing to learn."""
@@ -819,7 +781,6 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
         log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
 
-
 def split_eval(samples, eval_fraction, seed):
     """A deterministic held-out split (the same on every rank): (train, eval)."""
     n_eval = int(len(samples) * eval_fraction)
@@ -828,7 +789,6 @@ def split_eval(samples, eval_fraction, seed):
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
 
-
 def mix_seed(*keys):
     """A 63-bit seed from a tuple of ints: randomness keyed by (seed, epoch, sample) rather than by rank, so any
     split of the global batch over ranks and micro-steps draws the same anchors and noise."""
@@ -836,7 +796,6 @@ def mix_seed(*keys):
     for k in keys:
         h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
-
 
 class Batches:
     """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
@@ -861,7 +820,6 @@ class Batches:
         idx = self._order[1][start:start + self.bs]
         return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
 
-
 def collate(samples, pad_id, keys=None):
     """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
     causal target's real positions). keys: one random key per sample for its anchors and noise."""
@@ -870,13 +828,12 @@ def collate(samples, pad_id, keys=None):
     loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
     for r, (ids, mask) in enumerate(samples):
         input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys if keys is not None else list(range(len(samples))),
-            "tokens": sum(len(ids) for ids, _ in samples)}
+    keys = keys if keys is not None else list(range(len(samples)))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
 
 
 # -----------------------------------------------------------------------------
 # Anchors, labels, context noise, and the corrected loss
-
 
 def sample_anchors(loss_mask, num_anchors, generator):
     """loss_mask (S,) -> anchors (num_anchors,) long, valid (num_anchors,) bool. Candidates are positions with
@@ -888,17 +845,14 @@ def sample_anchors(loss_mask, num_anchors, generator):
     anchors[:len(pick)], valid[:len(pick)] = pick, True
     return anchors, valid
 
-
 def batch_anchors(batch, num_anchors, salt=0):
     """Anchors (b, N) and valid (b, N) for every row, each from a generator keyed by the sample (and a salt)."""
     rows = [sample_anchors(m, num_anchors, torch.Generator().manual_seed(mix_seed(k, salt)))
             for m, k in zip(batch["loss_mask"], batch["keys"])]
     return torch.stack([a for a, _ in rows]), torch.stack([v for _, v in rows])
 
-
 def block_positions(anchors, B):
     return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
-
 
 def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     """w[b, n, i] = exp(-(i-1)/gamma) * valid for i = 1..B-1, 0 at offset 0 (the anchor is given, not drafted);
@@ -910,19 +864,16 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-
 def block_labels(labels_all, anchors, B):
     """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
     pos = block_positions(anchors, B).clamp(max=labels_all.shape[1] - 1)
     return labels_all.gather(1, pos.flatten(1)).view_as(pos)
-
 
 def block_input_ids(input_ids, anchors, B, mask_token_id):
     """[tok[a], M, M, ..., M] for every anchor: (b, N, B)."""
     ids = torch.full((*anchors.shape, B), mask_token_id, dtype=torch.long, device=anchors.device)
     ids[..., 0] = input_ids.gather(1, anchors)
     return ids
-
 
 def add_context_noise(context, noise_std, num_context_layers, keys):
     """Gaussian noise relative to the RMS of each context feature vector h[t][j], on the concatenated context
@@ -934,7 +885,6 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
     noise = torch.stack([torch.randn(x.shape[1:], device=x.device, generator=torch.Generator(x.device).manual_seed(
         mix_seed(k, 7))) for k in keys])
     return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
-
 
 class ChunkedLMHeadCE(torch.autograd.Function):
     """Per-token cross-entropy and argmax of lm_head(h) without [T, V] logits: rows are processed in chunks and the
@@ -968,7 +918,6 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
 
-
 def dflash_loss(drafter, target, batch, anchors, anchor_valid, gamma=4.0, noise_std=0.0, labels="target",
                 weight_total=None, pad_to=None):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
@@ -997,7 +946,6 @@ def dflash_loss(drafter, target, batch, anchors, anchor_valid, gamma=4.0, noise_
     ce_w, stats = weighted_ce(hidden, target.lm_head, y, w)
     return ce_w / (w.sum() if weight_total is None else weight_total).clamp(min=1e-9), stats
 
-
 def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
     """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
     hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
@@ -1017,7 +965,6 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
                   "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
                   "blocks": blocks.sum().float()}
 
-
 def summarize(stats):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
@@ -1028,7 +975,6 @@ def summarize(stats):
 # -----------------------------------------------------------------------------
 # Training
 
-
 def lr_at(step, total_steps, lr, warmup_ratio):
     """Linear warmup over warmup_ratio of the run, then cosine decay to 0. A pure function of the step."""
     warmup = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
@@ -1036,7 +982,6 @@ def lr_at(step, total_steps, lr, warmup_ratio):
         return lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
 
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=32, num_kv_heads=8, head_dim=128,
@@ -1070,17 +1015,14 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         mask_token_id=mask_token_id, target_layer_ids=list(ids), num_target_layers=target.num_layers,
         layer_types=layer_types, sliding_window=sliding_window or None)
 
-
 def all_reduce_sum(stats, world):
     if world > 1:
         for v in stats.values():
             dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return stats
 
-
 def add_stats(total, stats):
     return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
-
 
 def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw):
     """Forward and backward over one optimizer step's micro-batches; returns the step's stats summed over ranks.
@@ -1101,7 +1043,6 @@ def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw)
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     return all_reduce_sum(total, world)
 
-
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, **loss_kw):
     """Held-out loss and tau estimate on every rank (its shard), combined by summing numerators/denominators.
@@ -1119,7 +1060,6 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
                  "accepted": z.clone(), "blocks": z.clone()}
     return summarize(all_reduce_sum(total, world))
 
-
 def latest_checkpoint(out):
     """<out>/latest names the newest complete checkpoint; None if there is none."""
     p = os.path.join(out, "latest")
@@ -1128,7 +1068,6 @@ def latest_checkpoint(out):
     with open(p) as f:
         d = os.path.join(out, f.read().strip())
     return d if os.path.isfile(os.path.join(d, "train_state.pt")) else None
-
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
     """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically; then <out>/latest
@@ -1142,11 +1081,9 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
     os.replace(os.path.join(out, "latest.tmp"), os.path.join(out, "latest"))
     return path
 
-
 GEOMETRY = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "vocab_size", "block_size", "target_layer_ids", "num_target_layers", "layer_types",
             "sliding_window", "mask_token_id")
-
 
 def read_train_state(resume_dir, cfg, global_batch):
     """The training state of a checkpoint to resume, checked against this run."""
@@ -1166,7 +1103,6 @@ def read_train_state(resume_dir, cfg, global_batch):
                           f"{global_batch}; keep batch_size x grad_accum x ranks the same")
     return state
 
-
 class StopFlag:
     """SIGTERM/SIGINT ask the loop to finish the current step, save and exit; a second signal kills."""
 
@@ -1184,13 +1120,11 @@ class StopFlag:
             os.kill(os.getpid(), signum)
         self.requested = True
 
-
 def peak_memory_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 
 def pick_device(flag, local_rank=0):
     """--device, or cuda:LOCAL_RANK when CUDA is there, else cpu; a device that is not there is one error line."""
@@ -1207,7 +1141,6 @@ def pick_device(flag, local_rank=0):
         torch.cuda.set_device(device)
     return device
 
-
 def setup_distributed(device_flag):
     """The same script under `python` (one process) and `torchrun` (DDP: gloo on CPU, nccl on CUDA)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -1215,7 +1148,6 @@ def setup_distributed(device_flag):
     if world > 1 and not dist.is_initialized():  # the demo may have started it
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world, device
-
 
 @dataclass
 class Run:
@@ -1268,7 +1200,6 @@ class Run:
             self.print0(f"saved {p}")
         if self.world > 1:
             dist.barrier()
-
 
 def train(args):
     """Set up the run from the command line (target, drafter, data, optimizer, resume), then train_loop()."""
@@ -1336,7 +1267,6 @@ def train(args):
         dist.destroy_process_group()
     return drafter, cfg, target
 
-
 def optimizer_step(run, total, step):
     """Clip, then update unless the loss or the gradient is not finite (then skip; stop after too many)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.args.grad_clip)
@@ -1353,7 +1283,6 @@ def optimizer_step(run, total, step):
                               f"check the data; the last good checkpoint is in {run.args.out}")
     run.optimizer.zero_grad(set_to_none=True)
     return grad_norm.item()
-
 
 def train_loop(run):
     """The loop: lr schedule, one step, logging, held-out evaluation, checkpoints, SIGTERM -> save and exit."""
@@ -1411,12 +1340,10 @@ def train_loop(run):
 # -----------------------------------------------------------------------------
 # Command line: every flag is checked once, here, where it enters (its valid range is in its --help)
 
-
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-
 
 def ranged(kind, lo=None, hi=None, open_lo=False):
     """An argparse type: a finite int/float in [lo, hi] (lo excluded if open_lo); its range is `.text`."""
@@ -1435,13 +1362,11 @@ def ranged(kind, lo=None, hi=None, open_lo=False):
     parse.text = text
     return parse
 
-
 def int_list(s):
     try:
         return [int(x) for x in s.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
-
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with flag errors as one `error:` line and exit code 2 like every other input error."""
@@ -1454,7 +1379,6 @@ class ArgumentParser(argparse.ArgumentParser):
         t = ranged(kind, lo, hi, open_lo)
         group.add_argument(name, type=t, default=default, help=f"{help}; valid {t.text}")
 
-
 def check_writable_dir(path, flag):
     """A directory the run will write into: refuse a file in its place or a location that cannot be written,
     before anything is loaded."""
@@ -1465,7 +1389,6 @@ def check_writable_dir(path, flag):
         parent = os.path.dirname(os.path.abspath(parent))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise DFlashError(f"{flag} {path!r} cannot be written ({parent!r} is not a writable directory)")
-
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.",
@@ -1519,7 +1442,8 @@ def get_parser():
                    help="torch.compile the drafter (auto: on for CUDA, off on CPU)")
     g.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
                    help="attention path (auto: flex on CUDA, dense SDPA elsewhere)")
-    g.add_argument("--dtype", choices=list(DTYPES), default="auto", help="target dtype (auto: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="target dtype (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--save_dtype", choices=list(SAVE_DTYPES), default="fp32",
                    help="checkpoint weights dtype (fp32 resumes exactly; bf16 halves the size)")
     g.add_argument("--device", default=None, help="device (default: cuda:LOCAL_RANK if available, else cpu)")
@@ -1530,7 +1454,6 @@ def get_parser():
     p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0)
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     return p
-
 
 def run_main(fn, args):
     """Run fn(args) as a command: bad input (a DFlashError) is one `error:` line on stderr and exit code 2, with the
@@ -1544,7 +1467,6 @@ def run_main(fn, args):
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
