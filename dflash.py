@@ -26,12 +26,9 @@ The method in ten lines
 """
 
 import argparse
-import itertools
 import json
 import math
 import os
-import shutil
-import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -43,8 +40,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-class DFlashError(Exception):
-    """Bad input or a bad checkpoint: printed as one `error:` line (no traceback) by run_main()."""
+# Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
+# chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py.
+from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
+                                   chat_ids, chat_sample, check_ids, check_writable_dir, config_fields, int_list,
+                                   latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json, read_jsonl,
+                                   read_safetensors, read_torch, run_main, setup_distributed, show_data, split_eval,
+                                   template_kwargs, write_latest, yarn_rope)
 
 
 # -----------------------------------------------------------------------------
@@ -113,40 +115,13 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, d, where="config.json"):
-        """Read a z-lab or our config.json: values from dflash_config first, then the top level."""
-        dc = d.get("dflash_config") or {}
-        get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
-        rope = d.get("rope_parameters") or {}
-        if rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values()):
-            raise DFlashError(f"{where}: per-layer-type rope_parameters are not supported")
-        scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-                raise DFlashError(f"{where}: partial_rotary_factor != 1 is not supported by the drafter (plain RoPE "
-                                  f"over the full head_dim)")
-            scaling = None
-        num_target, ids = get("num_target_layers"), get("target_layer_ids")
-        if num_target is None:
-            raise DFlashError(f"{where}: num_target_layers is missing; set it to the target's number of decoder layers"
-                              + ("" if ids else " (target_layer_ids cannot be derived without it)"))
-        if get("mask_token_id") is None:
-            raise DFlashError(f"{where}: mask_token_id is missing (expected in dflash_config)")
+        """Read a z-lab or our config.json: values from dflash_config first, then the top level (config_fields reads
+        them, with their legacy spellings); target_layer_ids missing: the default spread."""
+        kw = config_fields(d, where)
+        kw["target_layer_ids"] = kw["target_layer_ids"] or default_target_layer_ids(kw["num_target_layers"],
+                                                                                     kw["num_hidden_layers"])
         try:
-            n, heads = d["num_hidden_layers"], d["num_attention_heads"]
-            return cls(
-                hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
-                num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-                head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-                rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta",
-                                                                                   d.get("rope_theta", 1e4))),
-                rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 32768),
-                attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-                mask_token_id=get("mask_token_id"), num_target_layers=num_target,
-                target_layer_ids=list(ids or default_target_layer_ids(num_target, n)),
-                layer_types=list(d.get("layer_types") or ["full_attention"] * n),
-                sliding_window=d.get("sliding_window"), is_causal=d.get("is_causal"))
-        except KeyError as e:
-            raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
+            return cls(**kw)
         except TypeError as e:
             raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
 
@@ -184,16 +159,17 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
         n, i = q_idx // B, q_idx % B
         a = anchors[b, n]
         is_ctx = kv_idx < S
-        k_off = (kv_idx - S) % B
-        k_pos = torch.where(is_ctx, kv_idx, a + k_off)
-        visible = torch.where(is_ctx, kv_idx < a, (kv_idx - S) // B == n)
+        k_off = (kv_idx - S) % B                       # a block key's offset i': its position is a + i'
+        ctx_ok = is_ctx & (kv_idx < a)
+        blk_ok = ~is_ctx & ((kv_idx - S) // B == n)
         if causal:
-            visible = visible & (is_ctx | (k_off <= i))
-        if window is not None:
-            visible = visible & (a + i - k_pos < window)
+            blk_ok = blk_ok & (k_off <= i)
+        if window is not None:                         # q_pos - k_pos < W; for block keys that is i - i' < W
+            ctx_ok = ctx_ok & (a + i - kv_idx < window)
+            blk_ok = blk_ok & (i - k_off < window)
             if not causal:
-                visible = visible & (k_pos - (a + i) < window)
-        return anchor_valid[b, n] & visible
+                blk_ok = blk_ok & (k_off - i < window)
+        return anchor_valid[b, n] & (ctx_ok | blk_ok)
 
     return mask_mod
 
@@ -249,32 +225,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 def rope_inv_freq(cfg):
-    """Inverse frequencies and cos/sin scale of RoPE over the full head_dim (Hugging Face's default and yarn)."""
-    dim, base = cfg.head_dim, cfg.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    if not cfg.rope_scaling:
-        return 1.0 / pos_freqs, 1.0
-    s = cfg.rope_scaling  # yarn: interpolate the low frequencies by `factor`, keep the high ones, scale cos/sin
-    original_max = s.get("original_max_position_embeddings") or cfg.max_position_embeddings
-    factor = s.get("factor") or cfg.max_position_embeddings / original_max
-    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        if s.get("mscale") and s.get("mscale_all_dim"):
-            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
-        else:
-            attention_factor = mscale(factor)
-
-    def correction_dim(rotations):  # the dimension whose wavelength fits `rotations` times in original_max
-        return dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
-    inv_freq = (1.0 / (factor * pos_freqs)) * ramp + (1.0 / pos_freqs) * (1 - ramp)
-    return inv_freq, float(attention_factor)
+    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale; yarn_rope if scaled."""
+    if cfg.rope_scaling:
+        return yarn_rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+    return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim), 1.0
 
 def rope_cos_sin(inv_freq, scale, positions, dtype):
     """positions (...,) -> cos, sin (..., head_dim)."""
@@ -417,15 +371,6 @@ def expected_shapes(cfg):
                            p + "self_attn.v_proj.bias": (hk * hd,), p + "self_attn.o_proj.bias": (D,)})
     return shapes
 
-def read_json(path, what):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{path}: not valid JSON ({e}); the {what} is corrupt") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DFlashError(f"cannot read {path}: {e}") from None
-
 def read_drafter_config(path):
     if not os.path.isdir(path):
         raise DFlashError(f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
@@ -437,28 +382,10 @@ def read_drafter_config(path):
         raise DFlashError(f"{cfg_path}: expected a JSON object")
     return DFlashConfig.from_json(d, where=cfg_path)
 
-def read_drafter_tensors(path):
-    from safetensors.torch import load_file
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    elif os.path.isfile(index):
-        files = sorted(set(read_json(index, "safetensors index").get("weight_map", {}).values()))
-    else:
-        raise DFlashError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-    tensors = {}
-    for name in files:
-        try:
-            tensors.update(load_file(os.path.join(path, name)))
-        except Exception as e:  # safetensors raises its own (Rust) errors for truncated or garbage files
-            raise DFlashError(f"{os.path.join(path, name)}: not a readable safetensors file "
-                              f"({str(e).splitlines()[0][:200]}); the checkpoint is corrupt") from None
-    return tensors
-
 def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape."""
     cfg = read_drafter_config(path)
-    tensors, expected = read_drafter_tensors(path), expected_shapes(cfg)
+    tensors, expected = read_safetensors(path), expected_shapes(cfg)
     fc = tensors.get("fc.weight")
     if fc is not None and tuple(fc.shape) != expected["fc.weight"]:
         raise DFlashError(f"{path}: tensor fc.weight has shape {tuple(fc.shape)} but len(target_layer_ids) * "
@@ -479,24 +406,6 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     drafter.load_state_dict(tensors, strict=True, assign=True)
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
-
-@contextmanager
-def atomic_dir(path):
-    """Yield a temporary directory that replaces `path` only once everything in it is written: a crash never
-    leaves a partial directory at `path` (between the two renames the old copy waits at <path>.old<pid>)."""
-    path = path.rstrip("/")
-    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
     """Write config.json + model.safetensors (bf16 or fp32) and any {name: torch object} extra files, atomically."""
@@ -523,25 +432,9 @@ class Target:
     tokenizer: object
     name: str
 
-    @property
-    def layers(self):
-        return self.backbone.layers
-
-    @property
-    def norm(self):  # its output f feeds lm_head
-        return self.backbone.norm
-
-    @property
-    def num_layers(self):
-        return len(self.backbone.layers)
-
-    @property
-    def hidden_size(self):
-        return self.lm_head.weight.shape[1]
-
-    @property
-    def vocab_size(self):
-        return self.lm_head.weight.shape[0]
+    def __post_init__(self):  # layers; the final norm, whose output f feeds lm_head; sizes
+        self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
+        self.num_layers, (self.vocab_size, self.hidden_size) = len(self.layers), self.lm_head.weight.shape
 
     def eos_ids(self):
         """The token ids that end a generation (the generation_config's eos_token_id, an int or a list), as a set."""
@@ -639,80 +532,6 @@ def greedy_labels(final, lm_head, chunk=None):
 # -----------------------------------------------------------------------------
 # Data: JSONL -> (input_ids, loss_mask) per sample; one sample per row (HF targets do not separate packed samples)
 
-def read_jsonl(path, what, hint=""):
-    """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line."""
-    if not os.path.isfile(path):
-        raise DFlashError(f"{what} file {path!r} does not exist{hint}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield f"{path}:{lineno}", json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise DFlashError(f"{path}: not UTF-8 text ({e.reason}); is it a JSONL file?") from None
-    except OSError as e:
-        raise DFlashError(f"cannot read {what} file {path!r}: {e.strerror}") from None
-
-def check_ids(ids, vocab_size, where):
-    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-        raise DFlashError(f"{where}: input_ids must be a list of integers")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None) if vocab_size else None
-    if bad is not None:
-        raise DFlashError(f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
-    return ids
-
-def template_kwargs(tokenizer, enable_thinking):
-    """Pass enable_thinking through only when it is set and the chat template reads it (training and eval alike)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
-
-def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-def chat_sample(messages, tokenizer, kw, eos, where):
-    """(ids, mask) of a conversation, mask 1 exactly on what the target generates for each assistant turn k: from the
-    end of its generation prompt through the eos token that stops generation. Turns are located inside the full
-    rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the assistant turn after the
-    last user message with a think block and earlier ones without."""
-    def render(msgs, gen=False):
-        try:
-            return chat_ids(tokenizer, msgs, add_generation_prompt=gen, **kw)
-        except Exception as e:  # the template's raise_exception, or a message it cannot render
-            raise DFlashError(f"{where}: the chat template fails on the first {len(msgs)} messages: "
-                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
-
-    def ambiguous(k, why):
-        return DFlashError(f"{where}: assistant turn {k}: {why}, so its loss mask is ambiguous; split the "
-                           f"conversation into one sample per assistant turn")
-    full = render(messages)
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-    contexts = [render(messages[:k]) for k in turns] + [full]  # each must be a prefix of the full rendering
-    mask = [0] * len(full)
-    for i, k in enumerate(turns):
-        context, gen = contexts[i], render(messages[:k], gen=True)
-        if full[:len(context)] != context:
-            raise ambiguous(k, "the template renders the turns before it differently inside the whole conversation")
-        # what the generation prompt shares with the turn is context (an empty think block when thinking is off);
-        # the rest is generated. An earlier turn rendered without that block starts at its content.
-        start = next((j for j, (a, b) in enumerate(zip(gen, full)) if a != b), min(len(gen), len(full)))
-        if start < len(context):
-            raise ambiguous(k, "the generation prompt rewrites the conversation before it")
-        # the turn ends at the first eos token, searched no further than the next assistant turn's context
-        end = next((j + 1 for j in range(start, len(contexts[i + 1])) if full[j] in eos), None)
-        if end is None:  # no end-of-turn token: the turn's own rendering ends it, if that is part of the whole
-            own = render(messages[:k + 1])
-            if full[:len(own)] != own or len(own) <= start:
-                raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently "
-                                   f"as the last turn (pass the target's eos ids)")
-            end = len(own)
-        mask[start:end] = [1] * (end - start)
-    return full, mask
-
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
     """One JSONL record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
     Formats: {"messages": [...]} (loss on the assistant turns), {"prompt", "response"}, {"text"} (loss everywhere),
@@ -751,16 +570,6 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
     raise DFlashError(f"{where}: none of the known fields (messages | prompt+response | text | input_ids); "
                       f"got keys {sorted(record)}")
 
-def show_data(samples, tokenizer, n, file=None):
-    """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
-    file = file or sys.stdout
-    decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
-    for i, (ids, mask) in enumerate(samples[:n]):
-        runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
-        anchors = sum(a and b for a, b in zip(mask, mask[1:]))
-        print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {anchors} usable anchors", file=file)
-        print("".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file)
-
 def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """Read a JSONL file through encode_sample; truncate to max_len; skip (and count) samples with nothing to learn."""
     samples, skipped, lines = [], 0, 0
@@ -780,22 +589,6 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
     if skipped:
         log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
-
-def split_eval(samples, eval_fraction, seed):
-    """A deterministic held-out split (the same on every rank): (train, eval)."""
-    n_eval = int(len(samples) * eval_fraction)
-    if eval_fraction > 0 and n_eval == 0 and len(samples) > 1:
-        n_eval = 1
-    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
-
-def mix_seed(*keys):
-    """A 63-bit seed from a tuple of ints: randomness keyed by (seed, epoch, sample) rather than by rank, so any
-    split of the global batch over ranks and micro-steps draws the same anchors and noise."""
-    h = 1469598103934665603
-    for k in keys:
-        h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
 
 class Batches:
     """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
@@ -965,6 +758,9 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
                   "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
                   "blocks": blocks.sum().float()}
 
+STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
+
+
 def summarize(stats):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
@@ -1015,15 +811,6 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         mask_token_id=mask_token_id, target_layer_ids=list(ids), num_target_layers=target.num_layers,
         layer_types=layer_types, sliding_window=sliding_window or None)
 
-def all_reduce_sum(stats, world):
-    if world > 1:
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
-    return stats
-
-def add_stats(total, stats):
-    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
-
 def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw):
     """Forward and backward over one optimizer step's micro-batches; returns the step's stats summed over ranks.
     The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
@@ -1054,100 +841,30 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
         anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
         total = add_stats(total, dflash_loss(drafter, target, batch, anchors, valid, **{**loss_kw, "noise_std": 0})[1])
     if total is None:  # a rank without eval samples still joins the all-reduce, with zeros
-        z = torch.zeros((), device=target.lm_head.weight.device)
-        B = drafter.cfg.block_size
-        total = {"w": z, "ce_w": z.clone(), "correct": z.new_zeros(B), "count": z.new_zeros(B),
-                 "accepted": z.clone(), "blocks": z.clone()}
+        z, B = torch.zeros((), device=target.lm_head.weight.device), drafter.cfg.block_size
+        total = {k: z.new_zeros(B if k in ("correct", "count") else ()) for k in STAT_KEYS}
     return summarize(all_reduce_sum(total, world))
-
-def latest_checkpoint(out):
-    """<out>/latest names the newest complete checkpoint; None if there is none."""
-    p = os.path.join(out, "latest")
-    if not os.path.isfile(p):
-        return None
-    with open(p) as f:
-        d = os.path.join(out, f.read().strip())
-    return d if os.path.isfile(os.path.join(d, "train_state.pt")) else None
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
     """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically; then <out>/latest
     is switched to it (atomically too), so latest never names a partial checkpoint."""
     path = save_drafter(drafter, os.path.join(out, f"step_{step}"), save_dtype, extra_files={
         "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
-    with open(os.path.join(out, "latest.tmp"), "w") as f:
-        f.write(os.path.basename(path) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(os.path.join(out, "latest.tmp"), os.path.join(out, "latest"))
+    write_latest(out, os.path.basename(path))
     return path
-
-GEOMETRY = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "vocab_size", "block_size", "target_layer_ids", "num_target_layers", "layer_types",
-            "sliding_window", "mask_token_id")
 
 def read_train_state(resume_dir, cfg, global_batch):
     """The training state of a checkpoint to resume, checked against this run."""
     saved = read_drafter_config(resume_dir)
-    for k in GEOMETRY:
-        if getattr(saved, k) != getattr(cfg, k):
+    for k, v in asdict(cfg).items():
+        if getattr(saved, k) != v:
             raise DFlashError(f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, this run has "
                               f"{getattr(cfg, k)}; use the original target and flags, or a new --out")
-    path = os.path.join(resume_dir, "train_state.pt")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated or garbage pickle/zip
-        raise DFlashError(f"{path}: cannot read the training state ({str(e).splitlines()[0][:200]}); the checkpoint "
-                          f"is corrupt: point {os.path.dirname(resume_dir)}/latest at an earlier step_* or start anew")
+    state = read_torch(os.path.join(resume_dir, "train_state.pt"), "the training state")
     if state["global_batch"] != global_batch:
         raise DFlashError(f"cannot resume {resume_dir}: global batch was {state['global_batch']}, now "
                           f"{global_batch}; keep batch_size x grad_accum x ranks the same")
     return state
-
-class StopFlag:
-    """SIGTERM/SIGINT ask the loop to finish the current step, save and exit; a second signal kills."""
-
-    def __init__(self):
-        self.requested = False
-        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        self.requested = True
-
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-def pick_device(flag, local_rank=0):
-    """--device, or cuda:LOCAL_RANK when CUDA is there, else cpu; a device that is not there is one error line."""
-    try:
-        device = torch.device(flag or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise DFlashError(f"--device {flag!r} is not a device name (cpu, cuda, cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise DFlashError(f"--device {flag!r}: only cpu and cuda devices are supported")
-    if device.type == "cuda":
-        if not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count():
-            raise DFlashError(f"--device {device} is not available here ({torch.cuda.device_count()} CUDA devices"
-                              f"{'' if torch.cuda.is_available() else '; this torch build has no CUDA'})")
-        torch.cuda.set_device(device)
-    return device
-
-def setup_distributed(device_flag):
-    """The same script under `python` (one process) and `torchrun` (DDP: gloo on CPU, nccl on CUDA)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = pick_device(device_flag, int(os.environ.get("LOCAL_RANK", 0)))
-    if world > 1 and not dist.is_initialized():  # the demo may have started it
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
 
 @dataclass
 class Run:
@@ -1203,6 +920,9 @@ class Run:
 
 def train(args):
     """Set up the run from the command line (target, drafter, data, optimizer, resume), then train_loop()."""
+    missing = [f"--{k}" for k in ("target", "data") if not getattr(args, k)]
+    if missing:
+        raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
     rank, world, device = setup_distributed(args.device)
     resume_dir = latest_checkpoint(args.out) if args.resume else None
     if args.resume and resume_dir is None:
@@ -1345,51 +1065,6 @@ DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": t
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 
-def ranged(kind, lo=None, hi=None, open_lo=False):
-    """An argparse type: a finite int/float in [lo, hi] (lo excluded if open_lo); its range is `.text`."""
-    text = f"{'(' if open_lo else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-
-    def parse(s):
-        try:
-            v = kind(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not math.isfinite(v) or (lo is not None and (v < lo or (open_lo and v == lo))) or (hi is not None
-                                                                                              and v > hi):
-            raise argparse.ArgumentTypeError(f"{s} is outside its valid range {text}")
-        return v
-
-    parse.text = text
-    return parse
-
-def int_list(s):
-    try:
-        return [int(x) for x in s.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error."""
-
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-    def add(self, group, name, kind, default, help, lo=None, hi=None, open_lo=False):
-        t = ranged(kind, lo, hi, open_lo)
-        group.add_argument(name, type=t, default=default, help=f"{help}; valid {t.text}")
-
-def check_writable_dir(path, flag):
-    """A directory the run will write into: refuse a file in its place or a location that cannot be written,
-    before anything is loaded."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise DFlashError(f"{flag} {path!r} is a file, not a directory; give a directory")
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(os.path.abspath(parent))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise DFlashError(f"{flag} {path!r} cannot be written ({parent!r} is not a writable directory)")
-
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1455,32 +1130,15 @@ def get_parser():
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     return p
 
-def run_main(fn, args):
-    """Run fn(args) as a command: bad input (a DFlashError) is one `error:` line on stderr and exit code 2, with the
-    traceback only under --debug or DFLASH_DEBUG=1. Shared by dflash.py, eval.py and the demo."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
-    try:
-        return fn(args)
-    except DFlashError as e:
-        if args.debug or os.environ.get("DFLASH_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_parser().parse_args(argv)
     if args.demo or not argv:
-        # The demo lives in scripts/ and imports this file; running it as its own program (same process, same
+        # The demo lives in dflash_tools/ and imports this file; running it as its own program (same process, same
         # environment, so torchrun's ranks carry over) keeps one instance of this module and no import cycle.
-        demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "demo.py")
+        demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools", "demo.py")
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, demo, *argv])
-    for flag in ("target", "data"):
-        if not getattr(args, flag):
-            run_main(lambda a: (_ for _ in ()).throw(DFlashError(
-                f"--{flag} is required (or run `python dflash.py` with no arguments for the demo)")), args)
     return run_main(train, args)
 
 

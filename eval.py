@@ -20,7 +20,7 @@ speculative decoding loop instead (KV-cache targets only) and checks it reproduc
     # a real speculative decoding loop (dense targets: Qwen3, Llama): tokens/s against plain greedy decoding
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000 --mode loop
 
-As a library (scripts/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
+As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
 PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json`
 saves.
 

@@ -1,5 +1,5 @@
 """
-scripts/bench.py: the speed and memory of DFlash's training and evaluation paths, measured side by side in one
+dflash_tools/bench.py: the speed and memory of DFlash's training and evaluation paths, measured side by side in one
 run.
 
 Not part of the test run. What it measures (CPU, fp32, a small drafter: the shapes are printed):
@@ -17,11 +17,11 @@ Not part of the test run. What it measures (CPU, fp32, a small drafter: the shap
 Then it checks the targets (PASS/MISS): training step about linear in num_anchors, chunked loss under 25% of the
 unchunked peak memory, exact tau >= 5x faster than the loop with identical results.
 
-    python scripts/bench.py --quick               # < 5 min on a quiet 2-core CPU
-    python scripts/bench.py --json bench.json     # the full run (3 timed repeats everywhere)
-    python scripts/bench.py --quick --threads 1   # on a shared, oversubscribed machine (see --threads)
-    bash scripts/bench_gpu.sh                     # H200: flex vs dense at the Qwen3-8B drafter shape (--gpu)
-    bash scripts/bench_gpu.sh --dry-run           # the same script at tiny shapes on CPU
+    python dflash_tools/bench.py --quick               # < 5 min on a quiet 2-core CPU
+    python dflash_tools/bench.py --json bench.json     # the full run (3 timed repeats everywhere)
+    python dflash_tools/bench.py --quick --threads 1   # on a shared, oversubscribed machine (see --threads)
+    bash dflash_tools/bench_gpu.sh                     # H200: flex vs dense at the Qwen3-8B drafter shape (--gpu)
+    bash dflash_tools/bench_gpu.sh --dry-run           # the same script at tiny shapes on CPU
 
 Peak memory on CPU: each measured configuration runs in a fresh process forked from this one before it has run
 any torch op; the child builds its inputs, resets the kernel's peak-RSS counter (writing 5 to

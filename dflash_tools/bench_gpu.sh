@@ -5,13 +5,13 @@
 # dflash.train runs on CUDA). Prints step time, tokens/s, MFU, peak memory and the largest flex-vs-dense gradient
 # difference; writes them all to JSON.
 #
-#   bash scripts/bench_gpu.sh            # on the GPU machine; JSON to $OUT/bench_gpu.json if $OUT is set, else
-#                                        # scripts/bench_gpu.json
-#   bash scripts/bench_gpu.sh --dry-run  # tiny fp32 shapes on CPU: checks the script end to end (flex forward only)
+#   bash dflash_tools/bench_gpu.sh            # on the GPU machine; JSON to $OUT/bench_gpu.json if $OUT is set, else
+#                                        # dflash_tools/bench_gpu.json
+#   bash dflash_tools/bench_gpu.sh --dry-run  # tiny fp32 shapes on CPU: checks the script end to end (flex forward only)
 #
-# Runs from any directory: it changes into scripts/ (its own directory), where bench.py puts the repository root
+# Runs from any directory: it changes into dflash_tools/ (its own directory), where bench.py puts the repository root
 # on sys.path itself. Extra arguments go to `python bench.py --gpu` (e.g. --budget 300, --json path; a relative
-# --json path is taken from scripts/).
+# --json path is taken from dflash_tools/).
 set -euo pipefail
 cd "$(dirname "$0")"
 
