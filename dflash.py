@@ -43,7 +43,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 # Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
 # chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py.
 from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
-                                   chat_ids, chat_sample, check_ids, check_writable_dir, config_fields, int_list,
+                                   chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields, int_list,
                                    latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json, read_jsonl,
                                    read_safetensors, read_torch, run_main, setup_distributed, show_data, split_eval,
                                    template_kwargs, write_latest, yarn_rope)
@@ -51,6 +51,22 @@ from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_st
 
 # -----------------------------------------------------------------------------
 # Drafter config: mirrors the z-lab config.json (a Qwen3 config plus the DFlash fields)
+
+def default_target_layer_ids(num_target_layers, num_draft_layers):
+    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61]."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+def check_target_layer_ids(ids, num_target_layers):
+    if not ids:
+        raise DFlashError("target_layer_ids is empty; give at least one target layer")
+    if list(ids) != sorted(set(ids)):
+        raise DFlashError(f"target_layer_ids {list(ids)} must be strictly increasing without duplicates")
+    if ids[0] < 0 or ids[-1] >= num_target_layers:
+        raise DFlashError(f"target_layer_ids {list(ids)} out of range: the target has {num_target_layers} "
+                          f"decoder layers (valid ids 0..{num_target_layers - 1})")
 
 @dataclass
 class DFlashConfig:
@@ -124,23 +140,6 @@ class DFlashConfig:
             return cls(**kw)
         except TypeError as e:
             raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
-
-def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61]."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [L // 2]
-    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
-
-def check_target_layer_ids(ids, num_target_layers):
-    if not ids:
-        raise DFlashError("target_layer_ids is empty; give at least one target layer")
-    if list(ids) != sorted(set(ids)):
-        raise DFlashError(f"target_layer_ids {list(ids)} must be strictly increasing without duplicates")
-    if ids[0] < 0 or ids[-1] >= num_target_layers:
-        raise DFlashError(f"target_layer_ids {list(ids)} out of range: the target has {num_target_layers} "
-                          f"decoder layers (valid ids 0..{num_target_layers - 1})")
-
 
 # -----------------------------------------------------------------------------
 # Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function.
@@ -386,21 +385,8 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape."""
     cfg = read_drafter_config(path)
     tensors, expected = read_safetensors(path), expected_shapes(cfg)
-    fc = tensors.get("fc.weight")
-    if fc is not None and tuple(fc.shape) != expected["fc.weight"]:
-        raise DFlashError(f"{path}: tensor fc.weight has shape {tuple(fc.shape)} but len(target_layer_ids) * "
-                          f"hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size} needs "
-                          f"{expected['fc.weight']}")
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    if missing:
-        raise DFlashError(f"{path}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)"
-                                                                      if len(missing) > 1 else ""))
-    if unexpected:
-        raise DFlashError(f"{path}: unexpected tensor {unexpected[0]} (embedding and lm_head belong to the target; "
-                          f"keys carry no 'model.' prefix)")
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise DFlashError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    fc_why = f"len(target_layer_ids) * hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size}"
+    check_tensors(tensors, expected, path, {"fc.weight": fc_why})
     with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
         drafter = DFlashDrafter(cfg, attention)
     drafter.load_state_dict(tensors, strict=True, assign=True)

@@ -393,3 +393,22 @@ def split_eval(samples, eval_fraction, seed):
         n_eval = 1
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
+
+
+def check_tensors(tensors, expected, path, why=None):
+    """Every expected tensor present with its exact shape, nothing else (a strict load names the first problem).
+    why: {name: the reason for its shape}, said first when that tensor's shape is wrong."""
+    for name, reason in (why or {}).items():
+        if name in tensors and tuple(tensors[name].shape) != expected[name]:
+            raise DFlashError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)} but {reason} needs "
+                              f"{expected[name]}")
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise DFlashError(f"{path}: missing tensor {missing[0]}{more}")
+    if unexpected:
+        raise DFlashError(f"{path}: unexpected tensor {unexpected[0]} (embedding and lm_head belong to the target; "
+                          f"keys carry no 'model.' prefix)")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise DFlashError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
