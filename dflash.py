@@ -576,6 +576,17 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
         log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
 
+def collate(samples, pad_id, keys=None):
+    """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
+    causal target's real positions). keys: one random key per sample for its anchors and noise."""
+    S = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
+    for r, (ids, mask) in enumerate(samples):
+        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
+    keys = keys if keys is not None else list(range(len(samples)))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
+
 class Batches:
     """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
     own slice. Deterministic for a given seed, so the data position is just the step number."""
@@ -598,17 +609,6 @@ class Batches:
         start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
         idx = self._order[1][start:start + self.bs]
         return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
-
-def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
-    causal target's real positions). keys: one random key per sample for its anchors and noise."""
-    S = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
-    for r, (ids, mask) in enumerate(samples):
-        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    keys = keys if keys is not None else list(range(len(samples)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
 
 
 # -----------------------------------------------------------------------------
@@ -697,6 +697,25 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
 
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
+    """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
+    hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
+    per offset, accepted (sum of leading runs of correct drafts: what greedy verification accepts), blocks."""
+    w = weights.flatten()
+    sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
+    ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
+                                     labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
+    ce_w = (ce * w[sel]).sum()
+    valid = weights > 0
+    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
+    correct[sel] = pred == labels.flatten()[sel]
+    correct = correct.view_as(valid) & valid
+    blocks = valid[..., 1]  # a block counts if its first draft position is valid
+    accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
+    return ce_w, {"w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
+                  "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
+                  "blocks": blocks.sum().float()}
+
 def dflash_loss(drafter, target, batch, anchors, anchor_valid, gamma=4.0, noise_std=0.0, labels="target",
                 weight_total=None, pad_to=None):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
@@ -724,25 +743,6 @@ def dflash_loss(drafter, target, batch, anchors, anchor_valid, gamma=4.0, noise_
         hidden = drafter(context, x, anchors, anchor_valid)                    # (b, N, B, D)
     ce_w, stats = weighted_ce(hidden, target.lm_head, y, w)
     return ce_w / (w.sum() if weight_total is None else weight_total).clamp(min=1e-9), stats
-
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
-    hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
-    per offset, accepted (sum of leading runs of correct drafts: what greedy verification accepts), blocks."""
-    w = weights.flatten()
-    sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
-    ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
-                                     labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
-    ce_w = (ce * w[sel]).sum()
-    valid = weights > 0
-    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
-    correct[sel] = pred == labels.flatten()[sel]
-    correct = correct.view_as(valid) & valid
-    blocks = valid[..., 1]  # a block counts if its first draft position is valid
-    accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
-    return ce_w, {"w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
-                  "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
-                  "blocks": blocks.sum().float()}
 
 STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
 
@@ -904,75 +904,6 @@ class Run:
         if self.world > 1:
             dist.barrier()
 
-def train(args):
-    """Set up the run from the command line (target, drafter, data, optimizer, resume), then train_loop()."""
-    missing = [f"--{k}" for k in ("target", "data") if not getattr(args, k)]
-    if missing:
-        raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
-    rank, world, device = setup_distributed(args.device)
-    resume_dir = latest_checkpoint(args.out) if args.resume else None
-    if args.resume and resume_dir is None:
-        raise DFlashError(f"--resume: no checkpoint in {args.out!r} (no {args.out}/latest); drop --resume to start")
-    if args.init_from and not os.path.isdir(args.init_from):
-        raise DFlashError(f"--init_from {args.init_from!r} does not exist; give a drafter directory")
-    check_writable_dir(args.out, "--out")
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
-    print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
-    data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
-                   vocab_size=target.vocab_size)
-    samples = load_samples(args.data, tok, args.max_len, **data_kw)
-    if args.show_data:  # look at the loss masks before spending anything on training
-        return show_data(samples, tok, args.show_data) if rank == 0 else None
-    if args.init_from:
-        cfg = read_drafter_config(args.init_from)
-    else:
-        cfg = new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, target)
-    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
-    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-
-    if args.eval_data:
-        train_samples, eval_samples = samples, load_samples(args.eval_data, tok, args.max_len, **data_kw)
-    else:
-        train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
-    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
-                      getattr(tok, "pad_token_id", None) or 0)
-    total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
-
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    if args.init_from:
-        drafter = load_drafter(args.init_from, device, attention=attention)
-    else:
-        drafter = DFlashDrafter(cfg, attention).to(device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
-    state = read_train_state(resume_dir, cfg, batches.global_batch) if resume_dir else None
-    if state:
-        drafter.load_state_dict(load_drafter(resume_dir, device).state_dict())
-        optimizer.load_state_dict(state["optimizer"])
-        if rank < len(state["rng"]):
-            torch.set_rng_state(state["rng"][rank])
-        print0(f"resumed from {resume_dir} at step {state['step']}")
-    torch.manual_seed(args.seed + rank)
-    model = torch.compile(drafter) if compile_ else drafter
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    os.makedirs(args.out, exist_ok=True)
-    print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
-           f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
-           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} eval "
-           f"samples; {total_steps} steps of {batches.global_batch} samples; attention {attention}, compile "
-           f"{compile_}, {world} rank(s) on {device.type}")
-    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
-    run = Run(args, rank, world, device, target, drafter, model, optimizer, batches, eval_samples, total_steps,
-              dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, pad_to=pad_to),
-              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0)
-    train_loop(run)
-    if world > 1:
-        dist.destroy_process_group()
-    return drafter, cfg, target
-
 def optimizer_step(run, total, step):
     """Clip, then update unless the loss or the gradient is not finite (then skip; stop after too many)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.args.grad_clip)
@@ -1041,6 +972,75 @@ def train_loop(run):
         bar.close()
     finally:
         stop.restore()
+
+def train(args):
+    """Set up the run from the command line (target, drafter, data, optimizer, resume), then train_loop()."""
+    missing = [f"--{k}" for k in ("target", "data") if not getattr(args, k)]
+    if missing:
+        raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
+    rank, world, device = setup_distributed(args.device)
+    resume_dir = latest_checkpoint(args.out) if args.resume else None
+    if args.resume and resume_dir is None:
+        raise DFlashError(f"--resume: no checkpoint in {args.out!r} (no {args.out}/latest); drop --resume to start")
+    if args.init_from and not os.path.isdir(args.init_from):
+        raise DFlashError(f"--init_from {args.init_from!r} does not exist; give a drafter directory")
+    check_writable_dir(args.out, "--out")
+    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
+    print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
+    data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
+                   vocab_size=target.vocab_size)
+    samples = load_samples(args.data, tok, args.max_len, **data_kw)
+    if args.show_data:  # look at the loss masks before spending anything on training
+        return show_data(samples, tok, args.show_data) if rank == 0 else None
+    if args.init_from:
+        cfg = read_drafter_config(args.init_from)
+    else:
+        cfg = new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+    check_compatible(cfg, target)
+    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
+    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+
+    if args.eval_data:
+        train_samples, eval_samples = samples, load_samples(args.eval_data, tok, args.max_len, **data_kw)
+    else:
+        train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
+    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
+                      getattr(tok, "pad_token_id", None) or 0)
+    total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    if args.init_from:
+        drafter = load_drafter(args.init_from, device, attention=attention)
+    else:
+        drafter = DFlashDrafter(cfg, attention).to(device)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
+    state = read_train_state(resume_dir, cfg, batches.global_batch) if resume_dir else None
+    if state:
+        drafter.load_state_dict(load_drafter(resume_dir, device).state_dict())
+        optimizer.load_state_dict(state["optimizer"])
+        if rank < len(state["rng"]):
+            torch.set_rng_state(state["rng"][rank])
+        print0(f"resumed from {resume_dir} at step {state['step']}")
+    torch.manual_seed(args.seed + rank)
+    model = torch.compile(drafter) if compile_ else drafter
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    os.makedirs(args.out, exist_ok=True)
+    print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
+           f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
+           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} eval "
+           f"samples; {total_steps} steps of {batches.global_batch} samples; attention {attention}, compile "
+           f"{compile_}, {world} rank(s) on {device.type}")
+    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
+    run = Run(args, rank, world, device, target, drafter, model, optimizer, batches, eval_samples, total_steps,
+              dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, pad_to=pad_to),
+              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0)
+    train_loop(run)
+    if world > 1:
+        dist.destroy_process_group()
+    return drafter, cfg, target
 
 
 # -----------------------------------------------------------------------------
