@@ -43,10 +43,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 # Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
 # chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py.
 from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
-                                   chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields, int_list,
-                                   latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json, read_jsonl,
-                                   read_safetensors, read_torch, run_main, setup_distributed, show_data, split_eval,
-                                   template_kwargs, write_latest, yarn_rope)
+                                   chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields,
+                                   int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
+                                   read_jsonl, read_safetensors, read_torch, run_main, setup_distributed, show_data,
+                                   split_eval, template_kwargs, write_latest, yarn_rope)
 
 
 # -----------------------------------------------------------------------------
