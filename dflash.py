@@ -823,7 +823,9 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     total, mine = None, list(range(rank, len(samples), world))
     for s in range(0, len(mine), batch_size):
         idx = mine[s:s + batch_size]
-        batch = collate([samples[i] for i in idx], pad_id, keys=[mix_seed(seed, i) for i in idx])
+        fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
+        batch = collate([samples[i] for i in idx] + [([pad_id], [0])] * fill, pad_id,
+                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
         anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
         total = add_stats(total, dflash_loss(drafter, target, batch, anchors, valid, **{**loss_kw, "noise_std": 0})[1])
     if total is None:  # a rank without eval samples still joins the all-reduce, with zeros

@@ -591,6 +591,11 @@ def run_gpu(args):
               "num_anchors": N, "dtype": "fp32" if cpu else "bf16 autocast, fp32 weights", "results": []}
     print(f"DFlash GPU bench{' (dry run on CPU)' if cpu else ''} on {report['machine']}")
     print(f"drafter: {describe(cfg)}; {S} tokens, {N} anchors, {report['dtype']}; target features random")
+    print("acceptance checks (the default CUDA configuration):")
+    acceptance(args, dev, cpu, report)
+    save_json(report, args.json)
+    if cpu:
+        torch._dynamo.reset()  # the timing below starts from a clean compile cache
 
     torch.manual_seed(0)
     drafter = dflash.DFlashDrafter(cfg).to(dev).train()
@@ -721,6 +726,189 @@ def run_gpu(args):
     print(f"total {report['total_seconds']:.0f}s")
     save_json(report, args.json)
     return report
+
+
+# -----------------------------------------------------------------------------
+# --gpu acceptance: the default CUDA configuration (compiled drafter, flex, bf16 autocast), one PASS/FAIL/SKIP line
+# per check. bench_gpu.sh runs it under TORCH_LOGS=recompiles,graph_breaks, so any recompile is also in the log.
+
+EAGER_FLEX = "flex_attention called without torch.compile"  # flex warns this when it runs unfused
+
+
+def verdict(report, name, ok, detail):
+    word = "SKIP" if ok is None else "PASS" if ok else "FAIL"
+    report.setdefault("acceptance", []).append({"check": name, "result": word, "detail": detail})
+    print(f"{word} {name}: {detail}", flush=True)
+
+
+def accept_config(cpu):
+    """The Qwen3.6 drafter geometry (DFlashConfig() defaults: 4 sliding + 1 full layer); tiny on the CPU."""
+    if not cpu:
+        return dflash.DFlashConfig()
+    return dflash.DFlashConfig(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=1,
+                               head_dim=16, vocab_size=1000, mask_token_id=999, sliding_window=64)
+
+
+def acceptance(args, dev, cpu, report):
+    from torch._dynamo.utils import counters
+    cfg, ac = accept_config(cpu), torch.autocast("cuda", dtype=torch.bfloat16, enabled=not cpu)
+    S, N = (256, 16) if cpu else (4096, 512)
+    torch.manual_seed(0)
+    drafter = dflash.DFlashDrafter(cfg, "flex").to(dev).train()
+    fdt = torch.float32 if cpu else torch.bfloat16
+
+    def inputs(n, seed):
+        t = train_inputs(cfg, S, n, seed)
+        return [x.to(dev, fdt) if x.is_floating_point() else x.to(dev) for x in
+                (t.context, t.x, t.anchors, t.valid, t.labels, t.weights)] + [t.lm_head.to(dev, fdt)]
+
+    def loss_of(model, inp):
+        ctx, x, a, v, y, w, head = inp
+        with ac:
+            return dflash.weighted_ce(model(ctx, x, a, v), head, y, w)[0] / w.sum()
+
+    # 1+3. the whole drafter compiled, 3 steps with fresh anchors: one graph, no recompile; peak memory with AdamW
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.compile(drafter, backend="aot_eager") if cpu else torch.compile(drafter)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=not cpu)
+    if not cpu:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(3):
+                inp = inputs(N, seed=i)
+                if cpu:  # flex has no backward on the CPU
+                    with torch.no_grad():
+                        loss_of(model, inp)
+                else:
+                    loss_of(model, inp).backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        verdict(report, "compiled drafter, 3 steps, fresh anchors", graphs == 1 and breaks == 0,
+                f"{graphs} graph(s), {breaks} graph break(s), no recompile ({S} tokens, {N} anchors, "
+                f"{cfg.layer_types.count('sliding_attention')} sliding layers)")
+    except Exception as e:
+        verdict(report, "compiled drafter, 3 steps, fresh anchors", False, f"{type(e).__name__}: {str(e)[:300]}")
+    if cpu:
+        verdict(report, "peak memory with fused AdamW", None, "CPU: no CUDA memory counters")
+    else:
+        peak, total = torch.cuda.max_memory_allocated(), torch.cuda.get_device_properties(dev).total_memory
+        report["acceptance_peak_gib"] = peak / 2**30
+        verdict(report, "peak memory with fused AdamW", peak < 0.9 * total, f"{peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.0f} GiB")
+    del opt
+
+    # 2. its gradients against eager dense attention at 128 anchors
+    if cpu:
+        verdict(report, "compiled flex gradients vs eager dense", None, "CPU: flex_attention has no backward")
+    else:
+        torch._dynamo.reset()
+        inp, grads = inputs(128, seed=7), []
+        for m, path in ((torch.compile(drafter), "flex"), (drafter, "dense")):
+            drafter.attention = path
+            drafter.zero_grad(set_to_none=True)
+            loss_of(m, inp).backward()
+            grads.append({k: p.grad.float() for k, p in drafter.named_parameters()})
+        drafter.attention = "flex"
+        drafter.zero_grad(set_to_none=True)
+        rel = max(((grads[0][k] - grads[1][k]).norm() / grads[1][k].norm().clamp(min=1e-30)).item()
+                  for k in grads[0])
+        verdict(report, "compiled flex gradients vs eager dense", rel < 5e-2,
+                f"worst per-tensor relative L2 difference {rel:.2e} at 128 anchors (limit 5e-2, bf16)")
+        del grads
+
+    # 4. flex receives bf16 q/k/v in forward and backward (the eager drafter around the compiled kernel)
+    seen, compiled = [], dflash.compiled_flex_attention
+
+    def recording(q, k, v, **kw):
+        seen.append(("forward", q.dtype, k.dtype, v.dtype))
+        for t in (q, k, v):
+            if t.requires_grad:
+                t.register_hook(lambda g: seen.append(("backward", g.dtype)))
+        return compiled(q, k, v, **kw)
+
+    dflash.compiled_flex_attention = recording
+    try:
+        inp = inputs(16, seed=3)
+        if cpu:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                drafter(*inp[:4])
+        else:
+            loss_of(drafter, inp).backward()
+            drafter.zero_grad(set_to_none=True)
+    finally:
+        dflash.compiled_flex_attention = compiled
+    dts = {d for s in seen for d in s[1:]}
+    back = [s for s in seen if s[0] == "backward"]
+    verdict(report, "flex q/k/v dtype", dts == {torch.bfloat16} and (cpu or len(back) > 0),
+            f"{sorted(map(str, dts))} in {len(seen) - len(back)} forward calls"
+            + (" (CPU autocast; backward SKIP: flex has no backward on the CPU)" if cpu else
+               f" and {len(back)} backward gradients"))
+    del drafter, model
+    eval_check(report, dev, cpu, counters)
+    end_to_end(report, cpu)
+
+
+def eval_check(report, dev, cpu, counters):
+    """5. held-out evaluation at 6 distinct lengths (and a ragged last batch): no recompile-limit hit, never unfused."""
+    import warnings
+    target = tiny_qwen3_target()
+    target.model.to(dev, torch.float32 if cpu else torch.bfloat16)
+    cfg = dflash.new_drafter_config(target, 3, mask_token_id=511, target_layer_ids=[1, 2, 3], num_heads=4,
+                                    num_kv_heads=2, head_dim=16, sliding_window=64)
+    drafter = dflash.DFlashDrafter(cfg, "flex").to(dev).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = (90, 130, 170, 210, 250, 300)
+    samples = [(torch.randint(0, 500, (n,), generator=g).tolist(), [0] * 20 + [1] * (n - 20)) for n in lengths]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings():
+            warnings.filterwarnings("error", message=EAGER_FLEX)
+            m = dflash.evaluate(drafter, target, samples, 4, 32, 0, 0, 0, 1, gamma=4.0, labels="target",
+                                pad_to=dflash.padded_length(max(lengths)))
+        kinds = len({cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)})
+        graphs = counters["stats"]["unique_graphs"]
+        verdict(report, "evaluation at 6 lengths, fused flex", graphs <= 2 * kinds, f"{graphs} graph(s) for {kinds} "
+                f"mask kinds (flex + block masks), no recompile-limit hit, never unfused; tau {m['tau']:.3f}")
+    except Exception as e:
+        verdict(report, "evaluation at 6 lengths, fused flex", False, f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def end_to_end(report, cpu):
+    """6. dflash.py --max_steps 3 --eval_every 2 on a tiny Qwen3 target, then --resume (to step 5)."""
+    import subprocess
+    d = tempfile.mkdtemp(prefix="dflash_accept_")
+    try:
+        tiny_qwen3_target().model.save_pretrained(os.path.join(d, "target"))
+        g = torch.Generator().manual_seed(1)
+        with open(os.path.join(d, "data.jsonl"), "w") as f:
+            for i in range(40):
+                n = 60 + 7 * i
+                f.write(json.dumps({"input_ids": torch.randint(0, 500, (n,), generator=g).tolist(),
+                                    "loss_mask": [0] * 20 + [1] * (n - 20)}) + "\n")
+        base = [sys.executable, os.path.join(ROOT, "dflash.py"), "--target", os.path.join(d, "target"), "--data",
+                os.path.join(d, "data.jsonl"), "--out", os.path.join(d, "out"), "--eval_every", "2", "--save_every",
+                "2", "--batch_size", "2", "--grad_accum", "1", "--eval_fraction", "0.2", "--max_len", "512",
+                "--mask_token_id", "511", "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "16",
+                "--sliding_window", "64", "--num_anchors", "16", "--log_every", "1", "--num_draft_layers", "3",
+                "--target_layer_ids", "1,2,3"] + (["--device", "cpu"] * cpu)
+        for name, extra in (("end to end, 3 steps", ["--max_steps", "3"]),
+                            ("end to end, --resume", ["--max_steps", "5", "--resume"])):
+            t0 = time.time()
+            r = subprocess.run(base + extra, capture_output=True, text=True, timeout=240)
+            log = r.stdout + r.stderr
+            recompiles = log.count("Recompiling function")
+            bad = [s for s in (EAGER_FLEX, "recompile_limit", "cache_size_limit", "Traceback") if s in log]
+            ok = r.returncode == 0 and not bad and ("resumed from" in log if "--resume" in extra else True)
+            verdict(report, name, ok, f"rc {r.returncode}, {time.time() - t0:.0f}s, {recompiles} recompile log "
+                    f"line(s)" + (f", found {bad}" if bad else "") + ("" if ok else f"; tail: {log[-600:]!r}"))
+    except Exception as e:
+        verdict(report, "end to end", False, f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # -----------------------------------------------------------------------------

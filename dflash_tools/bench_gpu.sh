@@ -23,4 +23,5 @@ if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader || true
 fi
 # hard stop at 8 minutes; bench.py itself skips the optional compiled-model run past half its --budget (420 s)
+export TORCH_LOGS="${TORCH_LOGS:-recompiles,graph_breaks}"  # any recompile or graph break shows in the log
 exec timeout --signal=INT --kill-after=20 480 python bench.py --gpu --json "$json" "$@"
