@@ -42,8 +42,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 # Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
 # chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py, input checks in checks.py.
-from dflash_tools.checks import (check_run_dir, layer_type_list, read_train_state_file, target_load_error,
-                                target_load_errors)
+from dflash_tools.checks import (check_config_fields, check_run_dir, layer_type_list, read_train_state_file,
+                                target_load_error, target_load_errors)
 from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
                                    chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields,
                                    int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
@@ -135,7 +135,7 @@ class DFlashConfig:
     def from_json(cls, d, where="config.json"):
         """Read a z-lab or our config.json: values from dflash_config first, then the top level (config_fields reads
         them, with their legacy spellings); target_layer_ids missing: the default spread."""
-        kw = config_fields(d, where)
+        kw = check_config_fields(config_fields(d, where), where)
         kw["target_layer_ids"] = kw["target_layer_ids"] or default_target_layer_ids(kw["num_target_layers"],
                                                                                      kw["num_hidden_layers"])
         try:

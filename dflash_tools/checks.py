@@ -178,17 +178,70 @@ def read_train_state_file(resume_dir):
 # The target's files
 
 def target_load_errors():
-    """What from_pretrained raises for a missing, corrupt or unsupported target: caught as one line."""
+    """What from_pretrained raises for a missing, corrupt or unsupported target: caught, then target_load_error()."""
     from safetensors import SafetensorError
-    return OSError, ValueError, SafetensorError
+    return OSError, ValueError, TypeError, SafetensorError
+
+
+def index_problem(path):
+    """None if path is a safetensors index with a weight_map of tensor names to file names, else what is wrong."""
+    why = json_problem(path)
+    if why:
+        return why
+    with open(path, "rb") as f:
+        weight_map = json.loads(f.read()).get("weight_map")
+    ok = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    return None if ok else "has no weight_map of tensor names to shard files"
 
 
 def target_load_error(name, e):
-    """One line for a target that cannot be loaded, naming the weight file that is corrupt when it is local."""
-    msg = (str(e).splitlines() or [type(e).__name__])[0]
+    """One line for a target that cannot be loaded, naming its corrupt weight file or index when it is local. A
+    TypeError with no corrupt file behind it is a bug, not bad input: it is returned as is (a traceback)."""
+    problems = []
     if os.path.isdir(name):
         for f in sorted(os.listdir(name)):
-            why = safetensors_problem(os.path.join(name, f)) if f.endswith(".safetensors") else None
-            if why:
-                return DFlashError(f"cannot load target {name!r}: {os.path.join(name, f)} {why}")
-    return DFlashError(f"cannot load target {name!r}: {msg}")
+            path = os.path.join(name, f)
+            why = safetensors_problem(path) if f.endswith(".safetensors") else \
+                index_problem(path) if f.endswith(".safetensors.index.json") else None
+            problems += [f"{path} {why}"] if why else []
+    if problems:
+        return DFlashError(f"cannot load target {name!r}: {problems[0]}")
+    if isinstance(e, TypeError):
+        return e
+    return DFlashError(f"cannot load target {name!r}: {(str(e).splitlines() or [type(e).__name__])[0]}")
+
+
+# -----------------------------------------------------------------------------
+# A drafter's config.json: valid JSON may still hold nonsense values
+
+POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
+                       "max_position_embeddings")
+
+
+def check_config_fields(kw, where):
+    """The DFlashConfig fields read from a config.json (config_fields()), each of the type and sign it must have."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def need(ok, field, what):
+        if not ok:
+            raise DFlashError(f"{where}: {field} must be {what}, got {kw[field]!r}; the config is corrupt")
+    for field in POSITIVE_INT_FIELDS:
+        need(is_int(kw[field]) and kw[field] > 0, field, "a positive integer")
+    need(kw["head_dim"] % 2 == 0, "head_dim", "even (RoPE rotates pairs)")
+    need(is_int(kw["mask_token_id"]) and kw["mask_token_id"] >= 0, "mask_token_id", "a token id (an integer >= 0)")
+    need(kw["sliding_window"] is None or (is_int(kw["sliding_window"]) and kw["sliding_window"] >= 0),
+         "sliding_window", "null or an integer >= 0")
+    for field in ("rms_norm_eps", "rope_theta"):
+        v = kw[field]
+        need(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"), field,
+             "a positive finite number")
+    need(isinstance(kw["target_layer_ids"], list) and all(is_int(t) for t in kw["target_layer_ids"]),
+         "target_layer_ids", "a list of integers")
+    need(isinstance(kw["layer_types"], list) and all(isinstance(t, str) for t in kw["layer_types"]), "layer_types",
+         "a list of layer type names")
+    need(isinstance(kw["attention_bias"], bool), "attention_bias", "true or false")
+    need(kw["is_causal"] is None or isinstance(kw["is_causal"], bool), "is_causal", "null, true or false")
+    need(kw["rope_scaling"] is None or isinstance(kw["rope_scaling"], dict), "rope_scaling", "null or an object")
+    return kw

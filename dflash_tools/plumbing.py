@@ -206,7 +206,7 @@ def config_fields(d, where):
             sliding_window=d.get("sliding_window"), is_causal=d.get("is_causal"))
     except KeyError as e:
         raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
 
 

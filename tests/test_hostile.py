@@ -13,7 +13,8 @@ import torch
 
 import dflash
 import eval as ev
-from conftest import SMALL, VOCAB, ZL, tiny_qwen3, write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors
+from conftest import (SMALL, VOCAB, ZL, build_qwen3, tiny_qwen3, write_data, write_lines, write_zlab_dir, zlab_config,
+                      zlab_tensors)
 from dflash import DFlashError
 from dflash_tools import checks
 
@@ -229,12 +230,32 @@ def test_corrupt_config_json(w, capsys, tmp_path, how):
     one_error(capsys, ev.main, ["--target", t], "cannot load target", "config.json")
 
 
+def test_config_json_with_nonsense_values(tmp_path):
+    """Valid JSON, impossible values: one line naming the file and the field, never a traceback."""
+    for over, field in [(dict(num_key_value_heads=0), "num_key_value_heads"), (dict(hidden_size=-4), "hidden_size"),
+                        (dict(head_dim="8"), "head_dim"), (dict(head_dim=7), "head_dim"),
+                        (dict(sliding_window=-3), "sliding_window"), (dict(rms_norm_eps=None), "rms_norm_eps"),
+                        (dict(rope_theta="x"), "wrong type"), (dict(layer_types=5), "wrong type"),
+                        (dict(dflash_config={"mask_token_id": "x", "target_layer_ids": [1, 3]}), "mask_token_id"),
+                        (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": "13"}), "target_layer_ids")]:
+        d = write_zlab_dir(str(tmp_path / field.replace(" ", "_")), zlab_config(Z, **over), {})
+        raises_one_line(lambda: dflash.read_drafter_config(d), "config.json", field)
+
+
 @pytest.mark.parametrize("how", CORRUPT)
 def test_corrupt_target_safetensors(w, capsys, tmp_path, how):
     t = str(tmp_path / "target")
     shutil.copytree(w["q3"], t)
     CORRUPT[how](os.path.join(t, "model.safetensors"))
     one_error(capsys, ev.main, ["--target", t], "cannot load target", "model.safetensors", how)
+    sharded = str(tmp_path / "sharded")
+    build_qwen3().save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+        shutil.copy(os.path.join(sharded, name), str(tmp_path / "good"))
+        CORRUPT[how](os.path.join(sharded, name))
+        one_error(capsys, ev.main, ["--target", sharded], "cannot load target", name, how if
+                  name.endswith(".safetensors") else "not valid JSON")
+        shutil.copy(str(tmp_path / "good"), os.path.join(sharded, name))
 
 
 def test_corrupt_jsonl_lines(w, capsys, tmp_path):
