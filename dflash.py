@@ -41,12 +41,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
-# chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py.
+# chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py, input checks in checks.py.
+from dflash_tools.checks import (check_config_fields, check_run_dir, layer_type_list, read_train_state_file,
+                                target_load_error, target_load_errors)
 from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
                                    chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields,
                                    int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
-                                   read_jsonl, read_safetensors, read_torch, run_main, setup_distributed, show_data,
-                                   split_eval, template_kwargs, write_latest, yarn_rope)
+                                   read_jsonl, read_safetensors, run_main, setup_distributed, show_data, split_eval,
+                                   template_kwargs, write_latest, yarn_rope)
 
 
 # -----------------------------------------------------------------------------
@@ -133,7 +135,7 @@ class DFlashConfig:
     def from_json(cls, d, where="config.json"):
         """Read a z-lab or our config.json: values from dflash_config first, then the top level (config_fields reads
         them, with their legacy spellings); target_layer_ids missing: the default spread."""
-        kw = config_fields(d, where)
+        kw = check_config_fields(config_fields(d, where), where)
         kw["target_layer_ids"] = kw["target_layer_ids"] or default_target_layer_ids(kw["num_target_layers"],
                                                                                      kw["num_hidden_layers"])
         try:
@@ -448,8 +450,8 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
         raise DFlashError(f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"cannot load target {name!r}: {str(e).splitlines()[0]}") from None
+    except target_load_errors() as e:  # a missing, corrupt (truncated, garbage) or unsupported target
+        raise target_load_error(name, e) from None
     model.to(device).eval().requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -562,7 +564,7 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
     for where, rec in read_jsonl(path, "data", "; pass --data with a JSONL file"):
         lines += 1
         ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)
-        ids, mask = ids[:max_len], mask[:max_len]
+        ids, mask = check_ids(ids[:max_len], vocab_size, where), mask[:max_len]  # tokenizer output too
         if any(mask[j] and mask[j + 1] for j in range(len(ids) - 1)):  # at least one anchor (see sample_anchors)
             samples.append((ids, mask))
         else:
@@ -848,7 +850,7 @@ def read_train_state(resume_dir, cfg, global_batch):
         if getattr(saved, k) != v:
             raise DFlashError(f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, this run has "
                               f"{getattr(cfg, k)}; use the original target and flags, or a new --out")
-    state = read_torch(os.path.join(resume_dir, "train_state.pt"), "the training state")
+    state = read_train_state_file(resume_dir)
     if state["global_batch"] != global_batch:
         raise DFlashError(f"cannot resume {resume_dir}: global batch was {state['global_batch']}, now "
                           f"{global_batch}; keep batch_size x grad_accum x ranks the same")
@@ -981,12 +983,10 @@ def train(args):
     if missing:
         raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
     rank, world, device = setup_distributed(args.device)
-    resume_dir = latest_checkpoint(args.out) if args.resume else None
-    if args.resume and resume_dir is None:
-        raise DFlashError(f"--resume: no checkpoint in {args.out!r} (no {args.out}/latest); drop --resume to start")
     if args.init_from and not os.path.isdir(args.init_from):
         raise DFlashError(f"--init_from {args.init_from!r} does not exist; give a drafter directory")
     check_writable_dir(args.out, "--out")
+    resume_dir = check_run_dir(args.out, args.resume)  # with --resume: <out>/latest, checked complete
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
     print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
     data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
@@ -1068,24 +1068,25 @@ def get_parser():
     p.add(g, "--block_size", int, 16, "B: one anchor token + B-1 drafted tokens", lo=2, hi=1024)
     g.add_argument("--target_layer_ids", type=int_list, default=None,
                    help="comma-separated target layers feeding the context (default: spread from 1 to L-3)")
-    p.add(g, "--mask_token_id", int, None, "mask token id (default: the tokenizer's)", lo=0)
-    p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)", lo=0)
-    g.add_argument("--layer_types", type=lambda s: s.split(","), default=None,
+    p.add(g, "--mask_token_id", int, None, "mask token id (default: the tokenizer's)", lo=0, hi=2**31 - 1)
+    p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)", lo=0, hi=2**30)
+    g.add_argument("--layer_types", type=layer_type_list, default=None,
                    help="comma-separated sliding|full per layer (default: all sliding but the last)")
     p.add(g, "--num_heads", int, 32, "attention heads", lo=1, hi=1024)
     p.add(g, "--num_kv_heads", int, 8, "key/value heads (GQA)", lo=1, hi=1024)
     p.add(g, "--head_dim", int, 128, "head dimension (even: RoPE rotates pairs)", lo=2, hi=1024)
-    p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1)
+    p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1, hi=2**20)
     g = p.add_argument_group("data and loss")
     p.add(g, "--max_len", int, 3072, "truncate samples to this many tokens", lo=2, hi=2**20)
     g.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template if it reads enable_thinking, as eval.py does (default: its own)")
     p.add(g, "--show_data", int, 0, "print the first N encoded samples with their loss spans in [[...]], then exit "
-          "(0: train)", lo=0)
+          "(0: train)", lo=0, hi=10**9)
     p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data (0: no held-out evaluation)", lo=0, hi=0.5)
     a("--eval_data", default=None, help="held-out JSONL (instead of --eval_fraction)")
     p.add(g, "--num_anchors", int, 512, "anchors (blocks) per sequence", lo=1, hi=2**16)
-    p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", lo=0, open_lo=True)
+    p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", lo=0, hi=10**6,
+          open_lo=True)
     g.add_argument("--labels", choices=["target", "data"], default="target",
                    help="target: the target's greedy token (teacher-forced); data: the data token")
     p.add(g, "--noise_std", float, 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)",
@@ -1094,12 +1095,12 @@ def get_parser():
     p.add(g, "--batch_size", int, 1, "sequences per rank per micro-step", lo=1, hi=2**16)
     p.add(g, "--grad_accum", int, 4, "micro-steps per optimizer step", lo=1, hi=2**16)
     p.add(g, "--lr", float, 6e-4, "peak learning rate (AdamW)", lo=0, hi=1, open_lo=True)
-    p.add(g, "--warmup_ratio", float, 0.04, "linear warmup fraction, then cosine to 0", lo=0, hi=1)
+    p.add(g, "--warmup_ratio", float, 0.04, "linear warmup fraction, then cosine to 0 (0: none)", lo=0, hi=1)
     p.add(g, "--epochs", int, 6, "epochs (unless --max_steps)", lo=1, hi=10**6)
     p.add(g, "--max_steps", int, 0, "optimizer steps (0: from --epochs)", lo=0, hi=10**9)
-    p.add(g, "--grad_clip", float, 1.0, "gradient norm clip", lo=0, open_lo=True)
+    p.add(g, "--grad_clip", float, 1.0, "gradient norm clip", lo=0, hi=10**9, open_lo=True)
     p.add(g, "--weight_decay", float, 0.0, "AdamW weight decay", lo=0, hi=1)
-    p.add(g, "--max_bad_steps", int, 10, "stop after this many consecutive non-finite steps", lo=1)
+    p.add(g, "--max_bad_steps", int, 10, "stop after this many consecutive non-finite steps", lo=1, hi=10**6)
     g = p.add_argument_group("system")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile the drafter (auto: on for CUDA, off on CPU)")
@@ -1112,9 +1113,10 @@ def get_parser():
     g.add_argument("--device", default=None, help="device (default: cuda:LOCAL_RANK if available, else cpu)")
     g.add_argument("--trust_remote_code", action="store_true", help="allow the target's custom code")
     p.add(g, "--seed", int, 0, "random seed", lo=0, hi=2**62)
-    p.add(g, "--log_every", int, 10, "log every N steps", lo=1)
-    p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)", lo=0)
-    p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0)
+    p.add(g, "--log_every", int, 10, "log every N steps", lo=1, hi=10**9)
+    p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)", lo=0,
+          hi=10**9)
+    p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0, hi=10**9)
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     return p
 

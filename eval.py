@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import dflash
 from dflash import DFlashError
+from dflash_tools.checks import check_output_file
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -71,17 +72,18 @@ BUILTIN_PROMPTS = [
 # Prompts: JSONL -> token-id lists
 
 
-def encode_prompt(rec, tokenizer, where, template_kwargs=None):
+def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     """One JSONL record -> prompt token ids. {"prompt": str} is a single user turn through the chat template (raw
     text when the tokenizer has none); {"messages": [...]} goes through the chat template, trailing assistant
-    turns dropped (the target writes its own); {"text": str} is raw text; {"input_ids": [...]} is used as is."""
+    turns dropped (the target writes its own); {"text": str} is raw text; {"input_ids": [...]} is used as is. Every
+    id is checked against vocab_size when given (the target's vocabulary)."""
     if not isinstance(rec, dict):
         raise DFlashError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "input_ids" in rec:
         ids = rec["input_ids"]
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
             raise DFlashError(f"{where}: input_ids must be a non-empty list of integers")
-        return ids
+        return dflash.check_ids(ids, vocab_size, where)
     if not any(k in rec for k in ("prompt", "messages", "text")):
         raise DFlashError(f"{where}: none of the known fields (prompt | messages | text | input_ids); "
                           f"got keys {sorted(rec)}")
@@ -113,19 +115,21 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None):
         ids = tokenizer(rec["text"], add_special_tokens=False)["input_ids"]
     if not ids:
         raise DFlashError(f"{where}: the prompt encodes to no tokens")
-    return ids
+    return dflash.check_ids(ids, vocab_size, where)
 
 
-def load_prompts(path, tokenizer, enable_thinking=None):
-    """A JSONL file (or None: the built-in coding prompts) -> list of prompt token-id lists."""
+def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
+    """A JSONL file (or None: the built-in coding prompts) -> list of prompt token-id lists, each id checked
+    against vocab_size when given."""
     kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
         if tokenizer is None:
             raise DFlashError("the target has no tokenizer, so the built-in prompts cannot be encoded; pass --prompts "
                               "with pre-tokenized {\"input_ids\": [...]} lines")
-        return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw)
+        return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw, vocab_size)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
-    prompts = [encode_prompt(rec, tokenizer, where, kw) for where, rec in dflash.read_jsonl(path, "prompts")]
+    prompts = [encode_prompt(rec, tokenizer, where, kw, vocab_size)
+               for where, rec in dflash.read_jsonl(path, "prompts")]
     if not prompts:
         raise DFlashError(f"{path}: no prompts")
     return prompts
@@ -603,14 +607,14 @@ def get_parser():
     a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
-    p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)", lo=0)
+    p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)", lo=0, hi=10**9)
     p.add(p, "--max_new_tokens", int, 256, "greedy continuation length per prompt (stops early at eos)", lo=1,
           hi=2**20)
     p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
           "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2, hi=1024)
     a("--mode", choices=["exact", "loop"], default="exact",
-      help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with the KV cache "
-           "(dense targets), reports tokens/s and checks the output equals plain greedy decoding")
+      help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with "
+           "the KV cache (dense targets), reports tokens/s and checks the output equals plain greedy decoding")
     a("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
       help="passed to the chat template when it reads enable_thinking (default: the template's own default)")
     a("--json", default=None, help="write the full report (continuations, acceptance lengths per prompt) here")
@@ -631,14 +635,12 @@ def run(args):
     if args.dump_drafts and not args.json:
         raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")
     if args.json:
-        dflash.check_writable_dir(os.path.dirname(os.path.abspath(args.json)), "--json")
-        if os.path.isdir(args.json):
-            raise DFlashError(f"--json {args.json!r} is a directory; give a file path")
+        check_output_file(args.json, "--json")
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
-    prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking)
+    prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
     if args.limit:
         prompts = prompts[:args.limit]
     report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens, args.block_size, args.mode,

@@ -103,7 +103,9 @@ def read_json(path, what):
             return json.load(f)
     except json.JSONDecodeError as e:
         raise DFlashError(f"{path}: not valid JSON ({e}); the {what} is corrupt") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise DFlashError(f"{path}: not UTF-8 text ({e.reason}); the {what} is corrupt") from None
+    except OSError as e:
         raise DFlashError(f"cannot read {path}: {e}") from None
 
 
@@ -112,15 +114,15 @@ def read_jsonl(path, what, hint=""):
     if not os.path.isfile(path):
         raise DFlashError(f"{what} file {path!r} does not exist{hint}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
-                        yield f"{path}:{lineno}", json.loads(line)
+                        yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
                     except json.JSONDecodeError as e:
                         raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    except UnicodeDecodeError as e:
-        raise DFlashError(f"{path}: not UTF-8 text ({e.reason}); is it a JSONL file?") from None
+                    except UnicodeDecodeError as e:
+                        raise DFlashError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
     except OSError as e:
         raise DFlashError(f"cannot read {what} file {path!r}: {e.strerror}") from None
 
@@ -204,7 +206,7 @@ def config_fields(d, where):
             sliding_window=d.get("sliding_window"), is_causal=d.get("is_causal"))
     except KeyError as e:
         raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
 
 
@@ -331,9 +333,10 @@ def read_safetensors(path):
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     elif os.path.isfile(index):
-        weight_map = read_json(index, "safetensors index").get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise DFlashError(f"{index}: no weight_map; the checkpoint is corrupt")
+        d = read_json(index, "safetensors index")
+        weight_map = d.get("weight_map") if isinstance(d, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DFlashError(f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
         files = sorted(set(weight_map.values()))
     else:
         raise DFlashError(f"{path!r} has neither model.safetensors nor model.safetensors.index.json")

@@ -1,0 +1,327 @@
+"""Hostile input, checked where it enters: every numeric flag of both command lines (swept by class, enumerated from
+the parsers, so a flag added later is swept too), list flags, the paths a run writes, every kind of file it reads
+(truncated or garbage), token ids against the target's vocabulary, devices that are not there. Each mistake ends
+in exactly one `error:` line and exit code 2, never a traceback."""
+import json
+import math
+import os
+import re
+import shutil
+
+import pytest
+import torch
+
+import dflash
+import eval as ev
+from conftest import (SMALL, VOCAB, ZL, build_qwen3, tiny_qwen3, write_data, write_lines, write_zlab_dir, zlab_config,
+                      zlab_tensors)
+from dflash import DFlashError
+from dflash_tools import checks
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+PARSERS = {"dflash": (dflash.get_parser, []), "eval": (ev.get_parser, ["--target", "t"])}
+HOSTILE = ["0", "-1", "nan", "inf", "-inf", "1e30", str(10**30), "-1e30", "1.5", "0x10", ""]
+Z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 3])  # a z-lab drafter geometry that fits tiny_qwen3()
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    q3 = tiny_qwen3(d / "q3")
+    data = write_data(d / "data.jsonl", 8)
+    base = ["--target", q3, "--data", data, "--max_steps", "2", "--batch_size", "2", "--grad_accum", "1", *SMALL]
+    return {"dir": d, "q3": q3, "data": data, "base": base}
+
+
+@pytest.fixture(scope="module")
+def trained(w):
+    """One real run of two steps, a checkpoint after each: out/step_1, out/step_2, out/latest -> step_2."""
+    out = str(w["dir"] / "run")
+    dflash.main(w["base"] + ["--out", out, "--save_every", "1"])
+    assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == ["step_1", "step_2"]
+    return out
+
+
+def one_error(capsys, main, argv, *needles):
+    """main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for n in needles:
+        assert n in err[0], (n, err[0])
+    return err[0]
+
+
+def raises_one_line(fn, *needles):
+    with pytest.raises(DFlashError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    return msg
+
+
+def truncate(path, keep=0.5):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(max(1, int(size * keep)))
+
+
+def garbage(path):
+    with open(path, "wb") as f:
+        f.write(b"\x93\xff\x00garbage, not what the name says\x01" * 37)
+
+
+CORRUPT = {"truncated": truncate, "garbage": garbage}
+
+
+def with_data(w, path, tmp_path):
+    """The training command line of w with --data path and a fresh --out."""
+    argv = list(w["base"])
+    argv[argv.index("--data") + 1] = path
+    return argv + ["--out", str(tmp_path / "o")]
+
+
+# -----------------------------------------------------------------------------
+# Flags: every numeric flag of both command lines has a range, stated in --help, checked at parse time
+
+def numeric_actions(parser):
+    """Every flag whose value is a number; a flag declared with a bare int/float (no range) fails the test."""
+    acts = [a for a in parser._actions if a.option_strings and a.type is not None]
+    bare = [a.dest for a in acts if a.type in (int, float)]
+    assert not bare, f"numeric flags without a declared range (use p.add(..., lo=, hi=)): {bare}"
+    return [a for a in acts if hasattr(a.type, "text")]
+
+
+def declared_range(action):
+    lo_s, hi_s = re.fullmatch(r"[\[(](.*), (.*)\]", action.type.text).groups()
+    return float(lo_s), float(hi_s), action.type.text.startswith("(")
+
+
+@pytest.mark.parametrize("cli", PARSERS)
+def test_every_numeric_flag_has_a_range_stated_in_help(cli):
+    parser = PARSERS[cli][0]()
+    acts = numeric_actions(parser)
+    assert len(acts) >= (20 if cli == "dflash" else 3)
+    text = " ".join(parser.format_help().split())
+    for a in acts:
+        lo, hi, open_lo = declared_range(a)
+        assert math.isfinite(hi), f"{a.option_strings[0]} has no upper bound: a huge value would pass"
+        assert f"valid {a.type.text}" in " ".join(a.help.split()) and a.type.text in text
+        if a.default is not None:  # the default itself is valid
+            assert lo <= a.default <= hi and not (open_lo and a.default == lo), a.dest
+
+
+@pytest.mark.parametrize("cli", PARSERS)
+def test_numeric_flag_sweep(cli, capsys):
+    """0, -1, nan, inf, huge, ...: a parse whose value is in range and meaningful, or one error line, exit 2."""
+    make, base = PARSERS[cli]
+    parser = make()
+    for a in numeric_actions(parser):
+        flag = a.option_strings[0]
+        lo, hi, open_lo = declared_range(a)
+        for v in HOSTILE:
+            try:
+                value = getattr(parser.parse_args(base + [flag, v]), a.dest)
+            except SystemExit as e:
+                assert e.code == 2, (flag, v)
+                err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+                assert len(err) == 1 and err[0].startswith("error: ") and flag in err[0], (flag, v, err)
+                if v and not v.startswith("-"):  # argparse takes "-inf" for an option; otherwise the value is named
+                    assert v in err[0] and (a.type.text in err[0] or "not an integer" in err[0]
+                                            or "not a number" in err[0]), err[0]
+                continue
+            assert capsys.readouterr().err == ""
+            assert isinstance(value, (int, float)) and math.isfinite(value), (flag, v, value)
+            assert lo <= value <= hi and not (open_lo and value == lo), (flag, v, value)
+            if value == 0 and isinstance(value, int) and not re.search(r"_id$|seed", a.dest):
+                assert "(0:" in a.help, f"{flag} accepts 0: its --help must say what 0 means"
+
+
+def test_special_values_stay_meaningful():
+    args = dflash.get_parser().parse_args(["--sliding_window", "0", "--noise_std", "0", "--max_steps", "0",
+                                           "--eval_every", "0", "--save_every", "0", "--warmup_ratio", "0"])
+    assert (args.sliding_window, args.noise_std, args.max_steps, args.eval_every, args.save_every) == (0, 0, 0, 0, 0)
+    assert ev.get_parser().parse_args(["--target", "t", "--limit", "0"]).limit == 0
+
+
+def test_list_flags_fail_in_one_line_on_junk(capsys):
+    parse = dflash.get_parser().parse_args
+    for flag, junk in [("--target_layer_ids", "a,b"), ("--target_layer_ids", "1,,3"), ("--target_layer_ids", ""),
+                       ("--target_layer_ids", "1.5"), ("--layer_types", "sliding,fool"), ("--layer_types", ""),
+                       ("--layer_types", "full,")]:
+        one_error(capsys, parse, [flag, junk], flag)
+    assert parse(["--layer_types", "sliding, full,full_attention"]).layer_types == \
+        ["sliding_attention", "full_attention", "full_attention"]
+    assert parse(["--target_layer_ids", "1,3"]).target_layer_ids == [1, 3]
+
+
+# -----------------------------------------------------------------------------
+# Paths the run writes: checked before anything is loaded (the target given here does not exist)
+
+def test_write_paths_are_checked_first(w, capsys, tmp_path):
+    nowhere = ["--target", str(tmp_path / "no_target"), "--data", w["data"]]
+    a_file = write_lines(tmp_path / "a_file", ["x"])
+    main = dflash.main
+    one_error(capsys, main, nowhere + ["--out", a_file], "--out", "a_file", "is a file")
+    one_error(capsys, main, nowhere + ["--out", os.path.join(a_file, "sub")], "--out", "cannot be written")
+    one_error(capsys, main, nowhere + ["--out", ""], "--out", "empty")
+    for name in ("latest", "metrics.jsonl"):
+        out = tmp_path / f"in_the_way_{name}"
+        os.makedirs(out / name)
+        one_error(capsys, main, nowhere + ["--out", str(out)], name, "in the way")
+    for bad, needle in [(str(tmp_path), "is a directory"), (str(tmp_path / "new") + os.sep, "is a directory"),
+                        (os.path.join(a_file, "r.json"), "cannot be written")]:
+        one_error(capsys, ev.main, ["--target", str(tmp_path / "no_target"), "--json", bad], "--json", needle)
+
+
+def test_devices_that_are_not_there(w, capsys, tmp_path):
+    missing = f"cuda:{torch.cuda.device_count() + 3}"
+    bad = [missing, "tpu", "meta", "cuda:-1"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in bad:
+        one_error(capsys, dflash.main, w["base"] + ["--out", str(tmp_path / "o"), "--device", device], "--device")
+        one_error(capsys, ev.main, ["--target", w["q3"], "--device", device], "--device")
+
+
+# -----------------------------------------------------------------------------
+# Files the run reads, truncated or garbage
+
+@pytest.mark.parametrize("how", CORRUPT)
+def test_corrupt_drafter_safetensors_single(w, capsys, tmp_path, how):
+    d = write_zlab_dir(str(tmp_path / "zl"), zlab_config(Z), zlab_tensors(Z))
+    CORRUPT[how](os.path.join(d, "model.safetensors"))
+    one_error(capsys, ev.main, ["--target", w["q3"], "--drafter", d], "model.safetensors", "corrupt")
+
+
+@pytest.mark.parametrize("how", CORRUPT)
+def test_corrupt_drafter_safetensors_sharded(tmp_path, how):
+    d = write_zlab_dir(str(tmp_path / "zl"), zlab_config(Z), zlab_tensors(Z), shards=2)
+    index, shard = os.path.join(d, "model.safetensors.index.json"), os.path.join(d, "model-00002-of-00002.safetensors")
+    shutil.copy(shard, shard + ".good")
+    CORRUPT[how](shard)
+    raises_one_line(lambda: dflash.load_drafter(d), "model-00002-of-00002.safetensors", "corrupt")
+    shutil.copy(shard + ".good", shard)
+    shutil.copy(index, index + ".good")
+    CORRUPT[how](index)
+    raises_one_line(lambda: dflash.load_drafter(d), "model.safetensors.index.json", "corrupt")
+    for bad in ([1, 2], {"weight_map": ["a"]}, {"weight_map": {"fc.weight": 3}}):
+        with open(index, "w") as f:
+            json.dump(bad, f)
+        raises_one_line(lambda: dflash.load_drafter(d), "model.safetensors.index.json", "corrupt")
+    with open(index, "w") as f:
+        json.dump({"weight_map": {"fc.weight": "model-00009-of-00002.safetensors"}}, f)
+    raises_one_line(lambda: dflash.load_drafter(d), "model-00009-of-00002.safetensors", "corrupt")
+    shutil.copy(index + ".good", index)
+    assert dflash.load_drafter(d).cfg.vocab_size == VOCAB
+
+
+@pytest.mark.parametrize("how", CORRUPT)
+def test_corrupt_config_json(w, capsys, tmp_path, how):
+    d = write_zlab_dir(str(tmp_path / "zl"), zlab_config(Z), zlab_tensors(Z))
+    CORRUPT[how](os.path.join(d, "config.json"))
+    one_error(capsys, ev.main, ["--target", w["q3"], "--drafter", d], "config.json", "corrupt")
+    t = str(tmp_path / "target")
+    shutil.copytree(w["q3"], t)
+    CORRUPT[how](os.path.join(t, "config.json"))
+    one_error(capsys, ev.main, ["--target", t], "cannot load target", "config.json")
+
+
+def test_config_json_with_nonsense_values(tmp_path):
+    """Valid JSON, impossible values: one line naming the file and the field, never a traceback."""
+    for over, field in [(dict(num_key_value_heads=0), "num_key_value_heads"), (dict(hidden_size=-4), "hidden_size"),
+                        (dict(head_dim="8"), "head_dim"), (dict(head_dim=7), "head_dim"),
+                        (dict(sliding_window=-3), "sliding_window"), (dict(rms_norm_eps=None), "rms_norm_eps"),
+                        (dict(rope_theta="x"), "wrong type"), (dict(layer_types=5), "wrong type"),
+                        (dict(dflash_config={"mask_token_id": "x", "target_layer_ids": [1, 3]}), "mask_token_id"),
+                        (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": "13"}), "target_layer_ids")]:
+        d = write_zlab_dir(str(tmp_path / field.replace(" ", "_")), zlab_config(Z, **over), {})
+        raises_one_line(lambda: dflash.read_drafter_config(d), "config.json", field)
+
+
+@pytest.mark.parametrize("how", CORRUPT)
+def test_corrupt_target_safetensors(w, capsys, tmp_path, how):
+    t = str(tmp_path / "target")
+    shutil.copytree(w["q3"], t)
+    CORRUPT[how](os.path.join(t, "model.safetensors"))
+    one_error(capsys, ev.main, ["--target", t], "cannot load target", "model.safetensors", how)
+    sharded = str(tmp_path / "sharded")
+    build_qwen3().save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("model-00002-of-00002.safetensors", "model.safetensors.index.json"):
+        shutil.copy(os.path.join(sharded, name), str(tmp_path / "good"))
+        CORRUPT[how](os.path.join(sharded, name))
+        one_error(capsys, ev.main, ["--target", sharded], "cannot load target", name, how if
+                  name.endswith(".safetensors") else "not valid JSON")
+        shutil.copy(str(tmp_path / "good"), os.path.join(sharded, name))
+
+
+def test_corrupt_jsonl_lines(w, capsys, tmp_path):
+    good = json.dumps({"input_ids": [1, 2, 3, 4]})
+    truncated = write_lines(tmp_path / "trunc.jsonl", [good, good[:9]])
+    one_error(capsys, dflash.main, with_data(w, truncated, tmp_path), "trunc.jsonl:2", "not valid JSON")
+    one_error(capsys, ev.main, ["--target", w["q3"], "--prompts", truncated], "trunc.jsonl:2", "not valid JSON")
+    garbled = tmp_path / "garbage.jsonl"
+    garbled.write_bytes((good + "\n").encode() + b"\xff\xfe\x00\x93garbage\n")
+    one_error(capsys, dflash.main, with_data(w, str(garbled), tmp_path), "garbage.jsonl:2", "not UTF-8")
+    one_error(capsys, ev.main, ["--target", w["q3"], "--prompts", str(garbled)], "garbage.jsonl:2", "not UTF-8")
+
+
+# -----------------------------------------------------------------------------
+# --resume from a corrupt checkpoint names the previous complete one (checked before the target is loaded)
+
+def resume_argv(w, out, tmp_path):
+    argv = list(w["base"])
+    argv[argv.index("--target") + 1] = str(tmp_path / "no_target")  # proves the check runs before any loading
+    return argv + ["--out", out, "--resume"]
+
+
+@pytest.mark.parametrize("how", CORRUPT)
+def test_resume_from_corrupt_latest_names_the_previous_checkpoint(w, trained, capsys, tmp_path, how):
+    out = str(tmp_path / "run")
+    shutil.copytree(trained, out)
+    step1, step2, latest = (os.path.join(out, n) for n in ("step_1", "step_2", "latest"))
+    assert checks.previous_checkpoint(out) == step2 and checks.previous_checkpoint(out, 2) == step1
+    CORRUPT[how](os.path.join(step2, "train_state.pt"))
+    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, "train_state.pt", "corrupt",
+              f"the previous complete checkpoint is {step1}: point {latest} at it")
+    assert checks.previous_checkpoint(out) == step1
+    shutil.copy(os.path.join(trained, "step_2", "train_state.pt"), os.path.join(step2, "train_state.pt"))
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(step2, name), os.path.join(tmp_path, name))
+        CORRUPT[how](os.path.join(step2, name))
+        one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, name, f"is {step1}: point")
+        shutil.copy(os.path.join(tmp_path, name), os.path.join(step2, name))
+    CORRUPT[how](latest)  # latest itself garbage: the newest complete checkpoint is offered
+    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "corrupt", f"is {step2}: point")
+    CORRUPT[how](os.path.join(step1, "train_state.pt"))
+    CORRUPT[how](os.path.join(step2, "train_state.pt"))
+    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "no earlier complete checkpoint")
+
+
+def test_resume_from_a_state_that_is_no_training_state(w, trained, capsys, tmp_path):
+    """A train_state.pt that is a complete torch file but not a training state fails where it is read."""
+    out = str(tmp_path / "run")
+    shutil.copytree(trained, out)
+    torch.save({"something": torch.zeros(2)}, os.path.join(out, "step_2", "train_state.pt"))
+    one_error(capsys, dflash.main, w["base"] + ["--out", out, "--resume"], "train_state.pt", "not a training state",
+              f"the previous complete checkpoint is {os.path.join(out, 'step_1')}")
+
+
+# -----------------------------------------------------------------------------
+# Token ids against the target's vocabulary, wherever they enter
+
+def test_token_ids_outside_the_vocabulary(w, capsys, tmp_path):
+    good = json.dumps({"input_ids": [1, 2, 3, 4]})
+    for bad_id in (VOCAB, -1, 10**12):
+        path = write_lines(tmp_path / "ids.jsonl", [good, json.dumps({"input_ids": [5, bad_id, 6, 7]})])
+        one_error(capsys, dflash.main, with_data(w, path, tmp_path), "ids.jsonl:2", f"token id {bad_id}",
+                  f"[0, {VOCAB})")
+        raises_one_line(lambda: ev.load_prompts(path, None, vocab_size=VOCAB), "ids.jsonl:2", f"token id {bad_id}")
+        one_error(capsys, ev.main, ["--target", w["q3"], "--prompts", path], "ids.jsonl:2", f"token id {bad_id}")
+    for junk in ([1, "2"], [1.0], [True], "12", []):
+        raises_one_line(lambda: ev.encode_prompt({"input_ids": junk}, None, "p.jsonl:1", vocab_size=VOCAB),
+                        "p.jsonl:1", "input_ids")
+    assert ev.encode_prompt({"input_ids": [0, VOCAB - 1]}, None, "p", vocab_size=VOCAB) == [0, VOCAB - 1]
