@@ -47,6 +47,7 @@ from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_st
                                    latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json, read_jsonl,
                                    read_safetensors, read_torch, run_main, setup_distributed, show_data, split_eval,
                                    template_kwargs, write_latest, yarn_rope)
+from dflash_tools.walk import held_out_walk, walk_tau  # the exact walked tau, shared with eval.py
 
 
 # -----------------------------------------------------------------------------
@@ -869,6 +870,7 @@ class Run:
     loss_kw: dict               # gamma, noise_std, labels, pad_to: passed to dflash_loss
     step: int = 0
     bad_steps: int = 0          # consecutive non-finite steps
+    walk: tuple | None = None   # this rank's walk prompts and their greedy continuations (held_out_walk)
 
     def print0(self, *a):
         if self.rank == 0:
@@ -887,9 +889,12 @@ class Run:
         self.drafter.eval()
         m = evaluate(self.drafter, self.target, self.eval_samples, a.batch_size, a.num_anchors,
                      self.batches.pad_id, a.seed, self.rank, self.world, **self.loss_kw)
+        wt = walk_tau(self.drafter, self.target, self.walk, self.world, target_features, padded_length)
         self.drafter.train()
-        self.print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}")
-        self.log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"]})
+        self.print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+                    + (f"  walked tau {wt:.3f}" if wt is not None else ""))
+        self.log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"],
+                  "eval_walk_tau": wt})
 
     def save(self, step):
         rng = [torch.get_rng_state()]
@@ -967,7 +972,8 @@ def train(args):
     pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
     run = Run(args, rank, world, device, target, drafter, model, optimizer, batches, eval_samples, total_steps,
               dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, pad_to=pad_to),
-              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0)
+              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0,
+              walk=held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world))
     train_loop(run)
     if world > 1:
         dist.destroy_process_group()
@@ -1112,6 +1118,8 @@ def get_parser():
     p.add(g, "--seed", int, 0, "random seed", lo=0, hi=2**62)
     p.add(g, "--log_every", int, 10, "log every N steps", lo=1)
     p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)", lo=0)
+    p.add(g, "--eval_walk_prompts", int, 16, "held-out prompts for the exact walked tau at each eval (0: off)", lo=0)
+    p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1, hi=2**20)
     p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0)
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     return p

@@ -40,11 +40,12 @@ import torch.nn.functional as F
 
 import dflash
 from dflash import DFlashError
+from dflash_tools import walk
+from dflash_tools.walk import MEMORY_BUDGET, accepted_prefix, greedy_continuation, step_anchors, tau_walk  # noqa: F401
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
 DEFAULT_BLOCK_SIZE = 16          # prompt-lookup's block size when no neural drafter sets one
-MEMORY_BUDGET = 2**27            # elements of the largest intermediate when drafting many anchors at once
 
 # Fresh coding prompts for when no --prompts is given (written for this project).
 BUILTIN_PROMPTS = [
@@ -132,41 +133,7 @@ def load_prompts(path, tokenizer, enable_thinking=None):
 
 
 # -----------------------------------------------------------------------------
-# The tau walk and the statistics of acceptance lengths
-
-
-def accepted_prefix(drafts, truth):
-    """Number of leading drafts equal to the truth (compared only where the truth exists)."""
-    n = 0
-    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
-        n += 1
-    return n
-
-
-def tau_walk(continuation, drafts):
-    """Acceptance lengths of greedy speculative decoding along the target's greedy continuation.
-
-    continuation s: the n tokens the target generates; s[0] comes with the prefill, so the first block is anchored
-    at s[0]. drafts[k]: the tokens drafted by the block anchored at s[k] (they predict s[k+1], s[k+2], ...), looked up
-    only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
-    equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
-    The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
-    lengths, k = [], 0
-    while k < len(continuation) - 1:
-        d = drafts[k]
-        accepted = accepted_prefix(d, continuation[k + 1:k + 1 + len(d)])
-        lengths.append(accepted + 1)
-        k += accepted + 1
-    return lengths
-
-
-def step_anchors(lengths):
-    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
-    anchors, k = [], 0
-    for n in lengths:
-        anchors.append(k)
-        k += n
-    return anchors
+# The statistics of acceptance lengths (the walk itself: dflash_tools/walk.py, shared with dflash.py's training)
 
 
 def acceptance_stats(lengths, block_size):
@@ -299,21 +266,7 @@ class NeuralDrafter:
 
 
 # -----------------------------------------------------------------------------
-# The target: greedy continuation, context features
-
-
-@torch.no_grad()
-def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation (hooks not active): up to max_new_tokens tokens, stopping after an
-    eos token. Logits processors that would move the argmax (a repetition penalty in a hub generation_config, ...)
-    are switched off: greedy verification accepts the plain argmax."""
-    ids = torch.tensor([prompt], device=target.lm_head.weight.device)
-    eos = sorted(eos)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                min_new_tokens=0)
-    return out[0, len(prompt):].tolist()
+# Exact method: context features of the target, drafts at every anchor of the continuation, then the walk
 
 
 def select_layers(features, union, layer_ids):
@@ -324,46 +277,9 @@ def select_layers(features, union, layer_ids):
     return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
 
 
-# -----------------------------------------------------------------------------
-# Exact method: draft at every anchor of the continuation in batches, then walk
-
-
-def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. The dense path
-    copies the context keys/values and scores per block, (S+B) each; flex shares them, so only the MLP and the
-    logits grow with the number of blocks."""
-    B = cfg.block_size
-    per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
-    if attention == "dense":
-        per_anchor += (S + B) * (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * cfg.num_attention_heads * B)
-    return max(1, budget // per_anchor)
-
-
-@torch.no_grad()
 def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET):
-    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
-    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids, row k for anchor first+k."""
-    cfg, flex = drafter.cfg, drafter.attention == "flex"
-    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
-    anchors = torch.arange(first, S - 1, device=ids.device)
-    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
-        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
-        pad = dflash.padded_length(S) - S
-        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
-    S_ctx = context_features.shape[1]
-    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
-    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    out = []
-    for c in range(0, len(anchors), chunk):
-        a = anchors[c:c + chunk]
-        n = len(a)
-        valid = torch.ones(n, dtype=torch.bool, device=ids.device)
-        if flex and n < chunk:
-            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
-        x = target.embed(dflash.block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # (1, N, B, D)
-        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                                # (1, N, B, D)
-        out.append(target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype)).argmax(-1))    # (n, B-1)
-    return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+    """dflash_tools/walk.py's draft_every_anchor with flex's padding rule: (S-1-first, B-1) drafted ids."""
+    return walk.draft_every_anchor(drafter, target, context_features, ids, first, dflash.padded_length, budget)
 
 
 # -----------------------------------------------------------------------------
@@ -609,8 +525,8 @@ def get_parser():
     p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
           "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2, hi=1024)
     a("--mode", choices=["exact", "loop"], default="exact",
-      help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with the KV cache "
-           "(dense targets), reports tokens/s and checks the output equals plain greedy decoding")
+      help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with "
+           "the KV cache (dense targets), reports tokens/s and checks the output equals plain greedy decoding")
     a("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
       help="passed to the chat template when it reads enable_thinking (default: the template's own default)")
     a("--json", default=None, help="write the full report (continuations, acceptance lengths per prompt) here")
