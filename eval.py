@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import dflash
 from dflash import DFlashError
-from dflash_tools import walk
+from dflash_tools import benchmarks, walk
 from dflash_tools.walk import MEMORY_BUDGET, accepted_prefix, greedy_continuation, step_anchors, tau_walk  # noqa: F401
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
@@ -437,6 +437,72 @@ def summarize_drafter(name, B, per, mode, timing):
 
 
 # -----------------------------------------------------------------------------
+# z-lab's benchmarks (--bench): prompts built as z-lab's benchmark.py builds them (dflash_tools/benchmarks.py)
+
+
+def load_bench(spec, bench_dir, max_samples):
+    """--bench -> {name: samples (lists of user turns)}, every dataset loaded and checked before any generation."""
+    try:
+        return {name: benchmarks.subset(benchmarks.conversations(name, benchmarks.load_rows(name, path, bench_dir),
+                                                                 path), max_samples)
+                for name, path in benchmarks.parse_bench(spec)}
+    except benchmarks.BenchmarkError as e:
+        raise DFlashError(str(e)) from None
+
+
+def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True):
+    """(prompts, continuations) of every assistant turn of the samples: each user turn through the target's chat
+    template (enable_thinking off unless asked, as z-lab's benchmark), the target's greedy answer, and later turns
+    following that answer (mt-bench)."""
+    from tqdm import tqdm
+    tok = target.tokenizer
+    if tok is None or not tok.chat_template:
+        raise DFlashError("--bench renders its prompts through the target's chat template, and the target's "
+                          "tokenizer has none")
+    kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
+    render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
+    generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)
+             for t in benchmarks.run_conversation(s, render, generate, decode)]
+    return [p for p, _ in turns], [c for _, c in turns]
+
+
+def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True):
+    """{name: samples} -> {"benchmarks": {name: report}, "average": {drafter: {"tau", "tau_per_prompt"}}}: each
+    benchmark's report (every drafter on the same turns), and the mean over benchmarks of each convention."""
+    reports = {}
+    for name, samples in bench.items():
+        prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
+        r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
+                              continuations=continuations)
+        reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
+    names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
+    average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
+                   for k in ("tau", "tau_per_prompt")} for d in names}
+    return {"benchmarks": reports, "average": average}
+
+
+def print_bench(result, file=None):
+    """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
+    file = file or sys.stdout
+    reports = result["benchmarks"]
+    for name, rep in reports.items():
+        print(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns", file=file)
+        print_report(rep, file)
+        print(file=file)
+    w = max(16, *(len(d) for d in result["average"]))
+    for k, what in (("tau_per_prompt", "tau/prompt (z-lab's convention)"), ("tau", "tau pooled")):
+        print(f"== {what} per benchmark, and their mean", file=file)
+        print(f"{'drafter':<{w}}" + "".join(f"  {n:>10}" for n in reports) + f"  {'average':>10}", file=file)
+        for d, avg in result["average"].items():
+            cells = [next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()] + [avg[k]]
+            print(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells),
+                  file=file)
+
+
+# -----------------------------------------------------------------------------
 # Report
 
 
@@ -520,8 +586,14 @@ def get_parser():
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
     p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)", lo=0)
-    p.add(p, "--max_new_tokens", int, 256, "greedy continuation length per prompt (stops early at eos)", lo=1,
-          hi=2**20)
+    p.add(p, "--max_new_tokens", int, None, "greedy continuation length per prompt (stops early at eos); default "
+          "256, or 2048 with --bench (z-lab's)", lo=1, hi=2**20)
+    a("--bench", default=None, help="z-lab's benchmarks, comma-separated: gsm8k, math500, humaneval, mbpp, mt-bench "
+      "(NAME=FILE: that one from a local JSONL/JSON file in the dataset's schema); downloaded with `datasets`")
+    a("--bench_dir", default=None, help="with --bench: a directory of NAME.jsonl (or NAME.json) files, one row per "
+      "line in each dataset's own schema (offline; default: download through datasets.load_dataset)")
+    p.add(p, "--max_samples", int, None, "with --bench: the same N samples of each benchmark for every drafter (the "
+          "first N after a shuffle seeded with 0; default: all)", lo=1)
     p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
           "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2, hi=1024)
     a("--mode", choices=["exact", "loop"], default="exact",
@@ -550,16 +622,30 @@ def run(args):
         dflash.check_writable_dir(os.path.dirname(os.path.abspath(args.json)), "--json")
         if os.path.isdir(args.json):
             raise DFlashError(f"--json {args.json!r} is a directory; give a file path")
+    bench = None
+    if args.bench is not None:
+        for flag, bad in (("--prompts", args.prompts), ("--mode loop", args.mode == "loop"), ("--limit", args.limit),
+                          ("--dump_drafts", args.dump_drafts)):
+            if bad:
+                raise DFlashError(f"--bench measures its own prompts with the exact method; drop {flag}")
+        bench = load_bench(args.bench, args.bench_dir, args.max_samples)  # bad datasets fail before the target loads
+    elif args.bench_dir or args.max_samples:
+        raise DFlashError("--bench_dir and --max_samples go with --bench")
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
-    prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking)
-    if args.limit:
-        prompts = prompts[:args.limit]
-    report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens, args.block_size, args.mode,
-                               args.dump_drafts, progress=not args.no_progress)
-    print_report(report)
+    if bench is not None:
+        report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
+                                args.enable_thinking, progress=not args.no_progress)
+        print_bench(report)
+    else:
+        prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking)
+        if args.limit:
+            prompts = prompts[:args.limit]
+        report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
+                                   args.dump_drafts, progress=not args.no_progress)
+        print_report(report)
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
     return report

@@ -109,14 +109,19 @@ def draft_every_anchor(drafter, target, context_features, ids, first, padded_len
 # The walk inside training: a fixed set of held-out prompts, continuations generated once, walked at every eval
 
 
+def walk_prompts(samples, num_prompts):
+    """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
+    that have one."""
+    return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
+
+
 def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
-    """This rank's share of the walk set, or None when off (num_prompts 0): the prompt part (the tokens before the
-    first loss token) of the first num_prompts held-out samples that have one, and the target's greedy
-    continuation of each (num_tokens at most), generated here once. Rank r takes prompts r, r + world, ..."""
+    """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
+    and the target's greedy continuation of each (num_tokens at most), generated here once. Rank r takes prompts
+    r, r + world, ..."""
     if not num_prompts:
         return None
-    prompts = [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
-    mine = prompts[rank::world]
+    mine = walk_prompts(samples, num_prompts)[rank::world]
     return mine, [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine]
 
 
