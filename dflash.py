@@ -47,6 +47,7 @@ from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_st
                                    latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json, read_jsonl,
                                    read_safetensors, read_torch, run_main, setup_distributed, show_data, split_eval,
                                    template_kwargs, write_latest, yarn_rope)
+from dflash_tools.hub import resolve_drafter
 from dflash_tools.walk import held_out_walk, walk_tau  # the exact walked tau, shared with eval.py
 
 
@@ -918,8 +919,7 @@ def train(args):
     resume_dir = latest_checkpoint(args.out) if args.resume else None
     if args.resume and resume_dir is None:
         raise DFlashError(f"--resume: no checkpoint in {args.out!r} (no {args.out}/latest); drop --resume to start")
-    if args.init_from and not os.path.isdir(args.init_from):
-        raise DFlashError(f"--init_from {args.init_from!r} does not exist; give a drafter directory")
+    args.init_from = args.init_from and resolve_drafter(args.init_from, "--init_from")  # a directory or a hub id
     check_writable_dir(args.out, "--out")
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
     print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
@@ -1064,7 +1064,7 @@ def get_parser():
     a("--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
     a("--data", help="training JSONL: messages | prompt+response | text | input_ids(+loss_mask) per line")
     a("--out", default="out", help="output directory for checkpoints and metrics.jsonl")
-    a("--init_from", default=None, help="drafter directory (z-lab's or ours) to fine-tune from")
+    a("--init_from", default=None, help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
     a("--resume", action="store_true", help="continue from <out>/latest")
     a("--demo", action="store_true", help="the CPU demo (also what runs with no arguments)")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")

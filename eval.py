@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import dflash
 from dflash import DFlashError
 from dflash_tools import benchmarks, walk
+from dflash_tools.hub import resolve_drafter
 from dflash_tools.walk import MEMORY_BUDGET, accepted_prefix, greedy_continuation, step_anchors, tau_walk  # noqa: F401
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
@@ -567,8 +568,9 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
         if name == PROMPT_LOOKUP:
             drafters[name] = PromptLookupDrafter()
             continue
-        dflash.check_compatible(dflash.read_drafter_config(name), target, where=f"drafter {name}")
-        drafters[name] = NeuralDrafter(dflash.load_drafter(name, target.lm_head.weight.device, dtype, attention).eval())
+        path = resolve_drafter(name)  # a local directory, or a hub id downloaded once
+        dflash.check_compatible(dflash.read_drafter_config(path), target, where=f"drafter {name}")
+        drafters[name] = NeuralDrafter(dflash.load_drafter(path, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
     return drafters
@@ -580,8 +582,8 @@ def get_parser():
     a = p.add_argument
     a("--target", required=True, help="target model: a local directory or a hub id (loaded as dflash.py does)")
     a("--drafter", action="append", default=[],
-      help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), or 'prompt-lookup'; repeat "
-           "for a side-by-side comparison")
+      help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id (owner/name, "
+           "downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison")
     a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
