@@ -36,7 +36,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import dflash
 from dflash import DFlashError
