@@ -49,6 +49,8 @@ from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_st
                                    int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
                                    read_jsonl, read_safetensors, run_main, setup_distributed, show_data, split_eval,
                                    template_kwargs, write_latest, yarn_rope)
+from dflash_tools.hub import resolve_drafter
+from dflash_tools.walk import held_out_walk, walk_tau  # the exact walked tau, shared with eval.py
 
 
 # -----------------------------------------------------------------------------
@@ -873,6 +875,7 @@ class Run:
     loss_kw: dict               # gamma, noise_std, labels, pad_to: passed to dflash_loss
     step: int = 0
     bad_steps: int = 0          # consecutive non-finite steps
+    walk: tuple | None = None   # this rank's walk prompts and their greedy continuations (held_out_walk)
 
     def print0(self, *a):
         if self.rank == 0:
@@ -891,9 +894,12 @@ class Run:
         self.drafter.eval()
         m = evaluate(self.drafter, self.target, self.eval_samples, a.batch_size, a.num_anchors,
                      self.batches.pad_id, a.seed, self.rank, self.world, **self.loss_kw)
+        wt = walk_tau(self.drafter, self.target, self.walk, self.world, target_features, padded_length)
         self.drafter.train()
-        self.print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}")
-        self.log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"]})
+        self.print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+                    + (f"  walked tau {wt:.3f}" if wt is not None else ""))
+        self.log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"],
+                  "eval_walk_tau": wt})
 
     def save(self, step):
         rng = [torch.get_rng_state()]
@@ -983,10 +989,9 @@ def train(args):
     if missing:
         raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
     rank, world, device = setup_distributed(args.device)
-    if args.init_from and not os.path.isdir(args.init_from):
-        raise DFlashError(f"--init_from {args.init_from!r} does not exist; give a drafter directory")
     check_writable_dir(args.out, "--out")
     resume_dir = check_run_dir(args.out, args.resume)  # with --resume: <out>/latest, checked complete
+    args.init_from = args.init_from and resolve_drafter(args.init_from, "--init_from")  # a directory or a hub id
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
     print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
     data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
@@ -1038,7 +1043,8 @@ def train(args):
     pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
     run = Run(args, rank, world, device, target, drafter, model, optimizer, batches, eval_samples, total_steps,
               dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, pad_to=pad_to),
-              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0)
+              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0,
+              walk=held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world))
     train_loop(run)
     if world > 1:
         dist.destroy_process_group()
@@ -1060,7 +1066,7 @@ def get_parser():
     a("--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
     a("--data", help="training JSONL: messages | prompt+response | text | input_ids(+loss_mask) per line")
     a("--out", default="out", help="output directory for checkpoints and metrics.jsonl")
-    a("--init_from", default=None, help="drafter directory (z-lab's or ours) to fine-tune from")
+    a("--init_from", default=None, help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
     a("--resume", action="store_true", help="continue from <out>/latest")
     a("--demo", action="store_true", help="the CPU demo (also what runs with no arguments)")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
@@ -1116,6 +1122,9 @@ def get_parser():
     p.add(g, "--log_every", int, 10, "log every N steps", lo=1, hi=10**9)
     p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)", lo=0,
           hi=10**9)
+    p.add(g, "--eval_walk_prompts", int, 16, "held-out prompts for the exact walked tau at each eval (0: off)", lo=0,
+          hi=10**6)
+    p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1, hi=2**20)
     p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0, hi=10**9)
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     return p

@@ -36,16 +36,17 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 import dflash
 from dflash import DFlashError
+from dflash_tools import benchmarks, walk
 from dflash_tools.checks import check_output_file
+from dflash_tools.hub import resolve_drafter
+from dflash_tools.walk import MEMORY_BUDGET, accepted_prefix, greedy_continuation, step_anchors, tau_walk  # noqa: F401
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
 DEFAULT_BLOCK_SIZE = 16          # prompt-lookup's block size when no neural drafter sets one
-MEMORY_BUDGET = 2**27            # elements of the largest intermediate when drafting many anchors at once
 
 # Fresh coding prompts for when no --prompts is given (written for this project).
 BUILTIN_PROMPTS = [
@@ -136,41 +137,7 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
 
 
 # -----------------------------------------------------------------------------
-# The tau walk and the statistics of acceptance lengths
-
-
-def accepted_prefix(drafts, truth):
-    """Number of leading drafts equal to the truth (compared only where the truth exists)."""
-    n = 0
-    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
-        n += 1
-    return n
-
-
-def tau_walk(continuation, drafts):
-    """Acceptance lengths of greedy speculative decoding along the target's greedy continuation.
-
-    continuation s: the n tokens the target generates; s[0] comes with the prefill, so the first block is anchored
-    at s[0]. drafts[k]: the tokens drafted by the block anchored at s[k] (they predict s[k+1], s[k+2], ...), looked up
-    only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
-    equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
-    The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
-    lengths, k = [], 0
-    while k < len(continuation) - 1:
-        d = drafts[k]
-        accepted = accepted_prefix(d, continuation[k + 1:k + 1 + len(d)])
-        lengths.append(accepted + 1)
-        k += accepted + 1
-    return lengths
-
-
-def step_anchors(lengths):
-    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
-    anchors, k = [], 0
-    for n in lengths:
-        anchors.append(k)
-        k += n
-    return anchors
+# The statistics of acceptance lengths (the walk itself: dflash_tools/walk.py, shared with dflash.py's training)
 
 
 def acceptance_stats(lengths, block_size):
@@ -303,21 +270,7 @@ class NeuralDrafter:
 
 
 # -----------------------------------------------------------------------------
-# The target: greedy continuation, context features
-
-
-@torch.no_grad()
-def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation (hooks not active): up to max_new_tokens tokens, stopping after an
-    eos token. Logits processors that would move the argmax (a repetition penalty in a hub generation_config, ...)
-    are switched off: greedy verification accepts the plain argmax."""
-    ids = torch.tensor([prompt], device=target.lm_head.weight.device)
-    eos = sorted(eos)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                min_new_tokens=0)
-    return out[0, len(prompt):].tolist()
+# Exact method: context features of the target, drafts at every anchor of the continuation, then the walk
 
 
 def select_layers(features, union, layer_ids):
@@ -328,46 +281,9 @@ def select_layers(features, union, layer_ids):
     return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
 
 
-# -----------------------------------------------------------------------------
-# Exact method: draft at every anchor of the continuation in batches, then walk
-
-
-def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. The dense path
-    copies the context keys/values and scores per block, (S+B) each; flex shares them, so only the MLP and the
-    logits grow with the number of blocks."""
-    B = cfg.block_size
-    per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
-    if attention == "dense":
-        per_anchor += (S + B) * (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * cfg.num_attention_heads * B)
-    return max(1, budget // per_anchor)
-
-
-@torch.no_grad()
 def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET):
-    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
-    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids, row k for anchor first+k."""
-    cfg, flex = drafter.cfg, drafter.attention == "flex"
-    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
-    anchors = torch.arange(first, S - 1, device=ids.device)
-    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
-        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
-        pad = dflash.padded_length(S) - S
-        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
-    S_ctx = context_features.shape[1]
-    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
-    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    out = []
-    for c in range(0, len(anchors), chunk):
-        a = anchors[c:c + chunk]
-        n = len(a)
-        valid = torch.ones(n, dtype=torch.bool, device=ids.device)
-        if flex and n < chunk:
-            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
-        x = target.embed(dflash.block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # (1, N, B, D)
-        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                                # (1, N, B, D)
-        out.append(target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype)).argmax(-1))    # (n, B-1)
-    return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+    """dflash_tools/walk.py's draft_every_anchor with flex's padding rule: (S-1-first, B-1) drafted ids."""
+    return walk.draft_every_anchor(drafter, target, context_features, ids, first, dflash.padded_length, budget)
 
 
 # -----------------------------------------------------------------------------
@@ -525,6 +441,72 @@ def summarize_drafter(name, B, per, mode, timing):
 
 
 # -----------------------------------------------------------------------------
+# z-lab's benchmarks (--bench): prompts built as z-lab's benchmark.py builds them (dflash_tools/benchmarks.py)
+
+
+def load_bench(spec, bench_dir, max_samples):
+    """--bench -> {name: samples (lists of user turns)}, every dataset loaded and checked before any generation."""
+    try:
+        return {name: benchmarks.subset(benchmarks.conversations(name, benchmarks.load_rows(name, path, bench_dir),
+                                                                 path), max_samples)
+                for name, path in benchmarks.parse_bench(spec)}
+    except benchmarks.BenchmarkError as e:
+        raise DFlashError(str(e)) from None
+
+
+def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True):
+    """(prompts, continuations) of every assistant turn of the samples: each user turn through the target's chat
+    template (enable_thinking off unless asked, as z-lab's benchmark), the target's greedy answer, and later turns
+    following that answer (mt-bench)."""
+    from tqdm import tqdm
+    tok = target.tokenizer
+    if tok is None or not tok.chat_template:
+        raise DFlashError("--bench renders its prompts through the target's chat template, and the target's "
+                          "tokenizer has none")
+    kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
+    render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
+    generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)
+             for t in benchmarks.run_conversation(s, render, generate, decode)]
+    return [p for p, _ in turns], [c for _, c in turns]
+
+
+def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True):
+    """{name: samples} -> {"benchmarks": {name: report}, "average": {drafter: {"tau", "tau_per_prompt"}}}: each
+    benchmark's report (every drafter on the same turns), and the mean over benchmarks of each convention."""
+    reports = {}
+    for name, samples in bench.items():
+        prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
+        r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
+                              continuations=continuations)
+        reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
+    names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
+    mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
+    average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
+                   for k in ("tau", "tau_per_prompt")} for d in names}
+    return {"benchmarks": reports, "average": average}
+
+
+def print_bench(result, file=None):
+    """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
+    file = file or sys.stdout
+    reports = result["benchmarks"]
+    for name, rep in reports.items():
+        print(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns", file=file)
+        print_report(rep, file)
+        print(file=file)
+    w = max(16, *(len(d) for d in result["average"]))
+    for k, what in (("tau_per_prompt", "tau/prompt (z-lab's convention)"), ("tau", "tau pooled")):
+        print(f"== {what} per benchmark, and their mean", file=file)
+        print(f"{'drafter':<{w}}" + "".join(f"  {n:>10}" for n in reports) + f"  {'average':>10}", file=file)
+        for d, avg in result["average"].items():
+            cells = [next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()] + [avg[k]]
+            print(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells),
+                  file=file)
+
+
+# -----------------------------------------------------------------------------
 # Report
 
 
@@ -589,8 +571,9 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
         if name == PROMPT_LOOKUP:
             drafters[name] = PromptLookupDrafter()
             continue
-        dflash.check_compatible(dflash.read_drafter_config(name), target, where=f"drafter {name}")
-        drafters[name] = NeuralDrafter(dflash.load_drafter(name, target.lm_head.weight.device, dtype, attention).eval())
+        path = resolve_drafter(name)  # a local directory, or a hub id downloaded once
+        dflash.check_compatible(dflash.read_drafter_config(path), target, where=f"drafter {name}")
+        drafters[name] = NeuralDrafter(dflash.load_drafter(path, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
     return drafters
@@ -602,14 +585,20 @@ def get_parser():
     a = p.add_argument
     a("--target", required=True, help="target model: a local directory or a hub id (loaded as dflash.py does)")
     a("--drafter", action="append", default=[],
-      help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), or 'prompt-lookup'; repeat "
-           "for a side-by-side comparison")
+      help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id (owner/name, "
+           "downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison")
     a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
     p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)", lo=0, hi=10**9)
-    p.add(p, "--max_new_tokens", int, 256, "greedy continuation length per prompt (stops early at eos)", lo=1,
-          hi=2**20)
+    p.add(p, "--max_new_tokens", int, None, "greedy continuation length per prompt (stops early at eos); default "
+          "256, or 2048 with --bench (z-lab's)", lo=1, hi=2**20)
+    a("--bench", default=None, help="z-lab's benchmarks, comma-separated: gsm8k, math500, humaneval, mbpp, mt-bench "
+      "(NAME=FILE: that one from a local JSONL/JSON file in the dataset's schema); downloaded with `datasets`")
+    a("--bench_dir", default=None, help="with --bench: a directory of NAME.jsonl (or NAME.json) files, one row per "
+      "line in each dataset's own schema (offline; default: download through datasets.load_dataset)")
+    p.add(p, "--max_samples", int, None, "with --bench: the same N samples of each benchmark for every drafter (the "
+          "first N after a shuffle seeded with 0; default: all)", lo=1, hi=10**9)
     p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
           "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2, hi=1024)
     a("--mode", choices=["exact", "loop"], default="exact",
@@ -636,16 +625,30 @@ def run(args):
         raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")
     if args.json:
         check_output_file(args.json, "--json")
+    bench = None
+    if args.bench is not None:
+        for flag, bad in (("--prompts", args.prompts), ("--mode loop", args.mode == "loop"), ("--limit", args.limit),
+                          ("--dump_drafts", args.dump_drafts)):
+            if bad:
+                raise DFlashError(f"--bench measures its own prompts with the exact method; drop {flag}")
+        bench = load_bench(args.bench, args.bench_dir, args.max_samples)  # bad datasets fail before the target loads
+    elif args.bench_dir or args.max_samples:
+        raise DFlashError("--bench_dir and --max_samples go with --bench")
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
-    prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
-    if args.limit:
-        prompts = prompts[:args.limit]
-    report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens, args.block_size, args.mode,
-                               args.dump_drafts, progress=not args.no_progress)
-    print_report(report)
+    if bench is not None:
+        report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
+                                args.enable_thinking, progress=not args.no_progress)
+        print_bench(report)
+    else:
+        prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
+        if args.limit:
+            prompts = prompts[:args.limit]
+        report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
+                                   args.dump_drafts, progress=not args.no_progress)
+        print_report(report)
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
     return report

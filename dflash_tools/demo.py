@@ -11,6 +11,7 @@ The CPU demo behind `python dflash.py` (no arguments): DFlash end to end on a la
 Under torchrun only rank 0 builds the target and the data (the others wait at a barrier), all ranks train, and
 rank 0 alone measures and reports tau.
 """
+import json
 import os
 import sys
 import time
@@ -75,10 +76,29 @@ def run_demo(argv):
     tau_eval.print_report(report)
     tau_eval.write_json(report, os.path.join(out, "demo_eval.json"))
     tau = {r["drafter"]: r["tau"] for r in report["results"]}
+    check_walked_tau(train_args, data, target, drafter)
     print(f"demo done in {time.time() - t0:.0f}s (training {t_train:.0f}s): tau trained {tau['trained']:.2f}, "
           f"untrained {tau['untrained']:.2f}, prompt-lookup {tau['prompt-lookup']:.2f}; "
           f"wrote {os.path.join(out, 'demo_eval.json')}")
     return report
+
+
+def check_walked_tau(args, data, target, drafter):
+    """The walked tau logged by the last held-out evaluation of training (eval_walk_tau) against eval.py's pooled
+    tau of the final drafter on the same prompts and continuation length: the same walk, so the same number."""
+    import eval as tau_eval
+    from dflash_tools.walk import walk_prompts
+    with open(os.path.join(args.out, "metrics.jsonl")) as f:
+        logged = [r["eval_walk_tau"] for r in map(json.loads, f) if r.get("eval_walk_tau") is not None]
+    if not logged:
+        return
+    samples = dflash.load_samples(data, target.tokenizer, args.max_len, log=lambda *a: None,
+                                  enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
+                                  vocab_size=target.vocab_size)
+    prompts = walk_prompts(dflash.split_eval(samples, args.eval_fraction, args.seed)[1], args.eval_walk_prompts)
+    report = tau_eval.evaluate_drafters(target, {"trained": drafter}, prompts, args.eval_walk_tokens, progress=False)
+    print(f"walked tau of the last training eval {logged[-1]:.4f}; eval.py on the same {len(prompts)} held-out "
+          f"prompts, {args.eval_walk_tokens}-token continuations: {report['results'][0]['tau']:.4f}")
 
 
 def main(argv=None):

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import dflash
+import eval as ev
 from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, write_data
 
 
@@ -136,14 +137,24 @@ def test_twenty_steps_on_hybrid_target_learn(tmp_path):
     args = dflash.get_parser().parse_args(
         ["--target", target, "--data", data, "--out", str(out), "--max_steps", "20", "--batch_size", "4",
          "--grad_accum", "1", "--labels", "data", *SMALL[:-6], "--eval_every", "0", "--save_every", "0",
-         "--eval_fraction", "0.25", "--lr", "1e-2"])
-    dflash.train(args)
+         "--eval_fraction", "0.25", "--lr", "1e-2", "--eval_walk_prompts", "6", "--eval_walk_tokens", "16"])
+    drafter, _, tgt = dflash.train(args)
     with open(out / "metrics.jsonl") as f:
         evals = [r for r in map(json.loads, f) if "eval_loss" in r]
     first, last = evals[0], evals[-1]
     assert first["step"] == 0 and last["step"] == 20
     assert last["eval_loss"] < first["eval_loss"] - 1.0, evals  # measured here: 5.61 -> 1.59
     assert last["eval_tau"] > first["eval_tau"] + 0.5, evals    # measured here: 1.00 -> 2.29
+    assert all(r["eval_walk_tau"] >= 1 for r in evals), evals  # (--labels data: the drafter learns the data, not
+    # the random target's own continuations, so the walked tau need not rise here)
+    # the walked tau of the last eval == eval.py's pooled tau of the final checkpoint on the same prompts (the
+    # tokens before the first loss token of the first 6 held-out samples) and the same continuation length
+    samples = dflash.load_samples(data, tgt.tokenizer, args.max_len, log=lambda *a: None)
+    held_out = dflash.split_eval(samples, 0.25, args.seed)[1][:6]
+    prompts = [ids[:mask.index(1)] for ids, mask in held_out]
+    final = dflash.load_drafter(str(out / "step_20"))
+    report = ev.evaluate_drafters(tgt, {"final": final.eval()}, prompts, 16, progress=False)
+    assert report["results"][0]["tau"] == pytest.approx(last["eval_walk_tau"], abs=1e-6), (report, evals)
     state = torch.load(out / "step_20" / "train_state.pt", weights_only=True)  # safe-loadable training state
     assert state["step"] == 20 and state["args"]["max_steps"] == 20
 
