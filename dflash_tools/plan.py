@@ -14,9 +14,10 @@ Per rank, with P_t target parameters, P_d drafter parameters, R ranks, T = batch
   AdamW moments     2 x P_d x 4, divided by R with --zero (ZeroRedundancyOptimizer)
   activations       the drafter's tensors saved for backward (per layer ~T(6D + 7Q + 4K + 4I) + the context
                     keys/values; with --grad_checkpoint only each layer's input plus one layer recomputed)
+  backward          the gradients of one layer's saved tensors, alive while that layer runs backward
   loss buffers      one chunk of logits (vocab_chunk rows x V, fp32, and its bf16 original)
   target forward    the target pass under no_grad: captured features plus one layer's working set
-The peak is the static terms plus the larger of (activations + loss buffers) and the target forward.
+The peak is the static terms plus the larger of (activations + backward + loss buffers) and the target forward.
 """
 import os
 import sys
@@ -81,7 +82,7 @@ def padded_length(S):  # dflash.padded_length: flex shapes are padded to the nex
 
 def activation_elems(d, T, b, S, attention, grad_checkpoint):
     """Elements the drafter saves for backward (d: drafter sizes; T block tokens, b sequences, S context length).
-    Returns (elements, bool-mask bytes)."""
+    Returns (elements, bool-mask bytes, elements of one decoder layer)."""
     D, I, L, B = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], d["block_size"]
     Q, K, m = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"], d["context_layers"]
     N = T // (b * B)
@@ -95,8 +96,8 @@ def activation_elems(d, T, b, S, attention, grad_checkpoint):
     ctx_kv = 4 * b * S * K                                       # k_proj -> k_norm -> RoPE of the context, per layer
     shared = b * S * m * D + 3 * b * S * D + 3 * T * D + T * D + 2 * T * d["head_dim"]  # fc in, norms, CE grad, RoPE
     if grad_checkpoint:  # each layer keeps its input and its context keys/values; backward recomputes one layer
-        return shared + L * (ctx_kv + T * D + 2 * b * S * K) + layer, masks
-    return shared + L * (layer + ctx_kv), masks
+        return shared + L * (ctx_kv + T * D + 2 * b * S * K) + layer, masks, layer
+    return shared + L * (layer + ctx_kv), masks, layer
 
 
 def plan_rows(target, drafter, run):
@@ -110,7 +111,7 @@ def plan_rows(target, drafter, run):
     b, V, Dt = run["batch_size"], target["vocab_size"], target["hidden_size"]
     S = padded_length(run["max_len"]) if run["attention"] == "flex" else run["max_len"]
     T = b * run["num_anchors"] * drafter["block_size"]
-    acts, mask_bytes = activation_elems(drafter, T, b, S, run["attention"], run["grad_checkpoint"])
+    acts, mask_bytes, layer = activation_elems(drafter, T, b, S, run["attention"], run["grad_checkpoint"])
     chunk = max(1, LOGIT_BUDGET // V)
     rows = [("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes"),
             ("drafter weights", Pd * 4, f"{Pd / 1e9:.3f}B params, fp32"),
@@ -121,16 +122,17 @@ def plan_rows(target, drafter, run):
             ("drafter activations", acts * ab + mask_bytes,
              f"{T:,} block tokens x {drafter['num_hidden_layers']} layers, {ab}-byte"
              f"{', --grad_checkpoint' if run['grad_checkpoint'] else ''}"),
+            ("backward working set", layer * ab, "gradients of one layer's saved tensors while it runs backward"),
             ("chunked-loss buffers", chunk * V * (4 + (tb if tb != 4 else 0)), f"{chunk} rows x V={V} logits"),
             ("target-forward buffers", (b * S * (target["context_layers"] + 3) * Dt + 3 * b * S *
                                         target["intermediate_size"]) * tb + chunk * V * (4 + (tb if tb != 4 else 0)),
              f"captured features + one layer, {b} x {S} tokens")]
     if run.get("cuda"):
         rows.append(("CUDA context, NCCL, fragmentation", CUDA_ALLOWANCE, "allowance"))
-    static = sum(r[1] for r in rows if r[0] not in ("drafter activations", "chunked-loss buffers",
-                                                    "target-forward buffers"))
-    peak = static + max(rows[5][1] + rows[6][1], rows[7][1])
-    return rows + [("peak per rank", peak, "static + max(activations + loss, target forward)")]
+    transient = ("drafter activations", "backward working set", "chunked-loss buffers", "target-forward buffers")
+    static = sum(r[1] for r in rows if r[0] not in transient)
+    peak = static + max(rows[5][1] + rows[6][1] + rows[7][1], rows[8][1])
+    return rows + [("peak per rank", peak, "static + max(activations + backward + loss, target forward)")]
 
 
 OPTIONS = ([], ["--zero"], ["--grad_checkpoint"], ["--zero", "--grad_checkpoint"])
