@@ -113,6 +113,8 @@ def plan_rows(target, drafter, run):
     T = b * run["num_anchors"] * drafter["block_size"]
     acts, mask_bytes, layer = activation_elems(drafter, T, b, S, run["attention"], run["grad_checkpoint"])
     chunk = max(1, LOGIT_BUDGET // V)
+    # one chunk of logits in fp32 (and its bf16 original when the lm_head is bf16)
+    logits = lambda rows: min(chunk, rows) * V * (4 + (tb if tb != 4 else 0))  # noqa: E731
     rows = [("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes"),
             ("drafter weights", Pd * 4, f"{Pd / 1e9:.3f}B params, fp32"),
             ("drafter gradients", Pd * 4, "fp32"),
@@ -123,9 +125,9 @@ def plan_rows(target, drafter, run):
              f"{T:,} block tokens x {drafter['num_hidden_layers']} layers, {ab}-byte"
              f"{', --grad_checkpoint' if run['grad_checkpoint'] else ''}"),
             ("backward working set", layer * ab, "gradients of one layer's saved tensors while it runs backward"),
-            ("chunked-loss buffers", chunk * V * (4 + (tb if tb != 4 else 0)), f"{chunk} rows x V={V} logits"),
+            ("chunked-loss buffers", logits(T), f"{min(chunk, T)} rows x V={V} logits"),
             ("target-forward buffers", (b * S * (target["context_layers"] + 3) * Dt + 3 * b * S *
-                                        target["intermediate_size"]) * tb + chunk * V * (4 + (tb if tb != 4 else 0)),
+                                        target["intermediate_size"]) * tb + logits(b * S),
              f"captured features + one layer, {b} x {S} tokens")]
     if run.get("cuda"):
         rows.append(("CUDA context, NCCL, fragmentation", CUDA_ALLOWANCE, "allowance"))
