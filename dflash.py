@@ -47,10 +47,11 @@ from dflash_tools.checks import (check_config_fields, check_run_dir, layer_type_
 from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
                                    chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields,
                                    int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
-                                   read_jsonl, read_safetensors, run_main, setup_distributed, show_data, split_eval,
-                                   template_kwargs, write_latest, yarn_rope)
+                                   load_tokenizer, read_jsonl, read_safetensors, run_main, setup_distributed,
+                                   show_data, split_eval, template_kwargs, write_latest, yarn_rope)
 from dflash_tools.hub import resolve_drafter
 from dflash_tools.walk import held_out_walk, walk_tau  # the exact walked tau, shared with eval.py
+from dflash_tools.plan import add_plan_flags, checkpointed, make_optimizer, memory_plan, model_loader  # memory
 
 
 # -----------------------------------------------------------------------------
@@ -316,7 +317,7 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, cfg, attention="dense"):
         super().__init__()
-        self.cfg, self.attention = cfg, attention
+        self.cfg, self.attention, self.grad_checkpoint = cfg, attention, False
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -349,8 +350,9 @@ class DFlashDrafter(nn.Module):
         pos = anchors[..., None] + torch.arange(self.cfg.block_size, device=anchors.device)  # (b, N, B): a+i
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, pos, x.dtype)
         masks = build_masks(self.cfg, anchors, anchor_valid, S, self.attention)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, *kv[i], masks[self.cfg.layer_kind(i)])
+        for i, layer in enumerate(self.layers):  # --grad_checkpoint: keep each layer's inputs, recompute the rest
+            a = (x, cos, sin, *kv[i], masks[self.cfg.layer_kind(i)])
+            x = checkpointed(layer, *a) if self.grad_checkpoint and self.training else layer(*a)
         return self.norm(x)
 
 
@@ -445,22 +447,16 @@ def find_decoder(model):
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
     """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if (name.startswith((".", "/", "~")) or os.path.exists(name)) and not os.path.isfile(f"{name}/config.json"):
         raise DFlashError(f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = model_loader(device)(name, dtype=dtype, trust_remote_code=trust_remote_code)  # meta: config only
     except target_load_errors() as e:  # a missing, corrupt (truncated, garbage) or unsupported target
         raise target_load_error(name, e) from None
     model.to(device).eval().requires_grad_(False)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None  # a target without a tokenizer still works with pre-tokenized data
-    if tokenizer is not None and len(tokenizer) <= max(1, len(tokenizer.all_special_ids)):
-        tokenizer = None  # transformers 5 returns an empty stand-in when the directory has no tokenizer files
+    tokenizer = load_tokenizer(name, trust_remote_code)  # None: pre-tokenized data only
     if model.get_output_embeddings() is None:
         raise DFlashError(f"target {name!r} has no lm_head (get_output_embeddings() is None)")
     return Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
@@ -481,12 +477,7 @@ def capture_hidden(target, layer_ids):
     """Forward hooks on decoder layers `layer_ids` (their outputs h[t]) and on the final norm (its output f, what
     feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual."""
     store = {}
-
-    def hook(key):
-        def fn(module, inputs, output):
-            store[key] = output[0] if isinstance(output, tuple) else output
-        return fn
-
+    hook = lambda key: lambda m, i, out: store.__setitem__(key, out[0] if isinstance(out, tuple) else out)  # noqa
     handles = [target.layers[t].register_forward_hook(hook(t)) for t in layer_ids]
     handles.append(target.backbone.norm.register_forward_hook(hook("final")))
     try:
@@ -906,6 +897,7 @@ class Run:
         if self.world > 1:
             rng = [None] * self.world
             dist.all_gather_object(rng, torch.get_rng_state())
+            getattr(self.optimizer, "consolidate_state_dict", lambda to: None)(to=0)  # --zero: the full state on rank 0
         if self.rank == 0:
             p = save_checkpoint(self.args.out, step, self.drafter, self.optimizer, SAVE_DTYPES[self.args.save_dtype],
                                 {"args": vars(self.args), "rng": rng, "global_batch": self.batches.global_batch,
@@ -983,15 +975,26 @@ def train_loop(run):
     finally:
         stop.restore()
 
+def drafter_config(args, target):
+    """--init_from's config.json, or a new config from the flags (DRAFTER_FLAGS); checked against the target."""
+    cfg = read_drafter_config(args.init_from) if args.init_from else \
+        new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+    check_compatible(cfg, target)
+    return cfg
+
 def train(args):
     """Set up the run from the command line (target, drafter, data, optimizer, resume), then train_loop()."""
-    missing = [f"--{k}" for k in ("target", "data") if not getattr(args, k)]
+    missing = [f"--{k}" for k in ("target",) + (() if args.plan else ("data",)) if not getattr(args, k)]
     if missing:
         raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
     rank, world, device = setup_distributed(args.device)
     check_writable_dir(args.out, "--out")
     resume_dir = check_run_dir(args.out, args.resume)  # with --resume: <out>/latest, checked complete
     args.init_from = args.init_from and resolve_drafter(args.init_from, "--init_from")  # a directory or a hub id
+    if args.plan or device.type == "cuda":  # the memory plan, from the configs alone, before any weights load
+        meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+        plan = drafter_config(args, meta)
+        memory_plan(vars(args), asdict(plan), expected_shapes(plan), meta, world, device, DFlashError)  # --plan: exits
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
     print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
     data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
@@ -999,11 +1002,7 @@ def train(args):
     samples = load_samples(args.data, tok, args.max_len, **data_kw)
     if args.show_data:  # look at the loss masks before spending anything on training
         return show_data(samples, tok, args.show_data) if rank == 0 else None
-    if args.init_from:
-        cfg = read_drafter_config(args.init_from)
-    else:
-        cfg = new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, target)
+    cfg = drafter_config(args, target)
     attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
 
@@ -1020,8 +1019,9 @@ def train(args):
         drafter = load_drafter(args.init_from, device, attention=attention)
     else:
         drafter = DFlashDrafter(cfg, attention).to(device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=args.weight_decay, fused=device.type == "cuda")
+    drafter.grad_checkpoint = args.grad_checkpoint
+    optimizer = make_optimizer(drafter.parameters(), args.zero and world > 1, lr=args.lr, betas=(0.9, 0.95),
+                               weight_decay=args.weight_decay, fused=device.type == "cuda")
     state = read_train_state(resume_dir, cfg, batches.global_batch) if resume_dir else None
     if state:
         drafter.load_state_dict(load_drafter(resume_dir, device).state_dict())
@@ -1033,7 +1033,7 @@ def train(args):
     model = torch.compile(drafter) if compile_ else drafter
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     os.makedirs(args.out, exist_ok=True)
     print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
            f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
@@ -1127,6 +1127,7 @@ def get_parser():
     p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1, hi=2**20)
     p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0, hi=10**9)
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
+    add_plan_flags(p)  # --plan, --plan_world_size, --plan_gpu_gb, --zero, --grad_checkpoint
     return p
 
 def main(argv=None):

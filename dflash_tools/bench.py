@@ -51,6 +51,7 @@ sys.path.insert(0, ROOT)
 
 import dflash  # noqa: E402
 import eval as tau_eval  # noqa: E402
+from dflash_tools import plan  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Settings: the CPU drafter and the sweeps
@@ -376,6 +377,115 @@ def eval_case(num_prompts, max_new_tokens, train_steps):
         "tau": rx["tau"], "steps": rx["steps"], "tokens": rx["tokens"], "histogram": rx["histogram"],
         "prompt_lookup_tau": ex["results"][1]["tau"], "train_seconds": train_s, "train_tau_estimate": train_tau,
         "num_prompts": num_prompts, "max_new_tokens": max_new_tokens}
+
+
+# -----------------------------------------------------------------------------
+# e. The memory plan (dflash_tools/plan.py) against measurement, and --grad_checkpoint's saving
+
+# (name, drafter config overrides of cpu_config(), seq_len, num_anchors, batch)
+PLAN_CHECKS = (("bench drafter, short", {}, 512, 32, 1),
+               ("bench drafter, long", {}, 2048, 128, 1),
+               ("3 narrow layers, GQA 4:1", dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3,
+                                                 num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                                 block_size=8, target_layer_ids=[1, 3], layer_types=[
+                                                     "sliding_attention"] * 2 + ["full_attention"]), 1024, 64, 2))
+# the demo's drafter (dflash_tools/demo.py: D 128, MLP 384, 2 layers, 4/2 heads of 32, B 8, 32 anchors, 16 x 128
+# tokens) and the bench drafter at 2048 tokens, 256 anchors
+DEMO_SHAPE = (dict(hidden_size=128, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                   block_size=8, target_layer_ids=[0, 1, 2], num_target_layers=4, vocab_size=1024,
+                   mask_token_id=1023), 128, 32, 16)
+CKPT_SHAPES = (("demo shape", *DEMO_SHAPE), ("larger shape", {}, 2048, 256, 1))
+
+
+def plan_estimate(cfg, S, N, b, grad_checkpoint):
+    """The plan's drafter-side terms on CPU (one rank, fp32 activations, dense attention), from plan_rows()."""
+    import dataclasses
+    d = plan.drafter_sizes(dataclasses.asdict(cfg), dflash.expected_shapes(cfg))
+    t = dict(params=0, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+             vocab_size=cfg.vocab_size, context_layers=d["context_layers"])
+    run = dict(world=1, zero=False, grad_checkpoint=grad_checkpoint, num_anchors=N, batch_size=b, max_len=S,
+               attention="dense", target_bytes=4, act_bytes=4)
+    rows = {name: v for name, v, _ in plan.plan_rows(t, d, run)}
+    state = rows["drafter weights"] + rows["drafter gradients"] + rows["AdamW moments"]
+    return {"state_mb": state / 2**20, "activations_mb": rows["drafter activations"] / 2**20,
+            "backward_mb": rows["backward working set"] / 2**20}
+
+
+def batch_inputs(cfg, S, N, b):
+    """train_inputs() for b sequences (the first one repeated)."""
+    inp = train_inputs(cfg, S, N)
+    rep = lambda x: x.repeat(b, *[1] * (x.dim() - 1))  # noqa: E731
+    return SimpleNamespace(**{k: rep(v) if k != "lm_head" else v for k, v in vars(inp).items()})
+
+
+def memory_case(cfg, S, N, b, grad_checkpoint):
+    """One training step (forward, chunked loss, backward, AdamW) in this (fresh) process. Measured two ways:
+    exact: bytes of the tensors saved for backward (saved_tensors_hooks, each storage once, parameters excluded) plus
+    the parameters, gradients and AdamW state; rss: peak resident set minus the one before the drafter existed."""
+    gc.collect()
+    exact_peak = reset_peak_rss()
+    base = status_mb("VmRSS")
+    torch.manual_seed(0)
+    inp = batch_inputs(cfg, S, N, b)
+    drafter = dflash.DFlashDrafter(cfg, attention="dense").train()
+    drafter.grad_checkpoint = grad_checkpoint
+    opt = torch.optim.AdamW(drafter.parameters())
+    skip = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), inp.lm_head.weight]}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = drafter(inp.context, inp.x, inp.anchors, inp.valid)
+        loss_sum, _ = dflash.weighted_ce(hidden, inp.lm_head, inp.labels, inp.weights)
+    (loss_sum / inp.weights.sum()).backward()
+    opt.step()
+    tensors = [*drafter.parameters(), *(p.grad for p in drafter.parameters())]
+    tensors += [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    state = sum(t.numel() * t.element_size() for t in tensors)
+    return {"state_mb": state / 2**20, "saved_mb": sum(saved.values()) / 2**20,
+            "rss_mb": status_mb("VmHWM") - base, "peak_exact": exact_peak}
+
+
+def run_plan_check(args):
+    """The plan's drafter-side estimate vs the exact count (and peak RSS) for PLAN_CHECKS; peak RSS with and
+    without --grad_checkpoint at CKPT_SHAPES."""
+    print(f"memory plan vs measurement on {machine()}: fp32, dense attention, one rank, no autocast")
+    report = {"plan_check": [], "grad_checkpoint": []}
+    print(f"{'configuration':<28} {'b x S, N':>16} {'plan_MB':>9} {'exact_MB':>9} {'plan/exact':>10} {'plan+bwd':>9}"
+          f" {'rss_MB':>8} {'ratio':>6}")
+    for name, over, S, N, b in PLAN_CHECKS:
+        cfg = dflash.DFlashConfig(**{**vars(cpu_config()), **over})
+        est = plan_estimate(cfg, S, N, b, False)
+        m = in_fresh_process(memory_case, cfg, S, N, b, False)
+        if "error" in m:
+            print(f"{name:<28} {m['error']}")
+            continue
+        p_mb, x_mb = est["state_mb"] + est["activations_mb"], m["state_mb"] + m["saved_mb"]
+        report["plan_check"].append({"name": name, "seq_len": S, "num_anchors": N, "batch": b, "plan": est, **m})
+        pb = p_mb + est["backward_mb"]
+        print(f"{name:<28} {f'{b} x {S}, {N}':>16} {p_mb:9.1f} {x_mb:9.1f} {p_mb / x_mb:10.2f} {pb:9.1f}"
+              f" {m['rss_mb']:8.1f} {pb / m['rss_mb']:6.2f}")
+    print(f"\n{'--grad_checkpoint':<28} {'b x S, N':>16} {'rss_off':>9} {'rss_on':>9} {'on/off':>10} "
+          f"{'plan_off':>8} {'plan_on':>8}")
+    for name, over, S, N, b in CKPT_SHAPES:
+        cfg = dflash.DFlashConfig(**{**vars(cpu_config()), **over})
+        off, on = (in_fresh_process(memory_case, cfg, S, N, b, c) for c in (False, True))
+        po, pn = (plan_estimate(cfg, S, N, b, c) for c in (False, True))
+        tot = lambda e: e["state_mb"] + e["activations_mb"] + e["backward_mb"]  # noqa: E731
+        report["grad_checkpoint"].append({"name": name, "seq_len": S, "num_anchors": N, "batch": b, "off": off,
+                                          "on": on, "plan_off": po, "plan_on": pn})
+        print(f"{name:<28} {f'{b} x {S}, {N}':>16} {off['rss_mb']:9.1f} {on['rss_mb']:9.1f} "
+              f"{on['rss_mb'] / off['rss_mb']:10.2f} {tot(po):8.1f} {tot(pn):8.1f}")
+    print("plan: weights + gradients + AdamW + activations (saved for backward); exact: the saved-for-backward bytes "
+          "(saved_tensors_hooks) + parameters, gradients, AdamW state; plan+bwd: plus the plan's backward working set; "
+          "rss: peak resident set above the one before the drafter and its inputs existed (fresh forked process); "
+          "plan_off/plan_on: the plan's plan+bwd")
+    return report
 
 
 # -----------------------------------------------------------------------------
@@ -925,6 +1035,8 @@ def get_parser():
                         "OpenMP threads waiting on each other, which makes small ops orders of magnitude slower")
     p.add_argument("--no_fresh_compile_cache", dest="fresh_compile_cache", action="store_false",
                    help="reuse the inductor cache (compile times then measure a warm cache)")
+    p.add_argument("--plan_check", action="store_true",
+                   help="only the memory plan against measurement, and peak memory with/without --grad_checkpoint")
     p.add_argument("--gpu", action="store_true", help="flex vs dense training step at the Qwen3-8B drafter shape")
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="--gpu at tiny shapes on CPU")
     p.add_argument("--budget", type=float, default=420, help="--gpu: seconds after which optional parts are skipped")
@@ -955,6 +1067,9 @@ def main(argv=None):
     warn_if_oversubscribed()
     if args.gpu or args.dry_run:
         report = run_gpu(args)
+    elif args.plan_check:
+        report = run_plan_check(args)
+        save_json(report, args.json)
     else:
         report, _ = run_cpu(args)
         save_json(report, args.json)

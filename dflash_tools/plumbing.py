@@ -415,3 +415,14 @@ def check_tensors(tensors, expected, path, why=None):
     for name, shape in expected.items():
         if tuple(tensors[name].shape) != shape:
             raise DFlashError(f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+
+
+def load_tokenizer(name, trust_remote_code=False):
+    """The target's tokenizer, or None when it has none (a target without one still works with pre-tokenized data;
+    transformers 5 returns an empty stand-in when the directory has no tokenizer files)."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return None
+    return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None

@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dflash
 import eval as ev
+from dflash_tools import walk
 from conftest import SMALL, VOCAB, tiny_cfg, tiny_qwen3, write_data
 
 EAGER_FLEX = "flex_attention called without torch.compile"  # what flex warns when it runs unfused
@@ -109,10 +110,10 @@ def test_block_masks_compiled_without_the_deprecated_flag(setup):
 
 def test_eval_chunks_sized_for_the_attention_path(setup, monkeypatch):
     cfg = setup["cfg"]
-    flex, dense = ev.anchors_per_chunk(cfg, 4096, "flex"), ev.anchors_per_chunk(cfg, 4096, "dense")
-    assert flex > dense and flex == ev.anchors_per_chunk(cfg, 128, "flex")  # flex shares the context keys/values
+    flex, dense = walk.anchors_per_chunk(cfg, 4096, "flex"), walk.anchors_per_chunk(cfg, 4096, "dense")
+    assert flex > dense and flex == walk.anchors_per_chunk(cfg, 128, "flex")  # flex shares the context keys/values
     asked = []
-    monkeypatch.setattr(ev, "anchors_per_chunk", lambda cfg, S, attention, budget: asked.append(attention) or 8)
+    monkeypatch.setattr(walk, "anchors_per_chunk", lambda cfg, S, attention, budget: asked.append(attention) or 8)
     monkeypatch.setattr(dflash, "compiled_flex_attention", flex_attention)
     ids = torch.tensor([setup["samples"][0][0]])
     feats = torch.randn(1, ids.shape[1], len(cfg.target_layer_ids) * cfg.hidden_size)
@@ -140,7 +141,7 @@ def test_target_runs_unpadded_under_compile_on(tmp_path, monkeypatch, one_thread
     args = list(SMALL)
     args[args.index("--eval_fraction") + 1] = "0.25"
     dflash.main(args + ["--target", tiny_qwen3(tmp_path / "q3"), "--data", write_data(tmp_path / "d.jsonl", 16),
-                        "--out", str(tmp_path / "out"), "--compile", "on", "--max_steps", "1", "--batch_size", "4",
+                        "--out", str(tmp_path / "out"), "--compile", "on", "--eval_walk_prompts", "0", "--max_steps", "1", "--batch_size", "4",
                         "--max_len", "64", "--grad_accum", "1"])
     assert lengths and set(lengths) == {24}  # write_data: 6 prompt + 18 response tokens
     assert pads and set(pads) == {dflash.padded_length(64)}

@@ -1,0 +1,222 @@
+"""The memory plan of a DFlash training run: what one rank holds, term by term, from the configs alone.
+
+Imports nothing of the project. plan_rows() is the arithmetic: plain numbers and dicts in, table rows out, so a GPU
+script can compare it with torch.cuda.max_memory_allocated(). memory_plan() is what dflash.py's train() calls
+before any weight loads (--plan prints and exits; a CUDA run prints it and stops early if it cannot fit).
+The flags of the memory options (--plan, --plan_world_size, --plan_gpu_gb, --zero, --grad_checkpoint) and the
+optimizer they select (make_optimizer) live here too.
+
+Per rank, with P_t target parameters, P_d drafter parameters, R ranks, T = batch * anchors * block tokens:
+  target weights    P_t x target dtype (text model only: no vision tower)
+  drafter weights   P_d x 4 (fp32 master weights; autocast runs the matmuls in bf16)
+  gradients         P_d x 4
+  DDP buckets       P_d x 4, or 0 when they are views of the gradients (gradient_as_bucket_view=True: ours)
+  AdamW moments     2 x P_d x 4, divided by R with --zero (ZeroRedundancyOptimizer)
+  activations       the drafter's tensors saved for backward (per layer ~T(6D + 7Q + 4K + 4I) + the context
+                    keys/values; with --grad_checkpoint only each layer's input plus one layer recomputed)
+  backward          the gradients of one layer's saved tensors, alive while that layer runs backward
+  loss buffers      one chunk of logits (vocab_chunk rows x V, fp32, and its bf16 original)
+  target forward    the target pass under no_grad: captured features plus one layer's working set
+The peak is the static terms plus the larger of (activations + backward + loss buffers) and the target forward.
+"""
+import os
+import sys
+
+import torch
+
+GB = 1e9
+LOGIT_BUDGET = 2**27      # floats per chunk of logits: dflash.vocab_chunk's budget
+CUDA_ALLOWANCE = 4 * GB   # CUDA context, NCCL buffers, allocator fragmentation: not computed, allowed for
+
+
+def add_plan_flags(p):
+    """The memory flags, on dflash's ArgumentParser (p.add: a flag with a checked range)."""
+    g = p.add_argument_group("memory (dflash_tools/plan.py)")
+    g.add_argument("--plan", action="store_true",
+                   help="print the per-GPU memory plan from the target's and drafter's configs (no weights), then exit")
+    p.add(g, "--plan_world_size", int, None, "ranks to plan for (default: this run's)", lo=1, hi=2**20)
+    p.add(g, "--plan_gpu_gb", float, None, "memory per GPU in GB to plan for (default: this machine's)", lo=0,
+          hi=10**6, open_lo=True)
+    g.add_argument("--zero", action="store_true",
+                   help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one process)")
+    g.add_argument("--grad_checkpoint", action="store_true",
+                   help="recompute each drafter layer in backward instead of keeping its activations")
+
+
+def make_optimizer(params, zero, **kw):
+    """AdamW, or with zero (under DDP) AdamW whose state is split over the ranks."""
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
+    return torch.optim.AdamW(params, **kw)
+
+
+def checkpointed(layer, *args):
+    """--grad_checkpoint: run one drafter layer keeping only its inputs; backward recomputes the rest."""
+    from torch.utils.checkpoint import checkpoint
+    return checkpoint(layer, *args, use_reentrant=False)
+
+
+def model_loader(device):
+    """How dflash.load_target builds the target: from_pretrained, or on the meta device from the config alone."""
+    from transformers import AutoModelForCausalLM
+    return meta_model if str(device) == "meta" else AutoModelForCausalLM.from_pretrained
+
+
+def meta_model(name, dtype=None, trust_remote_code=False):
+    """The target built from its config.json on the meta device: parameter shapes, no weights read or allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def count_params(*modules):
+    """Parameters of the modules, each tensor once (a tied lm_head is the embedding)."""
+    return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
+
+
+def padded_length(S):  # dflash.padded_length: flex shapes are padded to the next power of two, at least 128
+    return max(128, 1 << (S - 1).bit_length())
+
+
+def activation_elems(d, T, b, S, attention, grad_checkpoint):
+    """Elements the drafter saves for backward (d: drafter sizes; T block tokens, b sequences, S context length).
+    Returns (elements, bool-mask bytes, elements of one decoder layer)."""
+    D, I, L, B = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], d["block_size"]
+    Q, K, m = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"], d["context_layers"]
+    N = T // (b * B)
+    if attention == "flex":  # one query sequence against [context ; all blocks]: q, k, v, out, lse
+        attn = 2 * b * (S + T) * K + T * d["num_attention_heads"]
+        masks = 0
+    else:  # dense: each block against [context ; its own block], keys/values copied per block
+        attn = 2 * b * N * (S + B) * K
+        masks = len(set(d["layer_kinds"])) * b * N * B * (S + B)
+    layer = T * (6 * D + 7 * Q + 4 * K + 4 * I) + attn          # one decoder layer, everything it saves
+    ctx_kv = 4 * b * S * K                                       # k_proj -> k_norm -> RoPE of the context, per layer
+    shared = b * S * m * D + 3 * b * S * D + 3 * T * D + T * D + 2 * T * d["head_dim"]  # fc in, norms, CE grad, RoPE
+    if grad_checkpoint:  # each layer keeps its input and its context keys/values; backward recomputes one layer
+        return shared + L * (ctx_kv + T * D + 2 * b * S * K) + layer, masks, layer
+    return shared + L * (layer + ctx_kv), masks, layer
+
+
+def plan_rows(target, drafter, run):
+    """The per-rank memory terms, in bytes: [(name, bytes, note)], the last row the peak.
+    target: params, hidden_size, intermediate_size, vocab_size, context_layers (captured h[t]).
+    drafter: params and the DFlashConfig fields hidden_size, intermediate_size, num_hidden_layers,
+      num_attention_heads, num_key_value_heads, head_dim, block_size, layer_kinds, context_layers.
+    run: world, zero, grad_checkpoint, num_anchors, batch_size, max_len, attention ("flex" | "dense"),
+      target_bytes, act_bytes (activation dtype: 2 under bf16 autocast, 4 in fp32), cuda (adds an allowance)."""
+    Pd, R, ab, tb = drafter["params"], run["world"], run["act_bytes"], run["target_bytes"]
+    b, V, Dt = run["batch_size"], target["vocab_size"], target["hidden_size"]
+    S = padded_length(run["max_len"]) if run["attention"] == "flex" else run["max_len"]
+    T = b * run["num_anchors"] * drafter["block_size"]
+    acts, mask_bytes, layer = activation_elems(drafter, T, b, S, run["attention"], run["grad_checkpoint"])
+    chunk = max(1, LOGIT_BUDGET // V)
+    # one chunk of logits in fp32 (and its bf16 original when the lm_head is bf16)
+    logits = lambda rows: min(chunk, rows) * V * (4 + (tb if tb != 4 else 0))  # noqa: E731
+    rows = [("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes"),
+            ("drafter weights", Pd * 4, f"{Pd / 1e9:.3f}B params, fp32"),
+            ("drafter gradients", Pd * 4, "fp32"),
+            ("DDP gradient buckets", 0, "views of the gradients (gradient_as_bucket_view)" if R > 1 else "one rank"),
+            ("AdamW moments", 2 * Pd * 4 / (R if run["zero"] and R > 1 else 1),
+             f"2 x fp32{f', sharded over {R} ranks (--zero)' if run['zero'] and R > 1 else ''}"),
+            ("drafter activations", acts * ab + mask_bytes,
+             f"{T:,} block tokens x {drafter['num_hidden_layers']} layers, {ab}-byte"
+             f"{', --grad_checkpoint' if run['grad_checkpoint'] else ''}"),
+            ("backward working set", layer * ab, "gradients of one layer's saved tensors while it runs backward"),
+            ("chunked-loss buffers", logits(T), f"{min(chunk, T)} rows x V={V} logits"),
+            ("target-forward buffers", (b * S * (target["context_layers"] + 3) * Dt + 3 * b * S *
+                                        target["intermediate_size"]) * tb + logits(b * S),
+             f"captured features + one layer, {b} x {S} tokens")]
+    if run.get("cuda"):
+        rows.append(("CUDA context, NCCL, fragmentation", CUDA_ALLOWANCE, "allowance"))
+    transient = ("drafter activations", "backward working set", "chunked-loss buffers", "target-forward buffers")
+    static = sum(r[1] for r in rows if r[0] not in transient)
+    peak = static + max(rows[5][1] + rows[6][1] + rows[7][1], rows[8][1])
+    return rows + [("peak per rank", peak, "static + max(activations + backward + loss, target forward)")]
+
+
+OPTIONS = ([], ["--zero"], ["--grad_checkpoint"], ["--zero", "--grad_checkpoint"])
+
+
+def option_run(run, flags, anchors=None):
+    return {**run, "zero": "--zero" in flags, "grad_checkpoint": "--grad_checkpoint" in flags,
+            "num_anchors": anchors or run["num_anchors"]}
+
+
+def fitting_flags(target, drafter, run, gpu_bytes):
+    """The fewest memory flags (then fewer anchors) with which the plan fits, or None."""
+    anchors = [run["num_anchors"]] + [n for n in (256, 128, 64, 32) if n < run["num_anchors"]]
+    for n in anchors:
+        for flags in OPTIONS:
+            if plan_rows(target, drafter, option_run(run, flags, n))[-1][1] <= gpu_bytes:
+                return flags + ([f"--num_anchors {n}"] if n != run["num_anchors"] else [])
+    return None
+
+
+def format_plan(rows, world, gpu_bytes, where):
+    lines = [f"memory plan per rank ({world} rank(s), {gpu_bytes / GB:.0f} GB each, {where}):"]
+    lines += [f"  {name:<36} {v / GB:8.2f} GB  {note}" for name, v, note in rows]
+    return "\n".join(lines)
+
+
+def target_sizes(meta_target, context_layers):
+    """Numbers of the text target from its meta-device model (a dflash Target: backbone, lm_head, model)."""
+    tc = meta_target.model.config.get_text_config()
+    V, D = meta_target.lm_head.weight.shape
+    return {"params": count_params(meta_target.backbone, meta_target.lm_head), "hidden_size": D, "vocab_size": V,
+            "intermediate_size": getattr(tc, "intermediate_size", 4 * D), "context_layers": context_layers}
+
+
+def drafter_sizes(cfg, shapes):
+    """cfg: the drafter config as a dict (dataclasses.asdict); shapes: dflash.expected_shapes(cfg)."""
+    kinds = [(t == "sliding_attention") for t in cfg["layer_types"]]
+    return {**{k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                    "num_key_value_heads", "head_dim", "block_size")},
+            "params": sum(int(torch.Size(s).numel()) for s in shapes.values()), "layer_kinds": kinds,
+            "context_layers": len(cfg["target_layer_ids"])}
+
+
+def machine_bytes(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_plan(args, cfg, shapes, meta_target, world, device, error=ValueError):
+    """Print the plan for the run's flags (rank 0), and the options that would fit; --plan: exit after.
+    A CUDA run that cannot fit stops here with one error naming the flags that would. args: vars(args)."""
+    on_gpu = device.type == "cuda" or args["plan_gpu_gb"] is not None
+    world = args["plan_world_size"] or world
+    gpu_bytes = args["plan_gpu_gb"] * GB if args["plan_gpu_gb"] is not None else machine_bytes(device)
+    tb = {"bf16": 2, "fp16": 2, "fp32": 4}.get(args["dtype"], 2 if on_gpu else 4)
+    attention = args["attention"] if args["attention"] != "auto" else "flex" if on_gpu else "dense"
+    run = {"world": world, "zero": args["zero"], "grad_checkpoint": args["grad_checkpoint"],
+           "num_anchors": args["num_anchors"], "batch_size": args["batch_size"], "max_len": args["max_len"],
+           "attention": attention, "target_bytes": tb, "act_bytes": 2 if on_gpu else 4, "cuda": on_gpu}
+    d = drafter_sizes(cfg, shapes)
+    t = target_sizes(meta_target, d["context_layers"])
+    rows = plan_rows(t, d, run)
+    where = "planned GPUs" if args["plan_gpu_gb"] is not None else str(device)
+    rank0 = not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+        torch.distributed.get_rank() == 0
+    say = print if rank0 else (lambda *a: None)
+    say(format_plan(rows, world, gpu_bytes, where))
+    for flags in OPTIONS:
+        peak = plan_rows(t, d, option_run(run, flags))[-1][1]
+        say(f"  {' '.join(flags) or 'plain DDP':<36} {peak / GB:8.2f} GB  "
+            f"{'fits' if peak <= gpu_bytes else 'does not fit'}")
+    fit = fitting_flags(t, d, run, gpu_bytes)
+    fits = rows[-1][1] <= gpu_bytes
+    say(f"  verdict: {'fits' if fits else 'does not fit'}"
+        + ("" if fits else f"; fits with {' '.join(fit)}" if fit else "; nothing fits: see the README, Will it fit?"))
+    sys.stdout.flush()
+    if args["plan"]:
+        raise SystemExit(0)
+    if device.type == "cuda" and not fits:
+        hint = f"add {' '.join(fit)}" if fit else "even --zero --grad_checkpoint --num_anchors 32 does not fit; " \
+            "serve the target from an inference engine (README: Will it fit?)"
+        raise error(f"the memory plan needs {rows[-1][1] / GB:.1f} GB per GPU, this device has "
+                    f"{gpu_bytes / GB:.1f} GB: {hint} (or check with --plan)")
+    return rows

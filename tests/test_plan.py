@@ -1,0 +1,97 @@
+"""Memory options: the memory plan (--plan, from config.json alone), --grad_checkpoint; --zero runs are in
+test_train.py with the other DDP runs."""
+import json
+
+import pytest
+import torch
+
+import dflash
+from conftest import tiny_cfg
+from dflash_tools.plan import memory_plan, plan_rows
+
+# the published Qwen3.6-27B text geometry (transformers.Qwen3_5TextConfig field names)
+QWEN36_27B = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 64,
+              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "hidden_size": 5120,
+              "intermediate_size": 17408, "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
+              "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+              "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "vocab_size": 248320,
+              "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
+
+
+@pytest.fixture(scope="module")
+def q36(tmp_path_factory):
+    d = tmp_path_factory.mktemp("q36")
+    (d / "config.json").write_text(json.dumps(QWEN36_27B))
+    return str(d)
+
+
+def plan_lines(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        dflash.main(argv)
+    out, err = capsys.readouterr()
+    assert e.value.code == 0, err
+    return {line.strip().split("  ")[0]: line for line in out.splitlines()[1:]}
+
+
+def test_plan_qwen36_27b_on_8x80gb(q36, capsys, tmp_path):
+    """--plan from a directory holding only config.json: no weights, no --data; the terms and the verdicts."""
+    rows = plan_lines(capsys, ["--target", q36, "--plan", "--mask_token_id", "248070", "--plan_world_size", "8",
+                               "--plan_gpu_gb", "80", "--out", str(tmp_path / "out")])
+    assert 53 <= float(rows["target weights"].split("GB")[0].split()[-1]) <= 55, rows["target weights"]
+    params = float(rows["drafter weights"].split("GB")[1].split("B params")[0])
+    assert 1.70 <= params <= 1.76, rows["drafter weights"]
+    assert "does not fit" in rows["plain DDP"] and "does not fit" in rows["--zero"]
+    assert rows["--zero --grad_checkpoint"].endswith(" fits")
+    assert "fits with --zero --grad_checkpoint" in rows["verdict: does not fit; fits with --zero --grad_checkpoint"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_bad_input_and_cuda_refusal(q36, capsys):
+    """One error line each: --plan without a target, --plan_world_size 0, a CUDA run whose plan cannot fit."""
+    for argv, want in ((["--plan"], "--target is required"),
+                       (["--target", q36, "--plan", "--plan_world_size", "0"], "outside its valid range")):
+        with pytest.raises(SystemExit) as e:
+            dflash.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and want in err, err
+    meta = dflash.load_target(q36, "meta")
+    args = vars(dflash.get_parser().parse_args(["--mask_token_id", "248070", "--plan_gpu_gb", "80"]))
+    cfg = dflash.DFlashConfig()
+    with pytest.raises(dflash.DFlashError, match=r"add --zero --grad_checkpoint \(or check with --plan\)"):
+        memory_plan(args, cfg.__dict__, dflash.expected_shapes(cfg), meta, 8, torch.device("cuda"), dflash.DFlashError)
+    capsys.readouterr()
+
+
+def test_plan_rows_is_plain_arithmetic():
+    """plan_rows: plain dicts in, rows out (what a GPU script compares with torch.cuda.max_memory_allocated)."""
+    d = dict(params=10**9, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, head_dim=128, block_size=16, layer_kinds=[True, False], context_layers=2)
+    t = dict(params=8 * 10**9, hidden_size=1024, intermediate_size=4096, vocab_size=32000, context_layers=2)
+    run = dict(world=4, zero=True, grad_checkpoint=False, num_anchors=64, batch_size=1, max_len=1000,
+               attention="flex", target_bytes=2, act_bytes=2)
+    rows = dict((name, v) for name, v, _ in plan_rows(t, d, run))
+    assert rows["target weights"] == 16e9 and rows["drafter weights"] == rows["drafter gradients"] == 4e9
+    assert rows["AdamW moments"] == 2e9 and rows["DDP gradient buckets"] == 0
+    ckpt = dict((name, v) for name, v, _ in plan_rows(t, d, {**run, "grad_checkpoint": True}))
+    assert ckpt["drafter activations"] < rows["drafter activations"]
+
+
+def test_grad_checkpoint_gradients_equal_plain(one_thread):
+    """--grad_checkpoint recomputes each layer in backward: the same loss and gradients (within 1e-6)."""
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    drafter = dflash.DFlashDrafter(cfg).train()
+    g = torch.Generator().manual_seed(1)
+    S, N, B, D = 24, 5, cfg.block_size, cfg.hidden_size
+    context = torch.randn(2, S, len(cfg.target_layer_ids) * D, generator=g)
+    x = torch.randn(2, N, B, D, generator=g)
+    anchors = torch.randint(1, S - B, (2, N), generator=g)
+    valid = torch.ones(2, N, dtype=torch.bool)
+    grads = []
+    for ckpt in (False, True):
+        drafter.grad_checkpoint = ckpt
+        drafter.zero_grad(set_to_none=True)
+        drafter(context, x, anchors, valid).pow(2).mean().backward()
+        grads.append({k: p.grad.clone() for k, p in drafter.named_parameters()})
+    assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) <= 1e-6
