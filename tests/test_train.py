@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import dflash
 import eval as ev
-from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, write_data
+from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, torch_threads, write_data
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +34,15 @@ def final_weights(out):
 
 
 def run_cli(args, nproc=1, check=True, **kw):
+    """dflash.py's command line: one process runs in this one (1 thread, like the OMP_NUM_THREADS=1 subprocesses:
+    the same numbers, without another interpreter start-up); several ranks through torchrun."""
+    if nproc == 1:
+        with torch_threads(1):
+            dflash.main(args)
+        return None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-               str(29500 + random.randrange(1000)), os.path.join(ROOT, "dflash.py")]
-    else:
-        cmd = [sys.executable, os.path.join(ROOT, "dflash.py")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
+           str(29500 + random.randrange(1000)), os.path.join(ROOT, "dflash.py")]
     p = subprocess.run(cmd + args, env=env, capture_output=True, text=True, **kw)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
