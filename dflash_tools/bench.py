@@ -959,6 +959,8 @@ def acceptance(args, dev, cpu, report):
     del drafter, model
     eval_check(report, dev, cpu, counters)
     end_to_end(report, cpu)
+    loop_check(report, dev, cpu)
+    plan_vs_cuda(report, dev, cpu)
 
 
 def eval_check(report, dev, cpu, counters):
@@ -987,24 +989,110 @@ def eval_check(report, dev, cpu, counters):
         verdict(report, "evaluation at 6 lengths, fused flex", False, f"{type(e).__name__}: {str(e)[:300]}")
 
 
+def tiny_run_flags(d, cpu, rows=40):
+    """A tiny Qwen3 target saved in d/target and pre-tokenized data in d/data.jsonl (random 20-token prompts, then
+    the loss tokens); the dflash.py flags of a small drafter for it."""
+    tiny_qwen3_target().model.save_pretrained(os.path.join(d, "target"))
+    g = torch.Generator().manual_seed(1)
+    with open(os.path.join(d, "data.jsonl"), "w") as f:
+        for i in range(rows):
+            n = 60 + 7 * i
+            f.write(json.dumps({"input_ids": torch.randint(0, 500, (n,), generator=g).tolist(),
+                                "loss_mask": [0] * 20 + [1] * (n - 20)}) + "\n")
+    return ["--target", os.path.join(d, "target"), "--data", os.path.join(d, "data.jsonl"), "--batch_size", "2",
+            "--grad_accum", "1", "--eval_fraction", "0.2", "--max_len", "512", "--mask_token_id", "511",
+            "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "16", "--sliding_window", "64", "--num_anchors",
+            "16", "--log_every", "1", "--num_draft_layers", "3", "--target_layer_ids", "1,2,3",
+            *(["--device", "cpu"] if cpu else [])]
+
+
+def loop_check(report, dev, cpu):
+    """7. `torchrun --nproc_per_node=1 dflash.py` with compile on for a few dozen steps on a tiny target: the loss
+    falls; the checkpoint loads in eval.py; its exact tau on this device equals its tau on the CPU (same checkpoint,
+    prompts and continuations, fp32 on both). The CPU dry run trains uncompiled (flex has no backward there)."""
+    import subprocess
+    d = tempfile.mkdtemp(prefix="dflash_loop_")
+    try:
+        out, steps = os.path.join(d, "out"), 6 if cpu else 40
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port",
+               str(29400 + os.getpid() % 500), os.path.join(ROOT, "dflash.py"), *tiny_run_flags(d, cpu), "--out", out,
+               "--max_steps", str(steps), "--lr", "3e-3", "--eval_every", "0", "--compile", "off" if cpu else "on"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        losses = []
+        if os.path.isfile(os.path.join(out, "metrics.jsonl")):
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                losses = [rec["loss"] for rec in map(json.loads, f) if "loss" in rec]
+        falls = r.returncode == 0 and len(losses) == steps and losses[-1] < losses[0]
+        verdict(report, f"torchrun loop, compile {'off' if cpu else 'on'}, {steps} steps: loss falls", falls,
+                f"rc {r.returncode}, {len(losses)} logged steps, loss "
+                + (f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "-")
+                + ("" if r.returncode == 0 else f"; tail: {(r.stdout + r.stderr)[-600:]!r}"))
+        ckpt = dflash.latest_checkpoint(out)
+        with open(os.path.join(d, "data.jsonl")) as f:
+            prompts = [json.loads(line)["input_ids"][:20] for line in f][:6]
+        ref = dflash.load_target(os.path.join(d, "target"), "cpu", torch.float32)
+        conts = [tau_eval.greedy_continuation(ref, p, 32, ref.eos_ids()) for p in prompts]
+        taus = {}
+        for where in ["cpu"] + ([] if cpu else [str(dev)]):
+            t = dflash.load_target(os.path.join(d, "target"), where, torch.float32)
+            ds = tau_eval.load_drafters([ckpt], t, torch.float32, False, "dense" if where == "cpu" else "flex")
+            res = tau_eval.evaluate_drafters(t, ds, prompts, 32, continuations=conts, progress=False)["results"][0]
+            taus[where] = (res["tau"], [e["acceptance_lengths"] for e in res["prompts"]])
+        same = len(set(map(str, taus.values()))) == 1
+        verdict(report, "checkpoint loads in eval.py; exact tau on the device == on the CPU", same if not cpu else None,
+                ", ".join(f"{w}: tau {v[0]:.4f}" for w, v in taus.items())
+                + (" (CPU dry run: no second device to compare)" if cpu else ", identical acceptance lengths"
+                   if same else ", acceptance lengths differ"))
+    except Exception as e:
+        verdict(report, "torchrun loop / eval.py / tau on device", False, f"{type(e).__name__}: {str(e)[:300]}")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def plan_vs_cuda(report, dev, cpu):
+    """8. The memory plan's drafter-side terms against torch.cuda.max_memory_allocated at the Qwen3-8B drafter shape
+    (4096 tokens, 512 anchors, flex, bf16 autocast, one fused AdamW step): within 25%."""
+    if cpu:
+        return verdict(report, "memory plan vs max_memory_allocated (Qwen3-8B drafter)", None, "CPU: no CUDA counters")
+    import dataclasses
+    cfg, S, N = gpu_config(dry_run=False), 4096, 512
+    inp = train_inputs(cfg, S, N)
+    ctx, x = inp.context.to(dev, torch.bfloat16), inp.x.to(dev, torch.bfloat16)
+    a, v, y, w = (getattr(inp, k).to(dev) for k in ("anchors", "valid", "labels", "weights"))
+    head = inp.lm_head.to(dev, torch.bfloat16)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    drafter = dflash.DFlashDrafter(cfg, "flex").to(dev).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = dflash.weighted_ce(drafter(ctx, x, a, v), head, y, w)[0] / w.sum()
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    d = plan.drafter_sizes(dataclasses.asdict(cfg), dflash.expected_shapes(cfg))
+    t = dict(params=0, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+             vocab_size=cfg.vocab_size, context_layers=d["context_layers"])
+    run = dict(world=1, zero=False, grad_checkpoint=False, num_anchors=N, batch_size=1, max_len=S, attention="flex",
+               target_bytes=2, act_bytes=2, cuda=False)
+    rows = {name: b for name, b, _ in plan.plan_rows(t, d, run)}
+    planned = sum(rows[k] for k in ("drafter weights", "drafter gradients", "AdamW moments", "drafter activations",
+                                    "backward working set", "chunked-loss buffers"))
+    ratio = planned / measured
+    verdict(report, "memory plan vs max_memory_allocated (Qwen3-8B drafter)", 0.75 <= ratio <= 1.25,
+            f"plan {planned / 2**30:.2f} GiB vs measured {measured / 2**30:.2f} GiB: {ratio:.2f}x (limit 25%)")
+    del drafter, opt, loss
+    torch.cuda.empty_cache()
+
+
 def end_to_end(report, cpu):
     """6. dflash.py --max_steps 3 --eval_every 2 on a tiny Qwen3 target, then --resume (to step 5)."""
     import subprocess
     d = tempfile.mkdtemp(prefix="dflash_accept_")
     try:
-        tiny_qwen3_target().model.save_pretrained(os.path.join(d, "target"))
-        g = torch.Generator().manual_seed(1)
-        with open(os.path.join(d, "data.jsonl"), "w") as f:
-            for i in range(40):
-                n = 60 + 7 * i
-                f.write(json.dumps({"input_ids": torch.randint(0, 500, (n,), generator=g).tolist(),
-                                    "loss_mask": [0] * 20 + [1] * (n - 20)}) + "\n")
-        base = [sys.executable, os.path.join(ROOT, "dflash.py"), "--target", os.path.join(d, "target"), "--data",
-                os.path.join(d, "data.jsonl"), "--out", os.path.join(d, "out"), "--eval_every", "2", "--save_every",
-                "2", "--batch_size", "2", "--grad_accum", "1", "--eval_fraction", "0.2", "--max_len", "512",
-                "--mask_token_id", "511", "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "16",
-                "--sliding_window", "64", "--num_anchors", "16", "--log_every", "1", "--num_draft_layers", "3",
-                "--target_layer_ids", "1,2,3"] + (["--device", "cpu"] * cpu)
+        base = [sys.executable, os.path.join(ROOT, "dflash.py"), *tiny_run_flags(d, cpu), "--out",
+                os.path.join(d, "out"), "--eval_every", "2", "--save_every", "2"]
         for name, extra in (("end to end, 3 steps", ["--max_steps", "3"]),
                             ("end to end, --resume", ["--max_steps", "5", "--resume"])):
             t0 = time.time()

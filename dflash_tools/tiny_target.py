@@ -308,7 +308,8 @@ def make_regenerated_data(target_path: str, out_jsonl: str, num_samples: int = 5
 if __name__ == "__main__":
     import argparse
     ap = argparse.ArgumentParser(description="Build the tiny Qwen3.5 target and its drafter data.")
-    ap.add_argument("--cache_dir", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+    ap.add_argument("--cache_dir", default=os.path.join(root, ".cache"))
     ap.add_argument("--train_steps", type=int, default=300, help="pretraining steps of 16 x 256 tokens")
     args = ap.parse_args()
 
