@@ -351,15 +351,6 @@ def read_safetensors(path):
     return tensors
 
 
-def read_torch(path, what):
-    """torch.load (tensors and plain containers only) with a truncated or garbage file as one clear error."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise DFlashError(f"{path}: cannot read {what} ({str(e).splitlines()[0][:200]}); the file is corrupt: point "
-                          f"latest at an earlier step_* directory or start anew") from None
-
-
 def write_latest(out, name):
     """<out>/latest := name, atomically (written aside, synced, then renamed): it never names a partial checkpoint."""
     tmp = os.path.join(out, "latest.tmp")

@@ -2,15 +2,12 @@
 templates written here that behave like the real families (Qwen3 think blocks, Llama-3 headers, plain text)."""
 
 import json
-import sys
 from itertools import groupby
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import dflash  # noqa: E402
-from dflash import DFlashError  # noqa: E402
+import dflash
+from dflash import DFlashError
 
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|begin_of_text|>", "<|start_header_id|>",
            "<|end_header_id|>", "<|eot_id|>", "</s>"]
