@@ -42,8 +42,8 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 # Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
 # chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py, input checks in checks.py.
-from dflash_tools.checks import (check_config_fields, check_run_dir, layer_type_list, read_train_state_file,
-                                target_load_error, target_load_errors)
+from dflash_tools.checks import (LAYER_TYPES, check_config_fields, check_run_dir, layer_type_list,
+                                 read_train_state_file, target_load_error, target_load_errors)
 from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
                                    chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields,
                                    int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
@@ -776,7 +776,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         raise DFlashError("no mask token: the target's tokenizer defines none; pass --mask_token_id "
                           "(248070 for Qwen3.5/3.6, 151669 for Qwen3)")
     if layer_types:
-        layer_types = [{"sliding": "sliding_attention", "full": "full_attention"}.get(t, t) for t in layer_types]
+        layer_types = [LAYER_TYPES.get(t, t) for t in layer_types]  # sliding|full, or the config names
     else:
         layer_types = ["sliding_attention" if sliding_window and i < n - 1 else "full_attention" for i in range(n)]
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, n)

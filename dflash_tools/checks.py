@@ -9,7 +9,7 @@ import zipfile
 
 import torch
 
-from dflash_tools.plumbing import DFlashError
+from dflash_tools.plumbing import DFlashError, check_writable
 
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}
 
@@ -29,11 +29,7 @@ def check_output_file(path, flag):
     cannot be written, before anything is loaded."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise DFlashError(f"{flag} {path!r} cannot be written ({parent!r} is not a writable directory)")
+    check_writable(path, flag, os.path.dirname(os.path.abspath(path)))
 
 
 # -----------------------------------------------------------------------------

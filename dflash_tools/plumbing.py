@@ -74,7 +74,13 @@ def check_writable_dir(path, flag):
     before anything is loaded."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise DFlashError(f"{flag} {path!r} is a file, not a directory; give a directory")
-    parent = path
+    check_writable(path, flag, path)
+
+
+def check_writable(path, flag, start):
+    """Refuse a path that cannot be created or written: the nearest existing directory at or above start (the path
+    itself for a directory, its parent for a file) must be writable."""
+    parent = start
     while not os.path.exists(parent):
         parent = os.path.dirname(os.path.abspath(parent))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
