@@ -76,8 +76,8 @@ def test_bad_flags(w, capsys):
     fails_with(capsys, replace(b, "--mask_token_id", str(VOCAB + 5)), "mask_token_id", "outside the vocabulary")
     i = b.index("--mask_token_id")
     fails_with(capsys, b[:i] + b[i + 2:], "no mask token", "--mask_token_id")  # no tokenizer, no flag
-    fails_with(capsys, replace(b, "--block_size", "1"), "--block_size", "1 is outside", "[2, 1024]")
-    fails_with(capsys, replace(b, "--num_anchors", "0"), "--num_anchors", "0 is outside", "[1, 65536]")
+    fails_with(capsys, replace(b, "--block_size", "1"), "--block_size", "1 is outside", "an integer >= 2")
+    fails_with(capsys, replace(b, "--num_anchors", "0"), "--num_anchors", "0 is outside", "an integer >= 1")
 
 
 def test_mismatched_drafter_and_resume(w, capsys, tmp_path):
