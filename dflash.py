@@ -31,6 +31,7 @@ The method in ten lines
 
 import argparse
 import gzip
+import heapq
 import importlib
 import itertools
 import json
@@ -1176,6 +1177,10 @@ def summarize(stats):
 # generates s once per prompt, one hooked pass over prompt + s gives every context feature, the drafter drafts the
 # block anchored at every position of s at once (each block sees only the context before its anchor, by the mask
 # rule), and tau_walk walks those blocks along s.
+#
+# Tree verification (DDTree's rule, greedy) walks the same blocks: at each anchor the drafter's per-depth
+# distributions build a tree of `budget` candidate tokens (tree_nodes), and the target accepts the longest path of
+# it that is a prefix of s (tree_accept), so only the acceptance rule changes.
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""
@@ -1192,13 +1197,54 @@ def tau_walk(continuation, drafts):
     only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
     equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
     The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
+    return walk_steps(continuation, lambda k, truth: accepted_prefix(drafts[k], truth))
+
+def walk_steps(continuation, accept):
+    """The walk itself: accept(k, truth) = accepted drafts of the block anchored at continuation[k] against the
+    truth continuation[k+1:] (the rule compares only as far as its drafts go)."""
     lengths, k = [], 0
     while k < len(continuation) - 1:
-        d = drafts[k]
-        accepted = accepted_prefix(d, continuation[k + 1:k + 1 + len(d)])
+        accepted = accept(k, continuation[k + 1:])
         lengths.append(accepted + 1)
         k += accepted + 1
     return lengths
+
+def tree_nodes(logq, budget):
+    """DDTree's best-first draft tree at one anchor. logq[d][r]: log q of the r-th best token at depth d+1 (the
+    drafter's block offset d+1), ranked best first, K per depth; q_d is a depth marginal, so a path's score is the sum
+    of its tokens' log q. A node is a rank tuple (r_1, ..., r_d). Best-first from the depth-1 top token: each pop
+    adds the node and pushes its next sibling (r_d + 1) and its first child (rank 0 one depth down), until `budget`
+    nodes. Every node's parent is added before it, so the tree is prefix-closed. Returns the nodes in order added."""
+    D, K = len(logq), len(logq[0])
+    heap, nodes = [(-logq[0][0], (0,))], []  # (minus the score, ranks): heapq pops the best score first
+    while heap and len(nodes) < budget:
+        neg, ranks = heapq.heappop(heap)
+        nodes.append(ranks)
+        d, r = len(ranks) - 1, ranks[-1]
+        if r + 1 < K:
+            heapq.heappush(heap, (neg + logq[d][r] - logq[d][r + 1], ranks[:-1] + (r + 1,)))
+        if d + 1 < D:
+            heapq.heappush(heap, (neg - logq[d + 1][0], ranks + (0,)))
+    return nodes
+
+def tree_accept(logq, tokens, truth, budget):
+    """Accepted drafts at one anchor under tree verification: the length of the longest prefix of the truth (the
+    target's greedy tokens after the anchor) that is a path of the tree_nodes(logq, budget) tree. tokens[d][r]: the
+    token of rank r at depth d+1 (logq's ranking). The target follows its argmax down the tree, so this is what it
+    accepts. A chain is K = 1, budget B-1."""
+    tree, path = set(tree_nodes(logq, budget)), ()
+    for d, t in enumerate(truth[:len(tokens)]):
+        if t not in tokens[d] or path + (tokens[d].index(t),) not in tree:
+            break  # the target's token is not among this node's children
+        path += (tokens[d].index(t),)
+    return len(path)
+
+def tree_walk(continuation, logq, tokens, budget):
+    """Acceptance lengths of greedy tree verification along the greedy continuation: tau_walk with tree_accept.
+    logq, tokens (n, B-1, K): the drafter's top-K log-probabilities and tokens per depth at every anchor (from
+    draft_every_anchor(..., topk=K)); K >= budget is the exact DDTree tree (no node can rank deeper than budget)."""
+    logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
+    return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
 
 def step_anchors(lengths):
     """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
@@ -1228,9 +1274,11 @@ def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     return max(1, budget // per_anchor)
 
 @torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET):
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0):
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
-    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids, row k for anchor first+k."""
+    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (the argmax), row k for anchor
+    first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens per block offset with
+    their log-probabilities, best first (what tree verification builds its trees from)."""
     cfg, flex = drafter.cfg, drafter.attention == "flex"
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
@@ -1241,7 +1289,7 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
     S_ctx = context_features.shape[1]
     chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
     kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    out = []
+    drafts, logq, tokens = [], [], []
     for c in range(0, len(anchors), chunk):
         a = anchors[c:c + chunk]
         n = len(a)
@@ -1250,8 +1298,17 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
             a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
         x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
-        out.append(target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype)).argmax(-1))  # (n, B-1)
-    return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+        logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
+        drafts.append(logits.argmax(-1))                                                     # (n, B-1)
+        if topk:
+            top = logits.topk(topk)
+            logq.append(top.values.float() - logits.float().logsumexp(-1, keepdim=True))    # (n, B-1, K)
+            tokens.append(top.indices)
+    drafts = torch.cat(drafts) if drafts else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+    if not topk:
+        return drafts
+    empty = drafts.new_zeros(0, B - 1, topk)
+    return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
 
 def walk_prompts(samples, num_prompts):
     """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
@@ -1268,22 +1325,29 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
     return mine, [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine]
 
 @torch.no_grad()
-def walk_tau(drafter, target, walk, world):
-    """Pooled tau of the walk over every rank's prompts: each rank walks its own, then the total of acceptance
-    lengths and the number of steps are summed over ranks. None if no steps or the walk is off (walk None, the
+def walk_tau(drafter, target, walk, world, tree_budget=0):
+    """Pooled tau of the walk over every rank's prompts, and with tree_budget the pooled tau of tree verification
+    with that many nodes on the same drafts (else None): each rank walks its own prompts, then the totals of
+    acceptance lengths and steps are summed over ranks. Each is None if no steps or the walk is off (walk None, the
     same on every rank)."""
     if walk is None:
-        return None
+        return None, None
     dev = target.lm_head.weight.device
-    total = torch.zeros(2, device=dev)  # sum of acceptance lengths, steps
+    total = torch.zeros(4, device=dev)  # sum of acceptance lengths, steps: chain, then tree
+    K = min(tree_budget, target.vocab_size)
     for prompt, continuation in zip(*walk):
         ids = torch.tensor([prompt + continuation], device=dev)
         features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
-        lengths = tau_walk(continuation, draft_every_anchor(drafter, target, features, ids, len(prompt)).tolist())
-        total += torch.tensor([sum(lengths), len(lengths)], device=dev)
+        if K:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
+            drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt), topk=K)
+            tree = tree_walk(continuation, logq, tokens, tree_budget)
+        else:
+            drafts, tree = draft_every_anchor(drafter, target, features, ids, len(prompt)), []
+        lengths = tau_walk(continuation, drafts.tolist())
+        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree)], device=dev)
     if world > 1:
         dist.all_reduce(total)
-    return (total[0] / total[1]).item() if total[1] > 0 else None
+    return tuple((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2))
 
 
 # -----------------------------------------------------------------------------
@@ -1509,11 +1573,13 @@ def train(args):
         drafter.eval()
         m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank,
                      world, **loss_kw)
-        wt = walk_tau(drafter, target, walk, world)
+        wt, wtt = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
         drafter.train()
         print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-               + (f"  walked tau {wt:.3f}" if wt is not None else ""))
-        log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"], "eval_walk_tau": wt})
+               + (f"  walked tau {wt:.3f}" if wt is not None else "")
+               + (f"  tree ({args.eval_walk_tree_budget} nodes) {wtt:.3f}" if wtt is not None else ""))
+        log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"], "eval_walk_tau": wt,
+             **({"eval_walk_tree_tau": wtt} if args.eval_walk_tree_budget else {})})
 
     def save(step):
         if world > 1:  # --zero: the whole optimizer state gathered on rank 0
@@ -1734,6 +1800,8 @@ def get_parser():
     p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)")
     p.add(g, "--eval_walk_prompts", int, 16, "held-out prompts for the exact walked tau at each eval (0: off)")
     p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1)
+    p.add(g, "--eval_walk_tree_budget", int, 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
+          "(DDTree's rule) with this many draft nodes per step (0: off)")
     p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)")
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     g = p.add_argument_group("memory")

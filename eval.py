@@ -31,14 +31,17 @@ prompt's mean acceptance length (what z-lab's benchmark prints as "Average Accep
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
 import dflash
-from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk
+from dflash import (DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk,
+                    tree_walk)
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -236,9 +239,13 @@ class NeuralDrafter:
         self.drafter, self.cfg = drafter, drafter.cfg
         self.block_size, self.layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
 
-    def walk_drafts(self, target, prompt, continuation, features, num_drafts):
+    def walk_drafts(self, target, prompt, continuation, features, num_drafts, topk=0):
+        """drafts[k] for tau_walk; with topk=K also the (log q, tokens) (n, num_drafts, K) for tree_walk."""
         ids = torch.tensor([prompt + continuation], device=features.device)
-        return draft_every_anchor(self.drafter, target, features, ids, len(prompt))[:, :num_drafts].tolist()
+        out = draft_every_anchor(self.drafter, target, features, ids, len(prompt), topk=topk)
+        if not topk:
+            return out[:, :num_drafts].tolist()
+        return out[0][:, :num_drafts].tolist(), out[1][:, :num_drafts], out[2][:, :num_drafts]
 
     def start(self, target, prompt, features):
         """features (1, P, m*D) of the prompt's positions: the context of the first block."""
@@ -253,16 +260,20 @@ class NeuralDrafter:
                                                for (k0, v0), (k1, v1) in zip(self.kv, new)]
         self.length += features.shape[1]
 
-    @torch.no_grad()
     def draft(self, anchor, num_drafts):
         """The drafts after `anchor`, which sits at position self.length (its context is everything before it)."""
+        return self.block_logits(anchor).argmax(-1)[:num_drafts].tolist()
+
+    @torch.no_grad()
+    def block_logits(self, anchor):
+        """(B-1, V) logits of the block anchored at `anchor` (position self.length)."""
         cfg, dev, t = self.cfg, self.drafter.fc.weight.device, self.target
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
         anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
         x = t.embed(ids).to(self.drafter.fc.weight.dtype)
         h = self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv, self.length)
-        return t.lm_head(h[0, 0, 1:].to(t.lm_head.weight.dtype)).argmax(-1)[:num_drafts].tolist()
+        return t.lm_head(h[0, 0, 1:].to(t.lm_head.weight.dtype))
 
 
 # -----------------------------------------------------------------------------
@@ -275,6 +286,56 @@ def select_layers(features, union, layer_ids):
     if idx == list(range(len(union))):
         return features
     return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
+
+
+# -----------------------------------------------------------------------------
+# Sampling at temperature T > 0 (--temperature): the walk along continuations sampled from the target
+#
+# vLLM's default DFlash path (draft_sample_method "greedy") and SGLang's plain DFlash propose the drafter's argmax
+# d and accept it with probability p'(d), p' the target's distribution after temperature/top_k/top_p; on a
+# rejection they emit a sample of the residual (p' without d, renormalised). Draw x ~ p' instead and accept when
+# x == d: the acceptance has the same probability p'(d), and a rejected step emits x, distributed as the residual.
+# So the loop's steps are distributed as the greedy walk's rule along a continuation sampled from the target: tau
+# at T is tau_walk over sampled continuations, averaged over several per prompt.
+
+
+@dataclass
+class Sampling:
+    """How the target samples: temperature (> 0), top_p (1: off), top_k (0: off); samples continuations per
+    prompt, continuation j of prompt i drawn with a generator seeded by (seed, i, j)."""
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    samples: int = 1
+    seed: int = 0
+
+
+def sampling_probs(logits, s):
+    """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
+    to the smallest set of most likely tokens that holds top_p of the mass, renormalised (the order vLLM and
+    transformers apply them in)."""
+    z = logits.float() / s.temperature
+    if 0 < s.top_k < z.shape[-1]:
+        z = z.masked_fill(z < z.topk(s.top_k).values[..., -1:], -math.inf)
+    if s.top_p < 1:
+        p, order = z.softmax(-1).sort(-1, descending=True)
+        drop = p.cumsum(-1) - p >= s.top_p  # the more likely tokens already hold top_p
+        z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    return z.softmax(-1)
+
+
+@torch.no_grad()
+def sampled_continuation(target, prompt, max_new_tokens, eos, s, generator):
+    """The target's own sampling with its cache (dense or hybrid): up to max_new_tokens tokens drawn from
+    sampling_probs, stopping after an eos token. generator: a seeded torch.Generator on the target's device."""
+    dev = target.lm_head.weight.device
+    x, cache, out = torch.tensor([prompt], device=dev), None, []
+    while len(out) < max_new_tokens and not (out and out[-1] in eos):
+        step = target.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
+        cache = step.cache
+        out.append(int(torch.multinomial(sampling_probs(step.logits[0, -1], s), 1, generator=generator)))
+        x = torch.tensor([[out[-1]]], device=dev)
+    return out
 
 
 # -----------------------------------------------------------------------------
@@ -344,14 +405,29 @@ def as_eval_drafter(name, d, target, block_size):
     return d, block_size or d.block_size
 
 
+def check_modes(mode, sampled, tree_budgets, given_continuations):
+    """The combinations that have no meaning: the loop is greedy chain verification; tree verification and given
+    (greedy) continuations do not sample."""
+    if (sampled or tree_budgets) and mode == "loop":
+        raise DFlashError("--mode loop runs greedy chain verification; --temperature and --tree_budget are measured "
+                          "by the exact walk (drop --mode loop)")
+    if sampled and tree_budgets:
+        raise DFlashError("--tree_budget measures greedy tree verification; drop it or --temperature")
+    if sampled and given_continuations:
+        raise DFlashError("--temperature walks continuations sampled from the target, not given (greedy) ones "
+                          "(--bench answers greedily: drop --temperature)")
+
+
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
-                      progress=True, continuations=None):
+                      progress=True, continuations=None, sampling=None, tree_budgets=()):
     """tau of each drafter on the same prompts and the same target continuations.
 
     drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
     walk along the greedy continuation, any target) or "loop" (a real speculative decoding loop, KV-cache targets).
     continuations: the target's greedy continuations if already known (else generated here, once per prompt, shared
-    by all drafters; in loop mode they are the plain greedy reference). Returns the JSON-shaped report."""
+    by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
+    walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
+    walk tree verification with each number of draft nodes (greedy, neural drafters). Returns the JSON-shaped report."""
     from tqdm import tqdm
     if not drafters:
         raise DFlashError("no drafters to evaluate")
@@ -361,6 +437,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
         raise DFlashError("every prompt needs at least one token")
     if continuations is not None and len(continuations) != len(prompts):
         raise DFlashError(f"{len(continuations)} continuations for {len(prompts)} prompts")
+    sampled = sampling is not None and sampling.temperature > 0
+    check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
@@ -371,26 +449,35 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     timing = {"generate_s": 0.0, "features_s": 0.0}
     if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
         greedy_continuation(target, prompts[0], 2, eos)
+    samples = sampling.samples if sampled else 1
     for i, prompt in enumerate(tqdm(prompts, desc=f"tau ({mode})", disable=not progress, dynamic_ncols=True)):
-        t0 = time.perf_counter()
-        if continuations is None:
-            continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
-        else:
-            continuation = [int(t) for t in continuations[i]]
-        timing["generate_s"] += time.perf_counter() - t0
-        for name, entry, seconds in evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens,
-                                                    eos, dump_drafts, timing):
-            per[name]["time_s"] += seconds
-            per[name]["prompts"].append(entry)
-    results = [summarize_drafter(name, B, per[name], mode, timing if continuations is None else None)
-               for name, (_, B) in drafters.items()]
+        for j in range(samples):
+            t0 = time.perf_counter()
+            if sampled:
+                g = torch.Generator(target.lm_head.weight.device).manual_seed(dflash.mix_seed(sampling.seed, i, j))
+                continuation = sampled_continuation(target, prompt, max_new_tokens, eos, sampling, g)
+            elif continuations is None:
+                continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
+            else:
+                continuation = [int(t) for t in continuations[i]]
+            timing["generate_s"] += time.perf_counter() - t0
+            for name, entry, seconds in evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens,
+                                                        eos, dump_drafts, timing, tree_budgets):
+                per[name]["time_s"] += seconds
+                per[name]["prompts"].append({**entry, "sample": j} if sampled else entry)
+    results = [summarize_drafter(name, B, per[name], mode, timing if continuations is None else None,
+                                 samples if sampled else None) for name, (_, B) in drafters.items()]
     return {"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
-            "max_new_tokens": max_new_tokens, "num_prompts": len(prompts), "timing": timing, "results": results}
+            "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+            **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets), "timing": timing,
+            "results": results}
 
 
-def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing):
+def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
+                    tree_budgets=()):
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
-    drafters' context layers in one hooked target pass over prompt + continuation."""
+    drafters' context layers in one hooked target pass over prompt + continuation; tree_budgets: each neural
+    drafter's entry also holds the tree walk's acceptance lengths per budget, from the same drafting pass."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
@@ -405,7 +492,12 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
             entry.update(continuation=tokens, acceptance_lengths=lengths, matches_greedy=tokens == continuation)
         else:
             ctx = select_layers(features, union, d.layer_ids) if d.layer_ids else None
-            at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
+            if tree_budgets and isinstance(d, NeuralDrafter):  # prompt lookup has no distribution to branch on
+                K = min(max(tree_budgets), target.vocab_size)  # no tree of that many nodes reaches a deeper rank
+                at, logq, tokens = d.walk_drafts(target, prompt, continuation, ctx, B - 1, topk=K)
+                entry["tree"] = {str(b): tree_walk(continuation, logq, tokens, b) for b in tree_budgets}
+            else:
+                at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
             lengths = tau_walk(continuation, at)
             drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
             entry.update(continuation=continuation, acceptance_lengths=lengths)
@@ -414,15 +506,41 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
         yield name, entry, time.perf_counter() - t0
 
 
-def summarize_drafter(name, B, per, mode, timing):
-    """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means)."""
+def conventions(runs):
+    """Both tau conventions over lists of acceptance lengths (one per continuation): (pooled over all steps, mean
+    over continuations of each one's mean); None where there are no steps."""
+    steps = sum(len(r) for r in runs)
+    means = [sum(r) / len(r) for r in runs if r]
+    return (sum(map(sum, runs)) / steps if steps else None), (sum(means) / len(means) if means else None)
+
+
+def stderr(values):
+    """Standard error of the mean of independent values (None for fewer than two)."""
+    n = len(values)
+    if n < 2 or None in values:
+        return None
+    m = sum(values) / n
+    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
+
+
+def summarize_drafter(name, B, per, mode, timing, samples=None):
+    """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means),
+    each over every continuation (samples per prompt when sampled). Sampled: the standard error of each over the
+    samples (given when sampled), sample j of every prompt being one run of the prompt set. Trees: both conventions
+    per budget."""
     entries = per["prompts"]
     lengths = [n for e in entries for n in e["acceptance_lengths"]]
-    per_prompt = [sum(e["acceptance_lengths"]) / len(e["acceptance_lengths"]) for e in entries
-                  if e["acceptance_lengths"]]
-    r = {"drafter": name, "block_size": B, **acceptance_stats(lengths, B),
-         "tau_per_prompt": sum(per_prompt) / len(per_prompt) if per_prompt else None,
+    tau, tau_per_prompt = conventions([e["acceptance_lengths"] for e in entries])
+    r = {"drafter": name, "block_size": B, **acceptance_stats(lengths, B), "tau": tau, "tau_per_prompt": tau_per_prompt,
          "tokens": sum(len(e["continuation"]) for e in entries), "time_s": per["time_s"]}
+    if samples:
+        runs = [conventions([e["acceptance_lengths"] for e in entries if e["sample"] == j]) for j in range(samples)]
+        r["tau_stderr"], r["tau_per_prompt_stderr"] = (stderr([run[c] for run in runs]) for c in (0, 1))
+    if entries and "tree" in entries[0]:
+        r["tree"] = {}
+        for b in entries[0]["tree"]:
+            tree_tau, tree_tau_per_prompt = conventions([e["tree"][b] for e in entries])
+            r["tree"][b] = {"tau": tree_tau, "tau_per_prompt": tree_tau_per_prompt}
     if mode == "loop":
         r["tokens_per_s"] = r["tokens"] / max(per["time_s"], 1e-9)
         r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if timing else None
@@ -465,14 +583,15 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     return [p for p, _ in turns], [c for _, c in turns]
 
 
-def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True):
+def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True,
+                   tree_budgets=()):
     """{name: samples} -> {"benchmarks": {name: report}, "average": {drafter: {"tau", "tau_per_prompt"}}}: each
     benchmark's report (every drafter on the same turns), and the mean over benchmarks of each convention."""
     reports = {}
     for name, samples in bench.items():
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
         r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
-                              continuations=continuations)
+                              continuations=continuations, tree_budgets=tree_budgets)
         reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
@@ -510,15 +629,23 @@ def print_report(report, file=None):
     out = lambda s="": print(s, file=file)  # noqa: E731
     results = report["results"]
     t = report["timing"]
+    sampled = report.get("temperature", 0) > 0
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
-        f"{report['max_new_tokens']}  (greedy generation {t['generate_s']:.1f}s"
+        f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
         + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
+    if sampled:
+        out(f"sampled at temperature {report['temperature']:g}, top_p {report['top_p']:g}, top_k {report['top_k']} "
+            f"(0: off): {report['samples']} continuations per prompt (seed {report['seed']}); +- is the standard "
+            f"error over them")
     w = max(16, *(len(r["drafter"]) for r in results))
     loop = report["mode"] == "loop"
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
         tau, tpp = (f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("tau", "tau_per_prompt"))
+        if r.get("tau_stderr") is not None:
+            out(f"{r['drafter']:<{w}}  tau {tau} +- {r['tau_stderr']:.3f}  tau/prompt {tpp} +- "
+                f"{r['tau_per_prompt_stderr']:.3f}")
         line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {tpp:>10}  {r['steps']:>7}  {r['tokens']:>7}  "
                 f"{r['time_s']:>7.1f}")
         if loop:
@@ -527,6 +654,8 @@ def print_report(report, file=None):
             line += f"  {r['tokens_per_s']:>8.1f}  {vs}  {'yes' if r['matches_greedy'] else 'NO'}"
         out(line)
     out("tau: pooled over all steps of all prompts; tau/prompt: mean over prompts of each prompt's mean (z-lab's)")
+    if report.get("tree_budgets"):
+        print_trees(results, report["tree_budgets"], w, out)
     out()
     out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
     cw = 18
@@ -540,6 +669,21 @@ def print_report(report, file=None):
             p = f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"
             cells.append(f"{r['histogram'][L - 1]:>9} | {p:>6}".rjust(cw))
         out(f"{L:>3}  " + "  ".join(cells))
+
+
+def print_trees(results, budgets, w, out):
+    """Tree verification's tau (pooled | per prompt) at each budget, after the chain's."""
+    out()
+    out("tree verification (greedy, DDTree's best-first tree of N draft nodes per step): tau | tau/prompt")
+    out(f"{'drafter':<{w}}  {'chain':>15}" + "".join(f"  {f'N={b}':>15}" for b in budgets))
+    for r in results:
+        if "tree" not in r:
+            out(f"{r['drafter']:<{w}}  (no tree: it drafts one chain without a distribution to branch on)")
+            continue
+        cells = [(r["tau"], r["tau_per_prompt"])] + [(r["tree"][str(b)]["tau"], r["tree"][str(b)]["tau_per_prompt"])
+                                                     for b in budgets]
+        out(f"{r['drafter']:<{w}}" + "".join(f"  {a:>7.3f} | {p:>5.3f}" if a is not None else f"  {'-':>15}"
+                                             for a, p in cells))
 
 
 def check_output_file(path, flag):
@@ -584,6 +728,28 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
     return drafters
 
 
+def budget_list(s):
+    """--tree_budget: comma-separated node counts, each >= 1."""
+    try:
+        budgets = tuple(int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+    if min(budgets) < 1:
+        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 draft node")
+    return budgets
+
+
+def sampling_args(args):
+    """--temperature and its flags -> a Sampling, or None for greedy (where they have no meaning)."""
+    if args.temperature == 0:
+        given = [f for f in ("top_p", "top_k", "samples") if getattr(args, f) is not None]
+        if given:
+            raise DFlashError(f"--{given[0]} shapes the target's sampling; give --temperature > 0 with it")
+        return None
+    return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.top_k or 0, args.samples or 5,
+                    args.seed)
+
+
 def get_parser():
     p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
                                           "their target.")
@@ -609,6 +775,15 @@ def get_parser():
     a("--mode", choices=["exact", "loop"], default="exact",
       help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with "
            "the KV cache (dense targets), reports tokens/s and checks the output equals plain greedy decoding")
+    p.add(p, "--temperature", float, 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
+          "default and SGLang's DFlash): the walk along continuations sampled from the target (0: greedy)")
+    p.add(p, "--top_p", float, None, "with --temperature: nucleus sampling (default: 1, off)", open_lo=True, hi=1)
+    p.add(p, "--top_k", int, None, "with --temperature: sample among the k most likely tokens (0: off, the default)")
+    p.add(p, "--samples", int, None, "with --temperature: sampled continuations per prompt (default: 5)", lo=1)
+    p.add(p, "--seed", int, 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)")
+    a("--tree_budget", type=budget_list, default=(),
+      help="also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, comma-separated N "
+           "side by side with the chain (neural drafters)")
     a("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
       help="passed to the chat template when it reads enable_thinking (default: the template's own default)")
     a("--json", default=None, help="write the full report (continuations, acceptance lengths per prompt) here")
@@ -626,6 +801,11 @@ def get_parser():
 
 def run(args):
     device = dflash.pick_device(args.device)
+    sampling = sampling_args(args)
+    if args.tree_budget and PROMPT_LOOKUP in args.drafter:
+        raise DFlashError("--tree_budget: prompt-lookup drafts one chain and has no distribution to build a tree "
+                          "from; drop --drafter prompt-lookup (the default baseline is shown without a tree)")
+    check_modes(args.mode, sampling is not None, args.tree_budget, args.bench is not None)
     if args.dump_drafts and not args.json:
         raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")
     if args.json:
@@ -645,14 +825,15 @@ def run(args):
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=not args.no_progress)
+                                args.enable_thinking, progress=not args.no_progress, tree_budgets=args.tree_budget)
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
         if args.limit:
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
-                                   args.dump_drafts, progress=not args.no_progress)
+                                   args.dump_drafts, progress=not args.no_progress, sampling=sampling,
+                                   tree_budgets=args.tree_budget)
         print_report(report)
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
