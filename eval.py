@@ -633,19 +633,12 @@ def print_report(report, file=None):
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
         f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
         + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
-    if sampled:
-        out(f"sampled at temperature {report['temperature']:g}, top_p {report['top_p']:g}, top_k {report['top_k']} "
-            f"(0: off): {report['samples']} continuations per prompt (seed {report['seed']}); +- is the standard "
-            f"error over them")
     w = max(16, *(len(r["drafter"]) for r in results))
     loop = report["mode"] == "loop"
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
         tau, tpp = (f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("tau", "tau_per_prompt"))
-        if r.get("tau_stderr") is not None:
-            out(f"{r['drafter']:<{w}}  tau {tau} +- {r['tau_stderr']:.3f}  tau/prompt {tpp} +- "
-                f"{r['tau_per_prompt_stderr']:.3f}")
         line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {tpp:>10}  {r['steps']:>7}  {r['tokens']:>7}  "
                 f"{r['time_s']:>7.1f}")
         if loop:
@@ -654,6 +647,14 @@ def print_report(report, file=None):
             line += f"  {r['tokens_per_s']:>8.1f}  {vs}  {'yes' if r['matches_greedy'] else 'NO'}"
         out(line)
     out("tau: pooled over all steps of all prompts; tau/prompt: mean over prompts of each prompt's mean (z-lab's)")
+    if sampled:
+        out(f"sampled at temperature {report['temperature']:g}, top_p {report['top_p']:g}, top_k {report['top_k']} "
+            f"(0: off), {report['samples']} continuations per prompt (seed {report['seed']}); each tau over all of "
+            f"them, +- its standard error over the samples:")
+        for r in results:
+            tau, se, tpp, se_pp = (f"{r[k]:.3f}" if r.get(k) is not None else "-"
+                                   for k in ("tau", "tau_stderr", "tau_per_prompt", "tau_per_prompt_stderr"))
+            out(f"  {r['drafter']:<{w}}  tau {tau} +- {se}  tau/prompt {tpp} +- {se_pp}")
     if report.get("tree_budgets"):
         print_trees(results, report["tree_budgets"], w, out)
     out()
