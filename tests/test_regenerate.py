@@ -1,0 +1,225 @@
+"""dflash_tools/regenerate.py against a real server: `transformers serve` on 127.0.0.1 with a tiny Qwen3 target whose
+byte-level BPE tokenizer merges a newline with the indentation after it and whose chat template is Qwen3-like
+(think blocks, enable_thinking). Every regenerated turn must equal the target's own greedy generate() for the same
+rendered prefix; an interrupted run resumed must write the uninterrupted run's file; dflash.py must train on it."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+import dflash
+from conftest import ROOT, torch_threads
+from dflash_tools import regenerate as rg
+
+MAX_TOKENS = 24
+# Qwen3-like: the assistant turn after the last user message carries a think block (split out of the content when
+# the answer has one), earlier ones do not; thinking off puts the empty block in the generation prompt.
+TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}"
+    "{% set content = m.content %}{% set reasoning = '' %}"
+    "{% if '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_user %}<think>\n{{ reasoning.strip('\\n') }}\n</think>\n\n{% endif %}"
+    "{{ content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def code_tokenizer():
+    """Byte-level BPE trained on a few stdlib modules (GPT-2 pre-tokenization, so "\\n" + indentation is one
+    pre-token and merges, e.g. into "\\n   "), <|im_end|> as eos, <think> / </think> as plain added tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    root = sysconfig.get_paths()["stdlib"]
+    texts = [open(os.path.join(root, f), encoding="utf-8").read() for f in ("textwrap.py", "shlex.py", "heapq.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(["<think>", "</think>"])
+    fast.chat_template = TEMPLATE
+    return fast
+
+
+def tiny_target(path, tokenizer):
+    """A random tiny Qwen3 that writes printable ASCII (other tokens' lm_head rows zeroed, so they never win the
+    argmax: the text round-trips) and stops with <|im_end|> where it would write "W" (its row a scaled copy), so
+    some answers end and some are cut by MAX_TOKENS."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id))
+    ascii_ = [all(c == "\n" or " " <= c <= "~" for c in tokenizer.decode([i])) for i in range(len(tokenizer))]
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[~torch.tensor(ascii_)] = 0
+        w[tokenizer.all_special_ids] = 0
+        w[eos] = 1.02 * w[tokenizer.convert_tokens_to_ids("W")]
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The tiny target saved twice (with and without a chat template) and one `transformers serve` (not pinned to a
+    model, so it serves both by path) for the whole module."""
+    d = tmp_path_factory.mktemp("regen")
+    tok = code_tokenizer()
+    model = tiny_target(d / "target", tok)
+    plain = d / "no_template"
+    shutil.copytree(d / "target", plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    log = open(d / "serve.log", "w")
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", "--host",
+                             "127.0.0.1", "--port", str(port), "--device", "cpu"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"transformers serve did not start:\n{(d / 'serve.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+    yield dict(dir=d, url=url + "/v1", target=str(d / "target"), plain=str(plain), model=model.eval(), tok=tok)
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+SYSTEM = {"role": "system", "content": "You write Python."}
+INPUT = [
+    {"prompt": "def f(x):"},
+    {"prompt": "hello", "response": "an answer that is not the target's"},
+    {"messages": [SYSTEM, {"role": "user", "content": "import os"}, {"role": "assistant", "content": "old"},
+                  {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "old too"}]},
+    {"messages": [{"role": "user", "content": "class A:"}, {"role": "assistant", "content": "old"},
+                  {"role": "user", "content": "for i in range(3):"}]},
+    {"prompt": "print('hi')"},
+    {"prompt": "x = [1, 2]"},
+    {"prompt": "what is 2+2?"},
+    {"messages": [{"role": "user", "content": "    return x"}]},
+]
+
+
+def write_input(path, records=INPUT):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def greedy(served, messages, thinking):
+    """The target's own answer after `messages`: generate() on the rendered prefix, as the server tokenizes it."""
+    tok = served["tok"]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking)
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    with torch_threads(1), torch.no_grad():
+        out = served["model"].generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)[0, ids.shape[1]:]
+    return tok.decode(out, skip_special_tokens=True), len(out) >= MAX_TOKENS  # the server's finish_reason "length"
+
+
+def expected_lines(served, records, thinking):
+    """The output file regenerate.py must write, computed here with generate(): turn by turn, truncated samples
+    dropped."""
+    lines = []
+    for n, rec in enumerate(records, 1):
+        turns = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+        if turns[-1]["role"] != "assistant":
+            turns = turns + [{"role": "assistant"}]
+        out, cut = [], False
+        for m in turns:
+            if m["role"] == "assistant":
+                text, cut = greedy(served, out, thinking)
+                m = {"role": "assistant", "content": text}
+                if cut:
+                    break
+            out.append(m)
+        if not cut:
+            lines.append({"messages": out, "source_line": n, "enable_thinking": thinking})
+    return lines
+
+
+def read_lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def regen(served, data, out, *extra, model=None):
+    """regenerate.py's command line, in this process (it is I/O-bound; the server does the work)."""
+    return rg.main(["--server", served["url"], "--model", model or served["target"], "--data", data, "--out",
+                    str(out), "--max_tokens", str(MAX_TOKENS), "--concurrency", "2", *extra])
+
+
+@pytest.fixture(scope="module")
+def regenerated(served):
+    """Both thinking modes regenerated once; shared by the tests below."""
+    data = write_input(served["dir"] / "in.jsonl")
+    runs = {}
+    for thinking in (False, True):
+        out = served["dir"] / f"out_{thinking}.jsonl"
+        flag = "--enable_thinking" if thinking else "--no-enable_thinking"
+        runs[thinking] = dict(out=out, summary=regen(served, data, out, flag), flag=flag)
+    return dict(data=data, runs=runs)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_every_turn_is_the_targets_greedy_answer(served, regenerated, thinking):
+    """Each assistant turn equals decode(generate(greedy)) for the prefix rendered with the same enable_thinking,
+    multi-turn conversations turn by turn on the target's own earlier answers; system and user turns kept; answers
+    cut by --max_tokens dropped and counted."""
+    run = regenerated["runs"][thinking]
+    expected = expected_lines(served, INPUT, thinking)
+    assert read_lines(run["out"]) == expected
+    s = run["summary"]
+    assert (s["written"], s["truncated"], s["failed"], s["skipped_done"]) == (len(expected), len(INPUT) - len(expected),
+                                                                             0, 0)
+    assert 0 < len(expected) < len(INPUT)  # the target both stops and runs into --max_tokens here
+    assert any([m["role"] for m in r["messages"]].count("assistant") == 2 for r in expected)  # a two-turn one
+    assert s["generated_tokens"] > 0 and s["prompt_tokens"] > 0
+
+
+def test_thinking_modes_differ(regenerated):
+    """enable_thinking reaches the template: the two modes' prefixes differ, so do some answers."""
+    off, on = (read_lines(regenerated["runs"][t]["out"]) for t in (False, True))
+    answers = lambda lines: {r["source_line"]: r["messages"][-1]["content"] for r in lines}  # noqa: E731
+    a, b = answers(off), answers(on)
+    assert any(a[n] != b[n] for n in a.keys() & b.keys())
