@@ -167,36 +167,36 @@ class Target:
 
 
 def regenerate(target, line, turns, stop):
-    """Regenerate one conversation turn by turn: ("done" | "truncated" | "failed" | "stopped", line, result, stats).
-    A turn cut by --max_tokens ends the sample (dropped) unless --keep_truncated."""
+    """Regenerate one conversation turn by turn: (kind, record, stats), kind "done" | "truncated" | "failed" (record
+    for the file of that kind) or "stopped" (None). A turn cut by --max_tokens ends the sample unless
+    --keep_truncated, and only its line number is kept, so that a rerun does not ask for it again."""
     stats, out, truncated = [0, 0], [], False
+    mark = {"source_line": line, "enable_thinking": target.args.enable_thinking}
     for m in turns:
         if m["role"] != "assistant":
             out.append(m)
             continue
         if stop.requested:
-            return "stopped", line, None, stats
+            return "stopped", None, stats
         try:
             text, finish, p, g = target.answer(out, stop)
         except HTTPFailure as e:
-            return "failed", line, f"HTTP {e.status}: {e.reason}", stats
+            return "failed", {"source_line": line, "error": f"HTTP {e.status}: {e.reason}"}, stats
         except Unreachable as e:
             stop.fatal = f"the server at {target.args.server} stopped answering ({e}) after {target.args.retries} " \
                          f"retries; rerun the same command to continue"
             stop.requested = True
-            return "stopped", line, None, stats
+            return "stopped", None, stats
         except Exception as e:  # the chat template fails on this conversation: a problem of this sample only
-            return "failed", line, f"{type(e).__name__}: {e}", stats
+            return "failed", {"source_line": line, "error": f"{type(e).__name__}: {e}"}, stats
         stats[0], stats[1] = stats[0] + p, stats[1] + g
         out.append({"role": "assistant", "content": text})
         if finish == "length":
             truncated = True
             if not target.args.keep_truncated:
-                return "truncated", line, None, stats
-    record = {"messages": out, "source_line": line, "enable_thinking": target.args.enable_thinking}
-    if truncated:
-        record["truncated"] = True
-    return ("truncated" if truncated else "done"), line, record, stats
+                return "truncated", {**mark, "truncated_turn": len(out) - 1}, stats
+    return ("truncated" if truncated else "done"), {"messages": out, **mark, **({"truncated": True} if truncated
+                                                                                else {})}, stats
 
 
 # -----------------------------------------------------------------------------
@@ -210,22 +210,23 @@ def read_input(path):
             for where, rec in dflash.read_jsonl(path, "data", "; pass --data with a JSONL file")]
 
 
-def finished_lines(out, enable_thinking):
-    """The input lines already in `out`, after cutting a torn last line (a crash mid-write) off the file."""
-    if os.path.isdir(out):
-        raise dflash.DFlashError(f"--out {out!r} is a directory; give a file path")
+def finished_lines(path, enable_thinking):
+    """The input lines already in the file at `path` (the output, or the list of dropped truncated samples), after
+    cutting a torn last line (a crash mid-write) off it. Opening it first checks that it can be written."""
+    if os.path.isdir(path):
+        raise dflash.DFlashError(f"--out {path!r} is a directory; give a file path")
     try:
-        with open(out, "ab"):  # creates it: a path that cannot be written fails here, before any request
+        with open(path, "ab"):  # creates it: a path that cannot be written fails here, before any request
             pass
-        with open(out, "rb") as f:
+        with open(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise dflash.DFlashError(f"--out {out!r} cannot be written: {e.strerror}") from None
+        raise dflash.DFlashError(f"--out {path!r} cannot be written: {e.strerror}") from None
     whole = data[:data.rfind(b"\n") + 1]
     if len(whole) < len(data):
-        with open(out, "r+b") as f:
+        with open(path, "r+b") as f:
             f.truncate(len(whole))
-        print(f"{out}: dropped a torn last line ({len(data) - len(whole)} bytes) left by an interrupted run",
+        print(f"{path}: dropped a torn last line ({len(data) - len(whole)} bytes) left by an interrupted run",
               file=sys.stderr)
     done = set()
     for lineno, line in enumerate(whole.splitlines(), 1):
@@ -233,9 +234,9 @@ def finished_lines(out, enable_thinking):
             rec = json.loads(line)
             n = rec["source_line"]
         except (ValueError, KeyError, TypeError):
-            raise dflash.DFlashError(f"{out}:{lineno}: not a line this tool writes; give another --out") from None
+            raise dflash.DFlashError(f"{path}:{lineno}: not a line this tool writes; give another --out") from None
         if rec.get("enable_thinking") != enable_thinking:
-            raise dflash.DFlashError(f"{out}:{lineno}: written with enable_thinking={rec.get('enable_thinking')}, "
+            raise dflash.DFlashError(f"{path}:{lineno}: written with enable_thinking={rec.get('enable_thinking')}, "
                                      f"not {enable_thinking}; resume with the same flags or give another --out")
         done.add(n)
     return done
@@ -321,27 +322,30 @@ class Stop:
 
 def run(args):
     samples = read_input(args.data)
-    done = finished_lines(args.out, args.enable_thinking)
+    paths = {"done": args.out, "truncated": args.out if args.keep_truncated else args.out + ".truncated.jsonl",
+             "failed": args.out + ".failed.jsonl"}
+    done = finished_lines(paths["done"], args.enable_thinking) | finished_lines(paths["truncated"],
+                                                                               args.enable_thinking)
     todo = [(n, turns) for n, turns in samples if n not in done]
-    failed_path = args.out + ".failed.jsonl"
-    if os.path.exists(failed_path):
-        os.remove(failed_path)  # it lists the failures of the latest run; the earlier ones are tried again
+    if os.path.exists(paths["failed"]):
+        os.remove(paths["failed"])  # it lists the failures of the latest run; the earlier ones are tried again
     tokenizer = load_tokenizer(args)
-    if args.endpoint == "chat":
-        print("warning: --endpoint chat: the server may normalise the answers' whitespace (a code answer's "
-              "indentation) and its reasoning parser's think block is put back as <think>\\n...\\n</think>\\n\\n; "
-              "prefer /v1/completions", file=sys.stderr)
     stop = Stop()
     try:
         target = Target(args, tokenizer)
         if todo:
             check_server(target, args, stop)
-        summary = generate_all(target, todo, args, stop, failed_path)
+        if args.endpoint == "chat":
+            print("warning: --endpoint chat: the server may normalise the answers' whitespace (a code answer's "
+                  "indentation), and a reasoning parser's think block is put back as <think>\\n...\\n</think>\\n\\n "
+                  "here; prefer /v1/completions", file=sys.stderr)
+        summary = generate_all(target, todo, args, stop, paths)
     finally:
         stop.restore()
     summary["skipped_done"] = len(samples) - len(todo)
+    failed = f" (see {paths['failed']})" if summary["failed"] else ""
     print(f"regenerate: {summary['written']} written, {summary['skipped_done']} skipped as done, "
-          f"{summary['failed']} failed{f' (see {failed_path})' if summary['failed'] else ''}, "
+          f"{summary['failed']} failed{failed}, "
           f"{summary['truncated']} truncated ({'kept' if args.keep_truncated else 'dropped'}), "
           f"{summary['prompt_tokens']} prompt and {summary['generated_tokens']} generated tokens, "
           f"{summary['wall_s']:.1f} s ({summary['generated_tokens'] / max(summary['wall_s'], 1e-9):.1f} generated "
@@ -351,14 +355,16 @@ def run(args):
     return summary
 
 
-def generate_all(target, todo, args, stop, failed_path):
-    """Keep `concurrency` requests in flight; write results in input order, each as one whole flushed line."""
+def generate_all(target, todo, args, stop, paths):
+    """Keep `concurrency` requests in flight; append each result, in input order, as one whole flushed line to the
+    file of its kind."""
     s = dict(written=0, failed=0, truncated=0, prompt_tokens=0, generated_tokens=0, stopped=False)
     t0 = time.time()
     bar = tqdm(total=len(todo), unit="sample", disable=not todo, dynamic_ncols=True)
     pending = deque()  # futures in input order; a few more than the workers so none waits for the oldest
     queue = iter(todo)
-    with ThreadPoolExecutor(args.concurrency) as pool, open(args.out, "a", encoding="utf-8") as out:
+    files = {}
+    with ThreadPoolExecutor(args.concurrency) as pool:
         def fill():
             while not stop.requested and len(pending) < 4 * args.concurrency:
                 item = next(queue, None)
@@ -367,29 +373,29 @@ def generate_all(target, todo, args, stop, failed_path):
                 pending.append(pool.submit(regenerate, target, *item, stop))
 
         fill()
-        gap = False  # after a sample that was not finished, nothing more is written: the file stays in input order
+        gap = False  # after a sample that was not finished, nothing more is written: the files stay in input order
         while pending:
-            kind, line, result, (p, g) = pending.popleft().result()
+            kind, record, (p, g) = pending.popleft().result()
             s["prompt_tokens"] += p
             s["generated_tokens"] += g
             if kind == "stopped":
                 gap = s["stopped"] = True
             elif not gap:
-                if kind == "failed":
-                    s["failed"] += 1
-                    with open(failed_path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps({"source_line": line, "error": result}) + "\n")
-                if kind == "truncated":
-                    s["truncated"] += 1
-                if result is not None and kind != "failed":
-                    out.write(json.dumps(result, ensure_ascii=False) + "\n")  # one write: a crash tears only it
-                    out.flush()
-                    s["written"] += 1
+                s["written"] += paths[kind] == args.out
+                if kind != "done":
+                    s[kind] += 1
+                if paths[kind] not in files:
+                    files[paths[kind]] = open(paths[kind], "a", encoding="utf-8")
+                f = files[paths[kind]]
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")  # one write: a crash tears only this line
+                f.flush()
                 bar.update(1)
                 bar.set_postfix_str(f"{s['generated_tokens'] / max(time.time() - t0, 1e-9):.1f} gen tok/s",
                                     refresh=False)
             fill()
         s["stopped"] = s["stopped"] or next(queue, None) is not None  # stopped before sending them all
+    for f in files.values():
+        f.close()
     bar.close()
     s["wall_s"] = time.time() - t0
     return s
@@ -415,7 +421,8 @@ def get_parser():
     p.add(p, "--max_tokens", int, 2048, "the longest answer, in tokens, sent with every request", lo=1, hi=2**20)
     p.add(p, "--temperature", float, 0.0, "sampling temperature, always sent (0: greedy)", lo=0, hi=100)
     p.add(p, "--top_p", float, None, "nucleus sampling, sent when given", lo=0, hi=1, open_lo=True)
-    a("--keep_truncated", action="store_true", help="keep answers cut by --max_tokens (default: count and drop)")
+    a("--keep_truncated", action="store_true", help="keep answers cut by --max_tokens, marked \"truncated\" (default: "
+      "count them and list their line numbers in OUT.truncated.jsonl, which a rerun skips)")
     p.add(p, "--concurrency", int, 16, "requests in flight", lo=1, hi=4096)
     p.add(p, "--timeout", float, 600.0, "seconds to wait for one answer", lo=0, hi=10**6, open_lo=True)
     p.add(p, "--retries", int, 5, "retries of a request on connection errors, timeouts and 5xx (with backoff)", lo=0,

@@ -4,6 +4,7 @@ byte-level BPE tokenizer merges a newline with the indentation after it and whos
 rendered prefix; an interrupted run resumed must write the uninterrupted run's file; dflash.py must train on it."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -13,13 +14,14 @@ import sys
 import sysconfig
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 import torch
 
 import dflash
-from conftest import ROOT, torch_threads
+from conftest import SMALL, torch_threads
 from dflash_tools import regenerate as rg
 
 MAX_TOKENS = 24
@@ -91,11 +93,35 @@ def free_port():
         return s.getsockname()[1]
 
 
+def start_server(d):
+    """`transformers serve` on a free port, not pinned to a model, so it serves any local directory by path."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}  # a hub id fails at once, not after retries
+    log = open(d / "serve.log", "w")
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", "--host",
+                             "127.0.0.1", "--port", str(port), "--device", "cpu"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    return proc, log, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc, url, d, timeout=120):
+    deadline = time.time() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).read()
+            return
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail(f"transformers serve did not start:\n{(d / 'serve.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The tiny target saved twice (with and without a chat template) and one `transformers serve` (not pinned to a
-    model, so it serves both by path) for the whole module."""
+    """One server for the module, and the tiny target saved twice: with and without a chat template."""
     d = tmp_path_factory.mktemp("regen")
+    proc, log, url = start_server(d)  # it starts (~6 s) while the target is built
     tok = code_tokenizer()
     model = tiny_target(d / "target", tok)
     plain = d / "no_template"
@@ -104,23 +130,7 @@ def served(tmp_path_factory):
     cfg.pop("chat_template", None)
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
     (plain / "chat_template.jinja").unlink(missing_ok=True)
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(d / "serve.log", "w")
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", "--host",
-                             "127.0.0.1", "--port", str(port), "--device", "cpu"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1).read()
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                pytest.fail(f"transformers serve did not start:\n{(d / 'serve.log').read_text()[-3000:]}")
-            time.sleep(0.2)
+    wait_healthy(proc, url, d)
     yield dict(dir=d, url=url + "/v1", target=str(d / "target"), plain=str(plain), model=model.eval(), tok=tok)
     proc.terminate()
     proc.wait(timeout=30)
@@ -223,3 +233,124 @@ def test_thinking_modes_differ(regenerated):
     answers = lambda lines: {r["source_line"]: r["messages"][-1]["content"] for r in lines}  # noqa: E731
     a, b = answers(off), answers(on)
     assert any(a[n] != b[n] for n in a.keys() & b.keys())
+
+
+def test_interrupted_then_resumed_equals_uninterrupted(served, regenerated, tmp_path):
+    """SIGTERM mid-run: the request in flight finishes and is written, nothing after it; a crash's torn last line
+    is dropped; rerunning the same command appends the rest, and the file equals the uninterrupted run's."""
+    run = regenerated["runs"][False]
+    full = (run["out"]).read_bytes()
+    out = tmp_path / "out.jsonl"
+
+    def interrupt():  # as soon as the first sample is written
+        while not (out.exists() and out.read_bytes().count(b"\n")):
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    watcher = threading.Thread(target=interrupt)
+    watcher.start()
+    s = regen(served, regenerated["data"], out, run["flag"], "--concurrency", "1")
+    watcher.join()
+    part = out.read_bytes()
+    assert s["stopped"] and 0 < part.count(b"\n") < full.count(b"\n") and full.startswith(part)
+    done = part.count(b"\n")
+    torn = full[len(part):full.index(b"\n", len(part))][:-7]  # the next line, cut off by a crash
+    out.write_bytes(part + torn)
+    s = regen(served, regenerated["data"], out, run["flag"])
+    assert out.read_bytes() == full
+    assert s["written"] == full.count(b"\n") - done and not s["stopped"]
+    s = regen(served, regenerated["data"], out, run["flag"])  # all done: nothing is sent, nothing written
+    assert (s["written"], s["skipped_done"], out.read_bytes()) == (0, len(INPUT), full)
+
+
+def test_resume_refuses_another_thinking_mode(served, regenerated, capsys):
+    with pytest.raises(SystemExit) as e:
+        regen(served, regenerated["data"], regenerated["runs"][False]["out"], "--enable_thinking")
+    assert e.value.code == 2 and "enable_thinking=False" in capsys.readouterr().err
+
+
+def test_a_refused_sample_goes_to_failed_jsonl_and_the_run_goes_on(served, regenerated, tmp_path, monkeypatch):
+    """A 4xx for one sample (here the real server's 422, provoked by an unexpected field in that one request) is
+    written to OUT.failed.jsonl with the error; the others are written as usual."""
+    real = urllib.request.urlopen
+
+    def urlopen(req, timeout):
+        if req.data and b"print('hi')" in req.data:
+            req.data = json.dumps({**json.loads(req.data), "not_a_field": 1}).encode()
+        return real(req, timeout=timeout)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    out = tmp_path / "out.jsonl"
+    s = regen(served, regenerated["data"], out, "--no-enable_thinking")
+    failed = read_lines(str(out) + ".failed.jsonl")
+    assert [f["source_line"] for f in failed] == [5] and "HTTP 422" in failed[0]["error"]
+    assert "not_a_field" in failed[0]["error"]
+    expected = [r for r in read_lines(regenerated["runs"][False]["out"]) if r["source_line"] != 5]
+    assert read_lines(out) == expected and s["failed"] == 1
+
+
+def test_connection_errors_and_5xx_are_retried(served, regenerated, tmp_path, monkeypatch):
+    """A reset connection and a 503 on the first requests are retried (with backoff) and lose nothing."""
+    real, calls = urllib.request.urlopen, []
+
+    def urlopen(req, timeout):
+        calls.append(req.full_url)
+        if len(calls) == 2:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        if len(calls) == 3:
+            raise urllib.error.HTTPError(req.full_url, 503, "Service Unavailable", {}, None)
+        return real(req, timeout=timeout)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "BACKOFF_S", 0.01)
+    out = tmp_path / "out.jsonl"
+    regen(served, regenerated["data"], out, "--no-enable_thinking", "--concurrency", "1")
+    assert out.read_bytes() == regenerated["runs"][False]["out"].read_bytes()
+    with pytest.raises(SystemExit):  # without retries the same failure ends the run
+        calls.clear()
+        regen(served, regenerated["data"], tmp_path / "other.jsonl", "--no-enable_thinking", "--retries", "0")
+
+
+def test_dflash_trains_on_the_output(served, regenerated, tmp_path):
+    """The output is a dflash.py --data file as it is: a tiny run trains and logs finite losses."""
+    out = tmp_path / "run"
+    with torch_threads(1):
+        dflash.main(["--target", served["target"], "--data", str(regenerated["runs"][False]["out"]),
+                     "--no-enable_thinking", "--out", str(out), "--max_steps", "2", "--batch_size", "2",
+                     "--grad_accum", "1", *SMALL])
+    with open(out / "metrics.jsonl") as f:
+        losses = [r["loss"] for r in map(json.loads, f) if "loss" in r]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+    assert (out / "step_2" / "model.safetensors").exists()
+
+
+def one_error_line(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        rg.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_bad_input_is_one_error_line(served, regenerated, tmp_path, capsys):
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    data = regenerated["data"]
+    base = lambda server=served["url"], model=served["target"], data=data, out=tmp_path / "o.jsonl": [  # noqa: E731
+        "--server", server, "--model", model, "--data", str(data), "--out", str(out), "--max_tokens", "4"]
+    assert "cannot reach the server" in one_error_line(capsys, base(server=dead))
+    # the server's own bare 500, its reason looked for: a model it does not have, a target without a chat template
+    assert "does not list it among its models" in one_error_line(capsys, base(model="no/such-model") +
+                                                                ["--tokenizer", served["target"]])
+    assert "no chat template" in one_error_line(capsys, base(model=served["plain"]) + ["--endpoint", "chat"])
+    assert "no chat template" in one_error_line(capsys, base(model=served["plain"]))  # to render the prefixes
+    assert "timed out" in one_error_line(capsys, base() + ["--timeout", "0.0001"])
+    # checked before the first request (the server here is not even there)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hi"}\n{"prompt": \n')
+    assert f"{bad}:2: not valid JSON" in one_error_line(capsys, base(server=dead, data=bad))
+    bad.write_text('{"prompt": "hi"}\n{"text": "no turns"}\n')
+    assert f"{bad}:2: nothing to regenerate" in one_error_line(capsys, base(server=dead, data=bad))
+    assert "is a directory" in one_error_line(capsys, base(server=dead, out=tmp_path))
+    assert "cannot be written" in one_error_line(capsys, base(server=dead, out=bad / "out.jsonl"))
+    (tmp_path / "foreign.jsonl").write_text('{"messages": []}\n')
+    assert "not a line this tool writes" in one_error_line(capsys, base(server=dead, out=tmp_path / "foreign.jsonl"))
