@@ -65,8 +65,8 @@ def code_tokenizer():
 
 
 def tiny_target(path, tokenizer):
-    """A random tiny Qwen3 that writes printable ASCII (other tokens' lm_head rows zeroed, so they never win the
-    argmax: the text round-trips) and stops with <|im_end|> where it would write "W" (its row a scaled copy), so
+    """A random tiny Qwen3 that writes printable ASCII and no think tags (other tokens' lm_head rows zeroed, so they
+    never win the argmax: the text round-trips) and stops with <|im_end|> where it would write "W" (its row a scaled copy), so
     some answers end and some are cut by MAX_TOKENS."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     eos = tokenizer.eos_token_id
@@ -79,8 +79,11 @@ def tiny_target(path, tokenizer):
     with torch.no_grad():
         w = model.lm_head.weight
         w[~torch.tensor(ascii_)] = 0
-        w[tokenizer.all_special_ids] = 0
+        w[tokenizer.all_special_ids + tokenizer.convert_tokens_to_ids(["<think>", "</think>"])] = 0
         w[eos] = 1.02 * w[tokenizer.convert_tokens_to_ids("W")]
+        indent, th = tokenizer.convert_tokens_to_ids(["ĠĠĠ", "Ġth"])
+        w[indent] = 1.02 * w[th]  # "   " where it would write " th": answers start indented, like code
+        w[[i for i in range(len(tokenizer)) if i != indent and not tokenizer.decode([i]).strip()]] = 0
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
