@@ -3,6 +3,7 @@ byte-level BPE tokenizer merges a newline with the indentation after it and whos
 (think blocks, enable_thinking). Every regenerated turn must equal the target's own greedy generate() for the same
 rendered prefix; an interrupted run resumed must write the uninterrupted run's file; dflash.py must train on it."""
 
+import itertools
 import json
 import math
 import os
@@ -167,7 +168,7 @@ def greedy(served, messages, thinking):
     ids = tok(text, return_tensors="pt")["input_ids"]
     with torch_threads(1), torch.no_grad():
         out = served["model"].generate(ids, do_sample=False, max_new_tokens=MAX_TOKENS)[0, ids.shape[1]:]
-    return tok.decode(out, skip_special_tokens=True), len(out) >= MAX_TOKENS  # the server's finish_reason "length"
+    return tok.decode(out, skip_special_tokens=True), len(out) >= MAX_TOKENS, out.tolist()  # finish_reason "length"
 
 
 def expected_lines(served, records, thinking):
@@ -181,7 +182,7 @@ def expected_lines(served, records, thinking):
         out, cut = [], False
         for m in turns:
             if m["role"] == "assistant":
-                text, cut = greedy(served, out, thinking)
+                text, cut, _ = greedy(served, out, thinking)
                 m = {"role": "assistant", "content": text}
                 if cut:
                     break
@@ -357,3 +358,49 @@ def test_bad_input_is_one_error_line(served, regenerated, tmp_path, capsys):
     assert "cannot be written" in one_error_line(capsys, base(server=dead, out=bad / "out.jsonl"))
     (tmp_path / "foreign.jsonl").write_text('{"messages": []}\n')
     assert "not a line this tool writes" in one_error_line(capsys, base(server=dead, out=tmp_path / "foreign.jsonl"))
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_encode_sample_tokenizes_each_answer_on_its_own(thinking):
+    """The ids inference gives: the generation prompt tokenized as such, then the answer on its own. Whole-string
+    tokenization would merge the prompt's last newline(s) with a code answer's indentation ("\\n\\n   " is one token
+    of this tokenizer), a token the target never produces there. Chat forms and prompt/response alike."""
+    tok = code_tokenizer()
+    encode = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    code, more = "    return x\n\n    pass", "\n    y = 1"
+    one = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": code}]
+    two = one + [{"role": "user", "content": "and?"}, {"role": "assistant", "content": more}]
+    assert tok.convert_ids_to_tokens(encode("\n\n    return"))[0] == "ĊĊĠĠĠ"  # the merge this is about
+    think = "<think>\n\n</think>\n\n"  # the template's, in the last turn: generated when thinking is on, else prompt
+    for record, messages, answers in [({"messages": one}, one, [code]), ({"prompt": one[0]["content"],
+                                                                           "response": code}, one, [code]),
+                                      ({"messages": two}, two, [code, more])]:
+        ids, mask = dflash.encode_sample(record, tok, enable_thinking=thinking, eos_ids=[tok.eos_token_id])
+        spans = [[t for t, _ in run] for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1]) if m]
+        expected = [encode(a + "<|im_end|>") for a in answers[:-1]] + [encode(think * thinking + answers[-1] +
+                                                                              "<|im_end|>")]
+        assert spans == expected
+        if messages is one:  # the whole generation prompt is in the rendering (an earlier turn's lacks the think block)
+            prompt = tok.apply_chat_template(one[:1], tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=thinking)
+            assert ids[:mask.index(1)] == encode(prompt)
+
+
+def test_trained_ids_are_the_generated_ids(served, regenerated):
+    """Through encode_sample, each regenerated answer (thinking off) trains on exactly the ids the target generated,
+    wherever text can carry them: every miss is a generation that is not the tokenizer's own encoding of its text
+    (e.g. "   " then "4" where the tokenizer writes "  ", " ", "4")."""
+    tok, hits, misses = served["tok"], 0, 0
+    for rec in read_lines(regenerated["runs"][False]["out"]):
+        ids, mask = dflash.encode_sample(rec, tok, enable_thinking=False, eos_ids=[tok.eos_token_id])
+        spans = [[t for t, _ in run] for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1]) if m]
+        turns = [k for k, m in enumerate(rec["messages"]) if m["role"] == "assistant"]
+        for span, k in zip(spans, turns, strict=True):
+            text, _, generated = greedy(served, rec["messages"][:k], False)
+            assert text == rec["messages"][k]["content"]
+            if span == generated:
+                hits += 1
+            else:
+                misses += 1
+                assert tok(text + "<|im_end|>")["input_ids"] != generated, (span, generated)
+    assert hits > 0
