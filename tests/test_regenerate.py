@@ -404,3 +404,17 @@ def test_trained_ids_are_the_generated_ids(served, regenerated):
                 misses += 1
                 assert tok(text + "<|im_end|>")["input_ids"] != generated, (span, generated)
     assert hits > 0
+
+
+def test_chat_endpoint_fallback(served, regenerated, tmp_path, capsys):
+    """--endpoint chat against the same server: it warns, sends enable_thinking as chat_template_kwargs, and gets the
+    same answers up to the whitespace the chat endpoint strips (why completions is the default)."""
+    out = tmp_path / "chat.jsonl"
+    regen(served, regenerated["data"], out, "--no-enable_thinking", "--endpoint", "chat")
+    assert "warning: --endpoint chat" in capsys.readouterr().err
+    single = {r["source_line"]: r for r in read_lines(regenerated["runs"][False]["out"]) if len(r["messages"]) == 2}
+    chat = {r["source_line"]: r for r in read_lines(out) if r["source_line"] in single}
+    assert chat.keys() == single.keys()
+    for n, r in chat.items():
+        text, expected = r["messages"][-1]["content"], single[n]["messages"][-1]["content"]
+        assert text == expected.strip() and text != expected  # the leading indentation is lost
