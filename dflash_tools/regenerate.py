@@ -18,6 +18,8 @@ indentation; move a think block into reasoning_content), so --endpoint chat is o
 Lossless and resumable: each finished sample is one whole, flushed line, in input order; rerunning the same command
 skips the samples already there, drops a torn last line left by a crash, and appends the rest, so an interrupted
 and resumed run writes the same file as an uninterrupted one. SIGTERM / Ctrl-C stop after the requests in flight.
+Beside OUT: OUT.truncated.jsonl lists the samples dropped because an answer hit --max_tokens (skipped on a rerun too),
+OUT.failed.jsonl the ones the server refused in the latest run, with its error (tried again on a rerun).
 """
 
 import argparse

@@ -418,3 +418,28 @@ def test_chat_endpoint_fallback(served, regenerated, tmp_path, capsys):
     for n, r in chat.items():
         text, expected = r["messages"][-1]["content"], single[n]["messages"][-1]["content"]
         assert text == expected.strip() and text != expected  # the leading indentation is lost
+
+
+def test_a_template_bos_is_not_sent_twice():
+    """Servers tokenize a completions prompt with special tokens added: when the tokenizer adds a BOS itself (Llama
+    3), the one the template renders is left out of the prompt, so the target sees one BOS as in chat."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    def tokenizer(adds_bos):
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<unk>", "<s>", "hi", "|user|", "|assistant|"])},
+                                         unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        if adds_bos:
+            tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>")
+        fast.chat_template = ("{{ bos_token }}{% for m in messages %}|{{ m.role }}| {{ m.content }} {% endfor %}"
+                              "{% if add_generation_prompt %}|assistant| {% endif %}")
+        return fast
+
+    args = rg.get_parser().parse_args(["--server", "http://x/v1", "--model", "m", "--data", "d", "--out", "o"])
+    turns = [{"role": "user", "content": "hi"}]
+    assert rg.Target(args, tokenizer(False)).prompt(turns) == "<s>|user| hi |assistant| "
+    fast = tokenizer(True)
+    prompt = rg.Target(args, fast).prompt(turns)
+    assert prompt == "|user| hi |assistant| " and fast(prompt)["input_ids"][:2] == [1, 3]
