@@ -67,8 +67,8 @@ def code_tokenizer():
 
 def tiny_target(path, tokenizer):
     """A random tiny Qwen3 that writes printable ASCII and no think tags (other tokens' lm_head rows zeroed, so they
-    never win the argmax: the text round-trips) and stops with <|im_end|> where it would write "W" (its row a scaled copy), so
-    some answers end and some are cut by MAX_TOKENS."""
+    never win the argmax: the text round-trips), starts its answers indented, and stops with <|im_end|> where it
+    would write "W" (its row a scaled copy), so some answers end and some are cut by MAX_TOKENS."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     eos = tokenizer.eos_token_id
     torch.manual_seed(0)
