@@ -122,7 +122,7 @@ def conversation(record, where):
     return turns
 
 
-class Target:
+class Server:
     """How answers are asked for: the prompt text rendered here (completions) or the messages sent (chat)."""
 
     def __init__(self, args, tokenizer):
@@ -168,12 +168,12 @@ class Target:
         return text, choice.get("finish_reason"), usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
 
 
-def regenerate(target, line, turns, stop):
+def regenerate(server, line, turns, stop):
     """Regenerate one conversation turn by turn: (kind, record, stats), kind "done" | "truncated" | "failed" (record
     for the file of that kind) or "stopped" (None). A turn cut by --max_tokens ends the sample unless
     --keep_truncated, and only its line number is kept, so that a rerun does not ask for it again."""
     stats, out, truncated = [0, 0], [], False
-    mark = {"source_line": line, "enable_thinking": target.args.enable_thinking}
+    mark = {"source_line": line, "enable_thinking": server.args.enable_thinking}
     for m in turns:
         if m["role"] != "assistant":
             out.append(m)
@@ -181,11 +181,11 @@ def regenerate(target, line, turns, stop):
         if stop.requested:
             return "stopped", None, stats
         try:
-            text, finish, p, g = target.answer(out, stop)
+            text, finish, p, g = server.answer(out, stop)
         except HTTPFailure as e:
             return "failed", {"source_line": line, "error": f"HTTP {e.status}: {e.reason}"}, stats
         except Unreachable as e:
-            stop.fatal = f"the server at {target.args.server} stopped answering ({e}) after {target.args.retries} " \
+            stop.fatal = f"the server at {server.args.server} stopped answering ({e}) after {server.args.retries} " \
                          f"retries; rerun the same command to continue"
             stop.requested = True
             return "stopped", None, stats
@@ -195,7 +195,7 @@ def regenerate(target, line, turns, stop):
         out.append({"role": "assistant", "content": text})
         if finish == "length":
             truncated = True
-            if not target.args.keep_truncated:
+            if not server.args.keep_truncated:
                 return "truncated", {**mark, "truncated_turn": len(out) - 1}, stats
     return ("truncated" if truncated else "done"), {"messages": out, **mark, **({"truncated": True} if truncated
                                                                                 else {})}, stats
@@ -264,28 +264,28 @@ def load_tokenizer(args):
     return tokenizer
 
 
-def check_server(target, args, stop):
+def check_server(server, args, stop):
     """One small request before the run, so a wrong URL, a model the server does not serve or a failing endpoint is
     one error line; a bare 500 (transformers serve for an unknown model or a missing chat template) is explained."""
     turns = [{"role": "user", "content": "Hello"}]
     try:
-        http_json(target.url, target.payload(turns, 1), args.timeout, 0, stop)
+        http_json(server.url, server.payload(turns, 1), args.timeout, 0, stop)
     except Unreachable as e:
         raise dflash.DFlashError(f"cannot reach the server at {args.server} ({e}); is it running, and is --server "
                                  f"its OpenAI base URL (e.g. http://127.0.0.1:8000/v1)?") from None
     except HTTPFailure as e:
         if e.status == 404:
-            raise dflash.DFlashError(f"{target.url} answered 404 ({e.reason}): is --server the OpenAI base URL "
+            raise dflash.DFlashError(f"{server.url} answered 404 ({e.reason}): is --server the OpenAI base URL "
                                      f"(ending in /v1)? A server without /v1/completions needs --endpoint chat") \
                 from None
         if e.status >= 500:
-            raise dflash.DFlashError(f"{target.url} answered HTTP {e.status} ({e.reason}) for model "
-                                     f"{args.model!r}: {explain_500(target, args)}") from None
-        raise dflash.DFlashError(f"{target.url} refused a request for model {args.model!r}: HTTP {e.status}: "
+            raise dflash.DFlashError(f"{server.url} answered HTTP {e.status} ({e.reason}) for model "
+                                     f"{args.model!r}: {explain_500(server, args)}") from None
+        raise dflash.DFlashError(f"{server.url} refused a request for model {args.model!r}: HTTP {e.status}: "
                                  f"{e.reason}") from None
 
 
-def explain_500(target, args):
+def explain_500(server, args):
     """A server error that says nothing: look for the reason where it can be seen from here."""
     try:
         listed = [m.get("id") for m in http_json(args.server.rstrip("/") + "/models", None, args.timeout)["data"]]
@@ -293,7 +293,7 @@ def explain_500(target, args):
         listed = None
     if listed is not None and args.model not in listed:
         return f"the server does not list it among its models ({', '.join(map(str, listed)) or 'none'}); check --model"
-    if args.endpoint == "chat" and target.tokenizer is not None and not target.tokenizer.chat_template:
+    if args.endpoint == "chat" and server.tokenizer is not None and not server.tokenizer.chat_template:
         return ("its tokenizer has no chat template, which the chat endpoint needs; add one, or use the default "
                 "--endpoint completions with --tokenizer")
     return "the server gave no reason; see its log"
@@ -334,14 +334,14 @@ def run(args):
     tokenizer = load_tokenizer(args)
     stop = Stop()
     try:
-        target = Target(args, tokenizer)
+        server = Server(args, tokenizer)
         if todo:
-            check_server(target, args, stop)
+            check_server(server, args, stop)
         if args.endpoint == "chat":
             print("warning: --endpoint chat: the server may normalise the answers' whitespace (a code answer's "
                   "indentation), and a reasoning parser's think block is put back as <think>\\n...\\n</think>\\n\\n "
                   "here; prefer /v1/completions", file=sys.stderr)
-        summary = generate_all(target, todo, args, stop, paths)
+        summary = generate_all(server, todo, args, stop, paths)
     finally:
         stop.restore()
     summary["skipped_done"] = len(samples) - len(todo)
@@ -357,7 +357,7 @@ def run(args):
     return summary
 
 
-def generate_all(target, todo, args, stop, paths):
+def generate_all(server, todo, args, stop, paths):
     """Keep `concurrency` requests in flight; append each result, in input order, as one whole flushed line to the
     file of its kind."""
     s = dict(written=0, failed=0, truncated=0, prompt_tokens=0, generated_tokens=0, stopped=False)
@@ -372,7 +372,7 @@ def generate_all(target, todo, args, stop, paths):
                 item = next(queue, None)
                 if item is None:
                     return
-                pending.append(pool.submit(regenerate, target, *item, stop))
+                pending.append(pool.submit(regenerate, server, *item, stop))
 
         fill()
         gap = False  # after a sample that was not finished, nothing more is written: the files stay in input order

@@ -439,7 +439,7 @@ def test_a_template_bos_is_not_sent_twice():
 
     args = rg.get_parser().parse_args(["--server", "http://x/v1", "--model", "m", "--data", "d", "--out", "o"])
     turns = [{"role": "user", "content": "hi"}]
-    assert rg.Target(args, tokenizer(False)).prompt(turns) == "<s>|user| hi |assistant| "
+    assert rg.Server(args, tokenizer(False)).prompt(turns) == "<s>|user| hi |assistant| "
     fast = tokenizer(True)
-    prompt = rg.Target(args, fast).prompt(turns)
+    prompt = rg.Server(args, fast).prompt(turns)
     assert prompt == "|user| hi |assistant| " and fast(prompt)["input_ids"][:2] == [1, 3]
