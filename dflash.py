@@ -187,6 +187,25 @@ def dense_masks(mask_mod, b, N, S, B, device):
     bi = torch.arange(b, device=device).view(b, 1, 1, 1)
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
 
+CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
+
+def context_spans(ctx_visible):
+    """Split the N blocks into about S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of
+    context keys its queries see: (n0, n1, lo, hi) per group. Anchors come sorted (sample_anchors, every anchor in
+    eval), so a group of later blocks sees further, and its scores need only its own span: on a long context about
+    half of one (N*B) x S product for full layers, the window's band for sliding ones. Exact in any order: a span
+    covers every key its queries see. The spans are data (one host sync); a compiled graph keeps static shapes,
+    so under torch.compile all blocks are one group over the whole context."""
+    b, N, B, S = ctx_visible.shape
+    G = min(N, S // CONTEXT_TILE)
+    if G <= 1 or torch.compiler.is_compiling():
+        return [(0, N, 0, S)]
+    ends = [N * g // G for g in range(G + 1)]
+    seen = torch.stack([ctx_visible[:, n0:n1].any((0, 1, 2)) for n0, n1 in zip(ends, ends[1:])])  # (G, S)
+    lo = torch.where(seen.any(1), seen.int().argmax(1), 0)                       # first key seen (0 if none)
+    hi = torch.where(seen.any(1), S - seen.flip(1).int().argmax(1), 0)           # one past the last
+    return [(n0, n1, l, h) for n0, n1, l, h in zip(ends, ends[1:], lo.tolist(), hi.tolist())]
+
 
 # flex_attention runs fused only when compiled (eager flex materialises the full score matrix), and it compiles
 # one kernel per shape. So both are compiled once, here, outside any traced region, and every flex input is padded
@@ -199,7 +218,8 @@ def padded_length(S):
     return max(128, 1 << (S - 1).bit_length())
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per distinct (causal, window) layer kind: a BlockMask ("flex") or dense_masks' pair ("dense")."""
+    """One mask per distinct (causal, window) layer kind: a BlockMask ("flex"), or ("dense") dense_masks' pair and
+    the context_spans of its groups of blocks."""
     b, N = anchors.shape
     B, masks = cfg.block_size, {}
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
@@ -208,7 +228,8 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
             make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
             masks[kind] = make(mod, b, None, N * B, S + N * B, device=anchors.device)
         else:
-            masks[kind] = dense_masks(mod, b, N, S, B, anchors.device)
+            ctx_visible, own_visible = dense_masks(mod, b, N, S, B, anchors.device)
+            masks[kind] = ctx_visible, own_visible, context_spans(ctx_visible)
     return masks
 
 
@@ -294,7 +315,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
         """x (b, N, B, D) normed block hidden states; k_ctx/v_ctx (b, S, hk, hd) context keys/values;
-        mask: a BlockMask (flex) or dense_masks' pair (dense)."""
+        mask: a BlockMask (flex) or build_masks' (ctx_visible, own_visible, spans) (dense)."""
         b, N, B, _ = x.shape
         S, h, hk, hd = k_ctx.shape[1], self.h, self.hk, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
@@ -309,7 +330,12 @@ class Attention(nn.Module):
             out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
             out = out.transpose(1, 2).reshape(b, N, B, h * hd)
         else:
-            out = two_part_attention(q, k_ctx, v_ctx.to(v_blk.dtype), k_blk, v_blk, *mask).reshape(b, N, B, h * hd)
+            # each group of blocks against its span of the context (context_spans) and its own keys
+            ctx_visible, own_visible, spans = mask
+            v_ctx = v_ctx.to(v_blk.dtype)
+            out = torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
+                                                v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
+                             for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
         return self.o_proj(out)
 
 class MLP(nn.Module):
