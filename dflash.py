@@ -317,22 +317,21 @@ class Attention(nn.Module):
         """x (b, N, B, D) normed block hidden states; k_ctx/v_ctx (b, S, hk, hd) context keys/values;
         mask: a BlockMask (flex) or build_masks' (ctx_visible, own_visible, spans) (dense)."""
         b, N, B, _ = x.shape
-        S, h, hk, hd = k_ctx.shape[1], self.h, self.hk, self.hd
+        h, hk, hd = self.h, self.hk, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
         k_blk, v_blk = self.keys_values(x, cos, sin)                                  # (b, N, B, hk, hd)
         # the fp32 norm weights promote q and k under autocast while v stays bf16: one dtype for the kernel
-        q, k_blk, k_ctx = q.to(v_blk.dtype), k_blk.to(v_blk.dtype), k_ctx.to(v_blk.dtype)
+        q, k_blk, k_ctx, v_ctx = (t.to(v_blk.dtype) for t in (q, k_blk, k_ctx, v_ctx))
         if isinstance(mask, BlockMask):
             # all blocks as one query sequence against [context ; all blocks]; the BlockMask skips the rest
             q = q.reshape(b, N * B, h, hd).transpose(1, 2)
             k = torch.cat([k_ctx, k_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            v = torch.cat([v_ctx.to(v_blk.dtype), v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
+            v = torch.cat([v_ctx, v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
             out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
             out = out.transpose(1, 2).reshape(b, N, B, h * hd)
         else:
             # each group of blocks against its span of the context (context_spans) and its own keys
             ctx_visible, own_visible, spans = mask
-            v_ctx = v_ctx.to(v_blk.dtype)
             out = torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
                                                 v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
                              for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
