@@ -66,13 +66,14 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
 
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. The dense path
-    copies the context keys/values and scores per block, (S+B) each; flex shares them, so only the MLP and the
-    logits grow with the number of blocks."""
+    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
+    the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
+    is formed, with the (B, S+B) mask (and the mask rule's integer intermediates) beside them; flex never
+    materialises scores, so only the MLP and the logits grow with the number of blocks."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
     if attention == "dense":
-        per_anchor += (S + B) * (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * cfg.num_attention_heads * B)
+        per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
     return max(1, budget // per_anchor)
 
 
