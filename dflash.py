@@ -289,8 +289,8 @@ def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
     if S:  # S = 0 when inference drafts at position 0: no context yet
         m = torch.maximum(m, s_ctx.detach().amax(-1))
     m = m.nan_to_num(neginf=0.0)[..., None]                                             # (b, hk, g, N, B, 1)
-    p_ctx, p_own = (s_ctx - m).exp(), (s_own - m).exp()
-    denom = p_ctx.sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)                  # (b, hk, g, N, B, 1), >= 1
+    p_ctx, p_own = s_ctx.sub_(m).exp_(), s_own.sub_(m).exp_()  # in place: one buffer of scores per part
+    denom = p_ctx.sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)  # (b, hk, g, N, B, 1); >= 1 if a key is seen
     out = (p_ctx.view(b, hk, g * N * B, S) @ v_ctx.transpose(1, 2)).view(b, hk, g, N, B, hd)
     out = out + p_own @ v_blk.permute(0, 3, 1, 2, 4)[:, :, None]                         # values (b, hk, 1, N, B, hd)
     out = out / denom.clamp(min=torch.finfo(denom.dtype).tiny)                         # padding rows: 0 / tiny

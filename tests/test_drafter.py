@@ -201,7 +201,7 @@ def test_draft_cache_extend_in_pieces(setup, one_thread):
 
 
 # -----------------------------------------------------------------------------
-# flex_attention == dense SDPA (compiled and eager flex)
+# flex_attention == the dense path (compiled and eager flex)
 
 
 def attention_outputs(drafter, setup, path):
