@@ -8,7 +8,8 @@ CPU, fp32, a small drafter (the shapes are printed):
              lengths 512/2048/8192 x 128 anchors, three ways: ours (dflash.DFlashDrafter.forward, every anchor in one
              call, attention "dense": two_part_attention); copy (the dense path before it, kept here as the baseline:
              the context keys/values expanded per anchor, SDPA on [context ; own block]); naive (one block at a time
-             as an inference loop drafts: SDPA on [context[:a] ; block] per anchor); best time and peak memory
+             as an inference loop drafts: the drafter's own blocks() on [context[:a] ; block] per anchor); best time
+             and peak memory
   attention  forward of one full-attention layer: compiled flex_attention vs dense, compile time apart
   loss       at V = 248320: chunked vocabulary projection + CE (dflash.weighted_ce) vs full logits, fwd + bwd
   tau        on a tiny Qwen3 target: eval.py's exact method vs the real decode loop
@@ -186,7 +187,7 @@ def train_inputs(cfg, S, N, seed=0):
 def per_anchor_copy_attention(self, x, cos, sin, k_ctx, v_ctx, mask):
     """dflash.Attention.forward's dense path before two_part_attention (the baseline): the context keys/values
     expanded once per anchor, (b, N, S, hk, hd) each, and SDPA on [context ; own block] per block with the bool mask
-    (b, N, B, S+B). At N = 1 this is what an inference loop runs for one block."""
+    (b, N, B, S+B)."""
     b, N, B, _ = x.shape
     S, h, hk, hd = k_ctx.shape[1], self.h, self.hk, self.hd
     q = dflash.apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
@@ -218,7 +219,7 @@ def naive_forward(drafter, context, x, anchors, valid):
 
 
 def train_step_case(impl, cfg, S, N, repeats, long_s=None):
-    if impl != "ours":
+    if impl == "copy":
         use_per_anchor_copy()
     torch.manual_seed(0)
     drafter = dflash.DFlashDrafter(cfg, attention="dense").train()
