@@ -11,6 +11,10 @@ Quick start
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
+This file stands alone: copied into an empty directory (with requirements.txt installed) it trains, evaluates
+held-out tau and resumes. The optional extras (the demo, the memory plan's arithmetic, benchmarks) live in
+dflash_tools/ and are imported only by the flag that uses them.
+
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
     [tok[a], M, M, ..., M] (the anchor token a, then B-1 mask tokens) embedded with the target's embedding, and
@@ -26,9 +30,15 @@ The method in ten lines
 """
 
 import argparse
+import gzip
+import importlib
+import itertools
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -39,19 +49,37 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
 
-# Plumbing that is not the method (one-line errors, flag ranges, files that may be corrupt, atomic writes, SIGTERM,
-# chat-template rendering, the config.json field reader) lives in dflash_tools/plumbing.py, input checks in checks.py.
-from dflash_tools.checks import (LAYER_TYPES, check_config_fields, check_run_dir, layer_type_list,
-                                 read_train_state_file, target_load_error, target_load_errors)
-from dflash_tools.plumbing import (ArgumentParser, DFlashError, StopFlag, add_stats, all_reduce_sum, atomic_dir,
-                                   chat_ids, chat_sample, check_ids, check_tensors, check_writable_dir, config_fields,
-                                   int_list, latest_checkpoint, mix_seed, peak_memory_mb, pick_device, read_json,
-                                   load_tokenizer, read_jsonl, read_safetensors, run_main, setup_distributed,
-                                   show_data, split_eval, template_kwargs, write_latest, yarn_rope)
-from dflash_tools.hub import resolve_drafter
-from dflash_tools.walk import held_out_walk, walk_tau  # the exact walked tau, shared with eval.py
-from dflash_tools.plan import add_plan_flags, checkpointed, make_optimizer, memory_plan, model_loader  # memory
+
+# -----------------------------------------------------------------------------
+# Bad input is one `error:` line and exit code 2 (run_main), never a traceback, and never a corrupted checkpoint
+
+class DFlashError(Exception):
+    """Bad input or a bad checkpoint. Its message may hold several lines: one problem each (see run_main)."""
+
+def need(ok, message):
+    if not ok:
+        raise DFlashError(message)
+
+def first_line(e):
+    """The first line of an exception's message: what a library says went wrong, short enough for one error line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+def run_main(fn, args):
+    """Run fn(args) as a command: a DFlashError prints one `error:` line per problem on stderr and exits 2, with the
+    traceback only under --debug or DFLASH_DEBUG=1. Shared by dflash.py, eval.py and the tools."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
+    try:
+        return fn(args)
+    except DFlashError as e:
+        if getattr(args, "debug", False) or os.environ.get("DFLASH_DEBUG"):
+            raise
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
 
 
 # -----------------------------------------------------------------------------
@@ -64,14 +92,13 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
         return [L // 2]
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
-def check_target_layer_ids(ids, num_target_layers):
-    if not ids:
-        raise DFlashError("target_layer_ids is empty; give at least one target layer")
-    if list(ids) != sorted(set(ids)):
-        raise DFlashError(f"target_layer_ids {list(ids)} must be strictly increasing without duplicates")
-    if ids[0] < 0 or ids[-1] >= num_target_layers:
-        raise DFlashError(f"target_layer_ids {list(ids)} out of range: the target has {num_target_layers} "
-                          f"decoder layers (valid ids 0..{num_target_layers - 1})")
+LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
+POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
+                       "max_position_embeddings")
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
 
 @dataclass
 class DFlashConfig:
@@ -95,25 +122,62 @@ class DFlashConfig:
     sliding_window: int | None = 2048    # W
     is_causal: bool | None = None        # None: a layer is causal iff it is a sliding layer
 
-    def __post_init__(self):  # every config, from config.json or from flags, passes through here
-        def need(ok, msg):
-            if not ok:
-                raise DFlashError(msg)
-        need(self.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {self.block_size}")
-        need(len(self.layer_types) == self.num_hidden_layers, f"layer_types has {len(self.layer_types)} entries but "
-             f"num_hidden_layers is {self.num_hidden_layers}; give one entry per drafter layer")
-        bad = [t for t in self.layer_types if t not in ("full_attention", "sliding_attention")]
-        need(not bad, f"unknown layer type {bad[:1]}; use full_attention or sliding_attention")
-        need("sliding_attention" not in self.layer_types or bool(self.sliding_window),
-             "layer_types has sliding_attention layers but sliding_window is not set")
-        need(self.num_attention_heads % self.num_key_value_heads == 0, f"num_attention_heads "
-             f"{self.num_attention_heads} is not a multiple of num_key_value_heads {self.num_key_value_heads}")
-        need(0 <= self.mask_token_id < self.vocab_size, f"mask_token_id {self.mask_token_id} is outside the "
-             f"vocabulary [0, {self.vocab_size}); pass --mask_token_id with an id the target's embedding has")
-        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
-        rope_type = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
-        need(rope_type in ("default", "yarn"), f"rope type {rope_type!r} is not supported (only default, yarn); "
-             f"refusing to fall back silently to plain RoPE")
+    def __post_init__(self):
+        """Every config, from config.json or from flags, passes through here: all its problems at once."""
+        self.problems()  # raises
+
+    def problems(self):
+        bad = [f"{k} must be a positive integer, got {getattr(self, k)!r}" for k in POSITIVE_INT_FIELDS
+               if not (is_int(getattr(self, k)) and getattr(self, k) > 0)]
+        if bad:  # the checks below compute with these
+            raise DFlashError("\n".join(bad))
+        ids, types, W, n = self.target_layer_ids, self.layer_types, self.sliding_window, self.num_hidden_layers
+        ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
+        checks = [
+            (self.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}"),
+            (self.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {self.block_size}"),
+            (self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
+             f"{self.num_key_value_heads}; use num_key_value_heads in "
+             f"{[k for k in range(1, self.num_attention_heads + 1) if self.num_attention_heads % k == 0]}"),
+            (is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
+             f"mask_token_id {self.mask_token_id!r} is outside the vocabulary [0, {self.vocab_size}); pass "
+             f"--mask_token_id with an id the target's embedding has"),
+            (isinstance(ids, list) and all(is_int(t) for t in ids) and len(ids) > 0,
+             f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
+            (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without "
+                                                  f"duplicates"),
+            (not ints or 0 <= min(ids) and max(ids) < self.num_target_layers,
+             f"target_layer_ids {ids} out of range: the target has {self.num_target_layers} decoder layers (valid "
+             f"ids 0..{self.num_target_layers - 1}); e.g. --target_layer_ids "
+             f"{','.join(map(str, sorted(set(default_target_layer_ids(self.num_target_layers, n)))))}"),
+            (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
+             f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
+            (not isinstance(types, list) or len(types) == n,
+             f"layer_types has {len(types) if isinstance(types, list) else 0} entries but num_hidden_layers is {n}; "
+             f"give one entry per drafter layer"),
+            (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
+            (not isinstance(types, list) or "sliding_attention" not in types or bool(W),
+             "layer_types has sliding_attention layers but sliding_window is not set"),
+            (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < math.inf,
+             f"rms_norm_eps must be a positive finite number, got {self.rms_norm_eps!r}"),
+            (isinstance(self.rope_theta, (int, float)) and 0 < self.rope_theta < math.inf,
+             f"rope_theta must be a positive finite number, got {self.rope_theta!r}"),
+            (isinstance(self.attention_bias, bool), f"attention_bias must be true or false, got "
+                                                    f"{self.attention_bias!r}"),
+            (self.is_causal is None or isinstance(self.is_causal, bool),
+             f"is_causal must be null, true or false, got {self.is_causal!r}"),
+            (self.rope_scaling is None or (isinstance(self.rope_scaling, dict) and self.rope_type() == "yarn"),
+             f"rope_scaling {self.rope_scaling!r} is not supported (plain RoPE or yarn); refusing to fall back "
+             f"silently to plain RoPE"),
+        ]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise DFlashError("\n".join(bad))
+
+    def rope_type(self):
+        s = self.rope_scaling or {}
+        return s.get("rope_type", s.get("type", "default"))
 
     def layer_kind(self, i):
         """(causal, window) of layer i: what its attention mask depends on."""
@@ -136,15 +200,49 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, d, where="config.json"):
-        """Read a z-lab or our config.json: values from dflash_config first, then the top level (config_fields reads
-        them, with their legacy spellings); target_layer_ids missing: the default spread."""
-        kw = check_config_fields(config_fields(d, where), where)
-        kw["target_layer_ids"] = kw["target_layer_ids"] or default_target_layer_ids(kw["num_target_layers"],
-                                                                                     kw["num_hidden_layers"])
+        """Read a z-lab or our config.json. The DFlash fields come from dflash_config first, then the top level;
+        RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
+        missing: the default spread. What the drafter cannot run is refused, never ignored."""
+        need(isinstance(d, dict), f"{where}: expected a JSON object")
+        dc = d.get("dflash_config") or {}
+        get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
+        rope = d.get("rope_parameters") or {}
+        need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
+             f"{where}: per-layer-type rope_parameters are not supported")
+        scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            need(scaling.get("partial_rotary_factor", 1.0) == 1.0, f"{where}: partial_rotary_factor != 1 is not "
+                 f"supported by the drafter (plain RoPE over the full head_dim)")
+            scaling = None
+        num_target, ids = get("num_target_layers"), get("target_layer_ids")
+        need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
+             f"decoder layers" + ("" if ids else " (target_layer_ids cannot be derived without it)"))
+        need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
         try:
+            n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+            kw = dict(
+                hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
+                num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
+                max_position_embeddings=d.get("max_position_embeddings", 32768),
+                attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
+                mask_token_id=get("mask_token_id"), num_target_layers=num_target,
+                target_layer_ids=ids if isinstance(ids, list) else ids or [],
+                layer_types=list(d.get("layer_types") or ["full_attention"] * n),
+                sliding_window=d.get("sliding_window"), is_causal=d.get("is_causal"))
+            if kw["target_layer_ids"] == [] and is_int(num_target) and is_int(n) and n > 0:
+                kw["target_layer_ids"] = default_target_layer_ids(num_target, n)
             return cls(**kw)
-        except TypeError as e:
+        except KeyError as e:
+            raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
+        except (TypeError, ValueError) as e:
             raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
+        except DFlashError as e:
+            raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
+                from None
+
 
 # -----------------------------------------------------------------------------
 # Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function.
@@ -251,10 +349,29 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 def rope_inv_freq(cfg):
-    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale; yarn_rope if scaled."""
-    if cfg.rope_scaling:
-        return yarn_rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
-    return 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim), 1.0
+    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale (1 for plain RoPE)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if not cfg.rope_scaling:
+        return inv_freq, 1.0
+    # yarn, as Hugging Face computes it: interpolate the low frequencies by `factor`, keep the high ones (a linear
+    # ramp between the dimensions whose wavelengths fit beta_fast and beta_slow times into the original context),
+    # and scale cos/sin by the attention factor
+    s, max_pos = cfg.rope_scaling, cfg.max_position_embeddings
+    original_max = s.get("original_max_position_embeddings") or max_pos
+    factor = s.get("factor") or max_pos / original_max
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]) \
+            if s.get("mscale") and s.get("mscale_all_dim") else mscale(factor)
+    fits = lambda rotations: dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa
+    low, high = fits(s.get("beta_fast") or 32), fits(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention_factor)
 
 def rope_cos_sin(inv_freq, scale, positions, dtype):
     """positions (...,) -> cos, sin (..., head_dim)."""
@@ -401,12 +518,14 @@ class DFlashDrafter(nn.Module):
         masks = build_masks(self.cfg, anchors, anchor_valid, S, self.attention)
         for i, layer in enumerate(self.layers):  # --grad_checkpoint: keep each layer's inputs, recompute the rest
             a = (x, cos, sin, *kv[i], masks[self.cfg.layer_kind(i)])
-            x = checkpointed(layer, *a) if self.grad_checkpoint and self.training else layer(*a)
+            x = checkpoint(layer, *a, use_reentrant=False) \
+                if self.grad_checkpoint and self.training else layer(*a)
         return self.norm(x)
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints: a drafter directory in the z-lab layout (config.json + model.safetensors, no "model." prefix)
+# Checkpoints: a drafter directory in the z-lab layout (config.json + model.safetensors, no "model." prefix);
+# a training checkpoint <out>/step_N adds train_state.pt, and <out>/latest names the newest complete one
 
 def expected_shapes(cfg):
     D, hd, h, hk, I = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
@@ -425,28 +544,86 @@ def expected_shapes(cfg):
                            p + "self_attn.v_proj.bias": (hk * hd,), p + "self_attn.o_proj.bias": (D,)})
     return shapes
 
+def read_json(path, what):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except OSError as e:
+        raise DFlashError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise DFlashError(f"{path}: not valid JSON ({first_line(e)[:100]}); the {what} is corrupt") from None
+
 def read_drafter_config(path):
-    if not os.path.isdir(path):
-        raise DFlashError(f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
+    need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise DFlashError(f"{path!r} has no config.json; is it a DFlash drafter directory?")
-    d = read_json(cfg_path, "drafter config")
-    if not isinstance(d, dict):
-        raise DFlashError(f"{cfg_path}: expected a JSON object")
-    return DFlashConfig.from_json(d, where=cfg_path)
+    need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
+    return DFlashConfig.from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
+
+def safetensors_files(path):
+    """model.safetensors, or the shards model.safetensors.index.json names."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return [os.path.join(path, "model.safetensors")]
+    need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+    weight_map = read_json(index, "safetensors index")
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    need(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
+         f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
+    return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+
+def read_safetensors(path, load=True):
+    """All tensors of a drafter directory ({name: tensor}; load=False: only opens every file, which checks it)."""
+    from safetensors import safe_open
+    tensors = {}
+    for file in safetensors_files(path):
+        try:  # safe_open rejects a missing, truncated or garbage file (it checks the header against the size)
+            with safe_open(file, "pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()} if load else {})
+        except Exception as e:  # safetensors raises its own (Rust) error types
+            raise DFlashError(f"{file}: not a readable safetensors file ({first_line(e)}); the checkpoint is "
+                              f"corrupt") from None
+    return tensors
 
 def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
-    """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape."""
+    """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape, nothing else."""
     cfg = read_drafter_config(path)
     tensors, expected = read_safetensors(path), expected_shapes(cfg)
-    fc_why = f"len(target_layer_ids) * hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size}"
-    check_tensors(tensors, expected, path, {"fc.weight": fc_why})
+    shape = lambda k: tuple(tensors[k].shape)  # noqa: E731
+    if "fc.weight" in tensors and shape("fc.weight") != expected["fc.weight"]:  # the likeliest mismatch, explained
+        raise DFlashError(f"{path}: tensor fc.weight has shape {shape('fc.weight')} but len(target_layer_ids) * "
+                          f"hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size} needs "
+                          f"{expected['fc.weight']}")
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    need(not missing, f"{path}: missing tensor {missing[:1] and missing[0]}"
+         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    need(not unexpected, f"{path}: unexpected tensor {unexpected[:1] and unexpected[0]} (embedding and lm_head "
+         f"belong to the target; keys carry no 'model.' prefix)")
+    wrong = next((k for k in expected if shape(k) != expected[k]), None)
+    need(wrong is None, f"{path}: tensor {wrong} has shape {wrong and shape(wrong)}, expected "
+         f"{wrong and expected[wrong]}")
     with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
         drafter = DFlashDrafter(cfg, attention)
     drafter.load_state_dict(tensors, strict=True, assign=True)
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
+
+@contextmanager
+def atomic_dir(path):
+    """Yield a temporary directory that replaces `path` only once everything in it is written: a crash never
+    leaves a partial directory at `path` (between the two renames the old copy waits at <path>.old<pid>)."""
+    path = path.rstrip("/")
+    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
     """Write config.json + model.safetensors (bf16 or fp32) and any {name: torch object} extra files, atomically."""
@@ -458,6 +635,103 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
             json.dump({**drafter.cfg.to_json(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
         for name, obj in (extra_files or {}).items():
             torch.save(obj, os.path.join(tmp, name))
+    return path
+
+def resolve_drafter(path, flag="--drafter"):
+    """A drafter directory, or a hub id (owner/name) downloaded once into the Hugging Face cache."""
+    if os.path.exists(path):
+        return path
+    need(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path,
+         f"{flag} {path!r} does not exist; give a drafter directory or a hub id (owner/name)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise DFlashError(f"{flag} {path!r} is not a local directory; downloading it as a hub id needs "
+                          f"huggingface_hub (pip install huggingface_hub)") from None
+    try:
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:  # offline, no such repository, gated, ...
+        raise DFlashError(f"{flag} {path!r} is not a local directory, and downloading it from the hub failed "
+                          f"({first_line(e)}); when offline, download it elsewhere (huggingface-cli download {path} "
+                          f"--local-dir DIR) and pass DIR") from None
+
+TRAIN_STATE_KEYS = {"step", "optimizer", "args", "global_batch", "bad_steps"}
+
+def read_train_state(d):
+    """train_state.pt of checkpoint d (memory-mapped: cheap to read before anything else loads)."""
+    path = os.path.join(d, "train_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # missing, truncated zip, garbage pickle: all one line
+        raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
+    need(isinstance(state, dict) and TRAIN_STATE_KEYS <= set(state), f"{path}: cannot read the training state (not "
+         f"a training state: keys {', '.join(sorted(TRAIN_STATE_KEYS))} expected); the file is corrupt")
+    return state
+
+def checkpoint_problem(d):
+    """None if d is a complete step_N checkpoint (each of its files opens), else what is wrong with it."""
+    if not os.path.isdir(d):
+        return "it does not exist"
+    try:
+        read_drafter_config(d)
+        read_train_state(d)
+        read_safetensors(d, load=False)
+    except DFlashError as e:
+        return str(e).splitlines()[0]
+    return None
+
+def step_of(name):
+    m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(name)))
+    return int(m[1]) if m else None
+
+def previous_checkpoint(out, below=None):
+    """The complete step_N directory of out with the highest N < below (any N when below is None), or None."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    for n, name in sorted(((step_of(n), n) for n in names if step_of(n) is not None), reverse=True):
+        if (below is None or n < below) and checkpoint_problem(os.path.join(out, name)) is None:
+            return os.path.join(out, name)
+    return None
+
+def fallback_hint(out, corrupt=None):
+    """What to do when a checkpoint of out is corrupt: point latest at the previous complete one, if any."""
+    prev, latest = previous_checkpoint(out, step_of(corrupt) if corrupt else None), os.path.join(out, "latest")
+    if prev:
+        return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
+               f"{latest}) and resume"
+    return f"there is no earlier complete checkpoint in {out}: drop --resume (or use a new --out) to start anew"
+
+def latest_checkpoint(out):
+    """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
+    latest = os.path.join(out, "latest")
+    if not os.path.isfile(latest):
+        return None
+    try:
+        with open(latest, "rb") as f:
+            name = f.read(4096).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); "
+         f"{fallback_hint(out)}")
+    d = os.path.join(out, name)
+    why = checkpoint_problem(d)
+    need(why is None, f"{latest} names {d}, which is incomplete or corrupt: {why}; {fallback_hint(out, d)}")
+    return d
+
+def write_latest(out, name):
+    """<out>/latest := name, atomically (written aside, synced, then renamed): it never names a partial checkpoint."""
+    tmp = os.path.join(out, "latest.tmp")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, "latest"))
+
+def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
+    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically; then <out>/latest
+    is switched to it (atomically too), so latest never names a partial checkpoint."""
+    path = save_drafter(drafter, os.path.join(out, f"step_{step}"), save_dtype, extra_files={
+        "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
+    write_latest(out, os.path.basename(path))
     return path
 
 
@@ -494,32 +768,62 @@ def find_decoder(model):
     raise DFlashError(f"cannot find the decoder layers of {type(model).__name__}: no submodule holds `layers`, "
                       f"`norm` and the input embedding")
 
+def load_tokenizer(name, trust_remote_code=False):
+    """The target's tokenizer, or None when it has none (a target without one still works with pre-tokenized data;
+    transformers 5 returns an empty stand-in when the directory has no tokenizer files)."""
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError):
+        return None
+    return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
+
+def target_load_error(name, e):
+    """One line for a target that cannot be loaded, naming its corrupt weight file or index when it is local."""
+    from safetensors import safe_open
+    for f in sorted(os.listdir(name)) if os.path.isdir(name) else []:
+        path = os.path.join(name, f)
+        try:
+            if f.endswith(".safetensors"):
+                with safe_open(path, "pt"):
+                    pass
+            elif f.endswith(".safetensors.index.json"):
+                weight_map = read_json(path, "safetensors index").get("weight_map")
+                need(isinstance(weight_map, dict), f"{path}: no weight_map; the index is corrupt")
+        except Exception as bad:  # safetensors' own error types, or read_json's one line
+            return DFlashError(f"cannot load target {name!r}: {path} is truncated or garbage ({first_line(bad)})")
+    return DFlashError(f"cannot load target {name!r}: {first_line(e)}")
+
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
-    """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise."""
+    """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise.
+    device "meta": built from config.json alone (no weights read), for the memory plan."""
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if (name.startswith((".", "/", "~")) or os.path.exists(name)) and not os.path.isfile(f"{name}/config.json"):
-        raise DFlashError(f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
+    need(not ((name.startswith((".", "/", "~")) or os.path.exists(name)) and not os.path.isfile(f"{name}/config.json")),
+         f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
     try:
-        model = model_loader(device)(name, dtype=dtype, trust_remote_code=trust_remote_code)  # meta: config only
-    except target_load_errors() as e:  # a missing, corrupt (truncated, garbage) or unsupported target
+        if str(device) == "meta":
+            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         raise target_load_error(name, e) from None
     model.to(device).eval().requires_grad_(False)
-    tokenizer = load_tokenizer(name, trust_remote_code)  # None: pre-tokenized data only
-    if model.get_output_embeddings() is None:
-        raise DFlashError(f"target {name!r} has no lm_head (get_output_embeddings() is None)")
+    need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head (get_output_embeddings() is None)")
     return Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
-                  tokenizer, name)
+                  load_tokenizer(name, trust_remote_code), name)
 
 def check_compatible(cfg, target, where="drafter"):
     """A drafter made for another target must fail loudly, not draft garbage."""
     for what, ours, theirs in (("hidden size", cfg.hidden_size, target.hidden_size),
                                ("vocab", cfg.vocab_size, target.vocab_size),
                                ("num_target_layers", cfg.num_target_layers, target.num_layers)):
-        if ours != theirs:
-            raise DFlashError(f"{where} {what} {ours} != the target's {theirs}; the drafter was made for another "
-                              f"target")
-    check_target_layer_ids(cfg.target_layer_ids, target.num_layers)
+        need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; the drafter was made for another "
+             f"target")
 
 @contextmanager
 def capture_hidden(target, layer_ids):
@@ -543,7 +847,9 @@ def target_features(target, input_ids, layer_ids):
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
 
-def vocab_chunk(vocab_size, budget=2**27):
+MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
+
+def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]
     logits never exist at once (V = 248320 for Qwen3.5/3.6)."""
     return max(1, budget // vocab_size)
@@ -561,6 +867,103 @@ def greedy_labels(final, lm_head, chunk=None):
 
 # -----------------------------------------------------------------------------
 # Data: JSONL -> (input_ids, loss_mask) per sample; one sample per row (HF targets do not separate packed samples)
+
+def read_jsonl(path, what, hint=""):
+    """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line.
+    A gzip-compressed file (.jsonl.gz, found by its magic bytes) is read transparently."""
+    need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
+    try:
+        with open(path, "rb") as f:
+            gz = f.read(2) == b"\x1f\x8b"
+        with gzip.open(path, "rb") if gz else open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    raise DFlashError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
+                except ValueError as e:
+                    raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") \
+                        from None
+    except (OSError, EOFError) as e:  # unreadable, or a truncated gzip stream
+        raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}") \
+            from None
+
+def check_ids(ids, vocab_size, where):
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise DFlashError(f"{where}: input_ids must be a list of integers")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None) if vocab_size else None
+    if bad is not None:
+        raise DFlashError(f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
+    return ids
+
+def mix_seed(*keys):
+    """A 63-bit seed from a tuple of ints: randomness keyed by (seed, epoch, sample) rather than by rank, so any
+    split of the global batch over ranks and micro-steps draws the same anchors and noise."""
+    h = 1469598103934665603
+    for k in keys:
+        h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+def template_kwargs(tokenizer, enable_thinking):
+    """Pass enable_thinking through only when it is set and the chat template reads it (training and eval alike)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
+
+def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+def chat_sample(messages, tokenizer, kw, eos, where):
+    """(ids, mask) of a conversation, mask 1 exactly on what the target generates for each assistant turn k: from the
+    end of its generation prompt through the eos token that stops generation. Turns are located inside the full
+    rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the assistant turn after the
+    last user message with a think block and earlier ones without."""
+    def render(msgs, gen=False):
+        try:
+            return chat_ids(tokenizer, msgs, add_generation_prompt=gen, **kw)
+        except Exception as e:  # the template's raise_exception, or a message it cannot render
+            raise DFlashError(f"{where}: the chat template fails on the first {len(msgs)} messages: "
+                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+
+    def ambiguous(k, why):
+        return DFlashError(f"{where}: assistant turn {k}: {why}, so its loss mask is ambiguous; split the "
+                           f"conversation into one sample per assistant turn")
+    full = render(messages)
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    contexts = [render(messages[:k]) for k in turns] + [full]  # each must be a prefix of the full rendering
+    mask = [0] * len(full)
+    for i, k in enumerate(turns):
+        context, gen = contexts[i], render(messages[:k], gen=True)
+        if full[:len(context)] != context:
+            raise ambiguous(k, "the template renders the turns before it differently inside the whole conversation")
+        # what the generation prompt shares with the turn is context (an empty think block when thinking is off);
+        # the rest is generated. An earlier turn rendered without that block starts at its content.
+        start = next((j for j, (a, b) in enumerate(zip(gen, full)) if a != b), min(len(gen), len(full)))
+        if start < len(context):
+            raise ambiguous(k, "the generation prompt rewrites the conversation before it")
+        # the turn ends at the first eos token, searched no further than the next assistant turn's context
+        end = next((j + 1 for j in range(start, len(contexts[i + 1])) if full[j] in eos), None)
+        if end is None:  # no end-of-turn token: the turn's own rendering ends it, if that is part of the whole
+            own = render(messages[:k + 1])
+            if full[:len(own)] != own or len(own) <= start:
+                raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently "
+                                   f"as the last turn (pass the target's eos ids)")
+            end = len(own)
+        mask[start:end] = [1] * (end - start)
+    return full, mask
+
+def show_data(samples, tokenizer, n, file=None):
+    """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
+    file = file or sys.stdout
+    decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
+    for i, (ids, mask) in enumerate(samples[:n]):
+        runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
+        anchors = sum(a and b for a, b in zip(mask, mask[1:]))
+        print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {anchors} usable anchors", file=file)
+        print("".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file)
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
     """One JSONL record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
@@ -619,6 +1022,14 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
     if skipped:
         log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
+
+def split_eval(samples, eval_fraction, seed):
+    """A deterministic held-out split (the same on every rank): (train, eval)."""
+    n_eval = int(len(samples) * eval_fraction)
+    if eval_fraction > 0 and n_eval == 0 and len(samples) > 1:
+        n_eval = 1
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
 
 def collate(samples, pad_id, keys=None):
     """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
@@ -790,12 +1201,139 @@ def dflash_loss(drafter, target, batch, anchors, anchor_valid, gamma=4.0, noise_
 
 STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
 
+def add_stats(total, stats):
+    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
+
+def all_reduce_sum(stats, world):
+    if world > 1:
+        for v in stats.values():
+            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return stats
 
 def summarize(stats):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
     return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
             "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:]}
+
+
+# -----------------------------------------------------------------------------
+# The exact tau walk (eval.py, and `eval_walk_tau` in training's held-out evaluation)
+#
+# Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
+# tau is computed without a decode loop (and without rolling back a hybrid target's recurrent state): the target
+# generates s once per prompt, one hooked pass over prompt + s gives every context feature, the drafter drafts the
+# block anchored at every position of s at once (each block sees only the context before its anchor, by the mask
+# rule), and tau_walk walks those blocks along s.
+
+def accepted_prefix(drafts, truth):
+    """Number of leading drafts equal to the truth (compared only where the truth exists)."""
+    n = 0
+    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
+        n += 1
+    return n
+
+def tau_walk(continuation, drafts):
+    """Acceptance lengths of greedy speculative decoding along the target's greedy continuation.
+
+    continuation s: the n tokens the target generates; s[0] comes with the prefill, so the first block is anchored
+    at s[0]. drafts[k]: the tokens drafted by the block anchored at s[k] (they predict s[k+1], s[k+2], ...), looked up
+    only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
+    equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
+    The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
+    lengths, k = [], 0
+    while k < len(continuation) - 1:
+        d = drafts[k]
+        accepted = accepted_prefix(d, continuation[k + 1:k + 1 + len(d)])
+        lengths.append(accepted + 1)
+        k += accepted + 1
+    return lengths
+
+def step_anchors(lengths):
+    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
+    return list(itertools.accumulate(lengths, initial=0))[:-1]
+
+@torch.no_grad()
+def greedy_continuation(target, prompt, max_new_tokens, eos):
+    """The target's own cached greedy generation (hooks not active): up to max_new_tokens tokens, stopping after an
+    eos token. Logits processors that would move the argmax (a repetition penalty in a hub generation_config, ...)
+    are switched off: greedy verification accepts the plain argmax."""
+    ids = torch.tensor([prompt], device=target.lm_head.weight.device)
+    eos = sorted(eos)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                min_new_tokens=0)
+    return out[0, len(prompt):].tolist()
+
+def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
+    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
+    the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
+    is formed, with the (B, S+B) mask (and the mask rule's integer intermediates) beside them; flex never
+    materialises scores, so only the MLP and the logits grow with the number of blocks."""
+    B = cfg.block_size
+    per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
+    if attention == "dense":
+        per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
+    return max(1, budget // per_anchor)
+
+@torch.no_grad()
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET):
+    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
+    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids, row k for anchor first+k."""
+    cfg, flex = drafter.cfg, drafter.attention == "flex"
+    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
+    anchors = torch.arange(first, S - 1, device=ids.device)
+    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
+        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
+        pad = padded_length(S) - S
+        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
+    S_ctx = context_features.shape[1]
+    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
+    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
+    out = []
+    for c in range(0, len(anchors), chunk):
+        a = anchors[c:c + chunk]
+        n = len(a)
+        valid = torch.ones(n, dtype=torch.bool, device=ids.device)
+        if flex and n < chunk:
+            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
+        x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
+        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
+        out.append(target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype)).argmax(-1))  # (n, B-1)
+    return torch.cat(out) if out else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+
+def walk_prompts(samples, num_prompts):
+    """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
+    that have one."""
+    return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
+
+def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
+    """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
+    and the target's greedy continuation of each (num_tokens at most), generated here once. Rank r takes prompts
+    r, r + world, ..."""
+    if not num_prompts:
+        return None
+    mine = walk_prompts(samples, num_prompts)[rank::world]
+    return mine, [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine]
+
+@torch.no_grad()
+def walk_tau(drafter, target, walk, world):
+    """Pooled tau of the walk over every rank's prompts: each rank walks its own, then the total of acceptance
+    lengths and the number of steps are summed over ranks. None if no steps or the walk is off (walk None, the
+    same on every rank)."""
+    if walk is None:
+        return None
+    dev = target.lm_head.weight.device
+    total = torch.zeros(2, device=dev)  # sum of acceptance lengths, steps
+    for prompt, continuation in zip(*walk):
+        ids = torch.tensor([prompt + continuation], device=dev)
+        features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
+        lengths = tau_walk(continuation, draft_every_anchor(drafter, target, features, ids, len(prompt)).tolist())
+        total += torch.tensor([sum(lengths), len(lengths)], device=dev)
+    if world > 1:
+        dist.all_reduce(total)
+    return (total[0] / total[1]).item() if total[1] > 0 else None
 
 
 # -----------------------------------------------------------------------------
@@ -821,18 +1359,13 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     n = num_draft_layers
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
-    if mask_token_id is None:
-        raise DFlashError("no mask token: the target's tokenizer defines none; pass --mask_token_id "
-                          "(248070 for Qwen3.5/3.6, 151669 for Qwen3)")
-    if layer_types:
-        layer_types = [LAYER_TYPES.get(t, t) for t in layer_types]  # sliding|full, or the config names
-    else:
-        layer_types = ["sliding_attention" if sliding_window and i < n - 1 else "full_attention" for i in range(n)]
+    need(mask_token_id is not None, "no mask token: the target's tokenizer defines none; pass --mask_token_id "
+         "(248070 for Qwen3.5/3.6, 151669 for Qwen3)")
+    layer_types = layer_types or ["sliding_attention" if sliding_window and i < n - 1 else "full_attention"
+                                  for i in range(n)]
     ids = target_layer_ids or default_target_layer_ids(target.num_layers, n)
-    if not target_layer_ids and len(set(ids)) < len(ids):
-        raise DFlashError(f"the default target_layer_ids {ids} for a {target.num_layers}-layer target and {n} drafter "
-                          f"layers repeat a layer; pass --target_layer_ids explicitly")
-    check_target_layer_ids(ids, target.num_layers)
+    need(target_layer_ids or len(set(ids)) == len(ids), f"the default target_layer_ids {ids} for a "
+         f"{target.num_layers}-layer target and {n} drafter layers repeat a layer; pass --target_layer_ids explicitly")
     return DFlashConfig(
         hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
         num_hidden_layers=n, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
@@ -864,7 +1397,10 @@ def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw)
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, **loss_kw):
     """Held-out loss and tau estimate on every rank (its shard), combined by summing numerators/denominators.
     Anchors are keyed by the sample's index in the eval set: the same blocks whatever the number of ranks."""
-    total, mine = None, list(range(rank, len(samples), world))
+    B = drafter.cfg.block_size
+    z = torch.zeros((), device=target.lm_head.weight.device)
+    total = {k: z.new_zeros(B if k in ("correct", "count") else ()) for k in STAT_KEYS}  # a rank may have none
+    mine = list(range(rank, len(samples), world))
     for s in range(0, len(mine), batch_size):
         idx = mine[s:s + batch_size]
         fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
@@ -872,236 +1408,314 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
                         keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
         anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
         total = add_stats(total, dflash_loss(drafter, target, batch, anchors, valid, **{**loss_kw, "noise_std": 0})[1])
-    if total is None:  # a rank without eval samples still joins the all-reduce, with zeros
-        z, B = torch.zeros((), device=target.lm_head.weight.device), drafter.cfg.block_size
-        total = {k: z.new_zeros(B if k in ("correct", "count") else ()) for k in STAT_KEYS}
     return summarize(all_reduce_sum(total, world))
 
-def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
-    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically; then <out>/latest
-    is switched to it (atomically too), so latest never names a partial checkpoint."""
-    path = save_drafter(drafter, os.path.join(out, f"step_{step}"), save_dtype, extra_files={
-        "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
-    write_latest(out, os.path.basename(path))
-    return path
+class StopFlag:
+    """Inside `with StopFlag() as stop`, SIGTERM/SIGINT set stop.requested: the loop finishes the current step,
+    saves and exits. A second signal kills."""
 
-def read_train_state(resume_dir, cfg, global_batch):
-    """The training state of a checkpoint to resume, checked against this run."""
-    saved = read_drafter_config(resume_dir)
-    for k, v in asdict(cfg).items():
-        if getattr(saved, k) != v:
-            raise DFlashError(f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, this run has "
-                              f"{getattr(cfg, k)}; use the original target and flags, or a new --out")
-    state = read_train_state_file(resume_dir)
-    if state["global_batch"] != global_batch:
-        raise DFlashError(f"cannot resume {resume_dir}: global batch was {state['global_batch']}, now "
-                          f"{global_batch}; keep batch_size x grad_accum x ranks the same")
-    return state
+    def __enter__(self):
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        return self
 
-@dataclass
-class Run:
-    """What the training loop works on, built by train() from the command line."""
-    args: argparse.Namespace
-    rank: int
-    world: int
-    device: torch.device
-    target: Target
-    drafter: DFlashDrafter      # the raw module: saved and evaluated
-    model: nn.Module            # what the step runs: the drafter, compiled and/or wrapped in DDP
-    optimizer: torch.optim.Optimizer
-    batches: Batches
-    eval_samples: list
-    total_steps: int
-    loss_kw: dict               # gamma, noise_std, labels, pad_to: passed to dflash_loss
-    step: int = 0
-    bad_steps: int = 0          # consecutive non-finite steps
-    walk: tuple | None = None   # this rank's walk prompts and their greedy continuations (held_out_walk)
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
-    def print0(self, *a):
-        if self.rank == 0:
-            from tqdm import tqdm
-            tqdm.write(" ".join(str(x) for x in a))
+    def _handler(self, signum, frame):
+        if self.requested:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.requested = True
 
-    def log(self, record):
-        if self.rank == 0:
-            with open(os.path.join(self.args.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def evaluate(self, step):
-        if not self.eval_samples:
-            return
-        a = self.args
-        self.drafter.eval()
-        m = evaluate(self.drafter, self.target, self.eval_samples, a.batch_size, a.num_anchors,
-                     self.batches.pad_id, a.seed, self.rank, self.world, **self.loss_kw)
-        wt = walk_tau(self.drafter, self.target, self.walk, self.world, target_features, padded_length)
-        self.drafter.train()
-        self.print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-                    + (f"  walked tau {wt:.3f}" if wt is not None else ""))
-        self.log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"],
-                  "eval_walk_tau": wt})
-
-    def save(self, step):
-        rng = [torch.get_rng_state()]
-        if self.world > 1:
-            rng = [None] * self.world
-            dist.all_gather_object(rng, torch.get_rng_state())
-            getattr(self.optimizer, "consolidate_state_dict", lambda to: None)(to=0)  # --zero: the full state on rank 0
-        if self.rank == 0:
-            p = save_checkpoint(self.args.out, step, self.drafter, self.optimizer, SAVE_DTYPES[self.args.save_dtype],
-                                {"args": vars(self.args), "rng": rng, "global_batch": self.batches.global_batch,
-                                 "bad_steps": self.bad_steps, "epoch": step // self.batches.steps_per_epoch})
-            self.print0(f"saved {p}")
-        if self.world > 1:
-            dist.barrier()
-
-def optimizer_step(run, total, step):
-    """Clip, then update unless the loss or the gradient is not finite (then skip; stop after too many)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.drafter.parameters(), run.args.grad_clip)
-    loss = total["ce_w"] / total["w"].clamp(min=1e-9)
-    if torch.isfinite(loss) and torch.isfinite(grad_norm):
-        run.bad_steps = 0
-        run.optimizer.step()
-    else:  # grads are all-reduced and the loss summed, so every rank takes this branch together
-        run.bad_steps += 1
-        run.print0(f"step {step + 1}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the "
-                   f"update ({run.bad_steps} in a row)")
-        if run.bad_steps >= run.args.max_bad_steps:
-            raise DFlashError(f"{run.bad_steps} consecutive non-finite steps (last at step {step + 1}); lower --lr or "
-                              f"check the data; the last good checkpoint is in {run.args.out}")
-    run.optimizer.zero_grad(set_to_none=True)
-    return grad_norm.item()
-
-def train_loop(run):
-    """The loop: lr schedule, one step, logging, held-out evaluation, checkpoints, SIGTERM -> save and exit."""
-    from tqdm import tqdm
-    args, cfg = run.args, run.drafter.cfg
-    stop = StopFlag()
+def pick_device(flag, local_rank=0):
+    """--device, or cuda:LOCAL_RANK when CUDA is there, else cpu; a device that is not there is one error line."""
     try:
-        run.drafter.train()
-        if run.step == 0:
-            run.evaluate(0)
-        start = run.step
-        bar = tqdm(range(start, run.total_steps), initial=start, total=run.total_steps, desc="train",
-                   disable=run.rank != 0, dynamic_ncols=True)
-        t_last, tokens, first = time.time(), 0, True
-        for step in bar:
-            t0, lr = time.time(), lr_at(step, run.total_steps, args.lr, args.warmup_ratio)
-            for g in run.optimizer.param_groups:
-                g["lr"] = lr
-            micro = [run.batches.get(step, m) for m in range(args.grad_accum)]
-            total = train_step(run.model, run.target, cfg, micro, args.num_anchors, run.world, **run.loss_kw)
-            tokens += total["tokens"].item()  # all ranks' tokens, exactly
-            grad_norm = optimizer_step(run, total, step)
-            if first:
-                run.print0(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
-                first = False
-            done = run.step = step + 1
-            if done % args.log_every == 0 or done == run.total_steps:
-                m, tok_s, mem = summarize(total), tokens / max(time.time() - t_last, 1e-9), peak_memory_mb(run.device)
-                run.print0(f"step {done}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr "
-                           f"{lr:.2e}  grad {grad_norm:.2f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MB")
-                run.log({"step": done, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                         "grad_norm": grad_norm, "tokens_per_s": tok_s, "peak_mb": mem})
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
-                t_last, tokens = time.time(), 0
-            if args.eval_every and done % args.eval_every == 0 and done != run.total_steps:
-                run.evaluate(done)
-            flag = torch.tensor(float(stop.requested), device=run.device)
-            if run.world > 1:  # all ranks agree to stop after the same step
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                run.save(done)
-                run.print0(f"interrupted after step {done}; resume with the same command plus --resume")
-                break
-            if args.save_every and done % args.save_every == 0 and done != run.total_steps:
-                run.save(done)
-        else:
-            if run.total_steps > start or not latest_checkpoint(args.out):
-                run.evaluate(run.total_steps)
-                run.save(run.total_steps)
-        bar.close()
-    finally:
-        stop.restore()
+        device = torch.device(flag or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise DFlashError(f"--device {flag!r} is not a device name (cpu, cuda, cuda:N)") from None
+    need(device.type in ("cpu", "cuda"), f"--device {flag!r}: only cpu and cuda devices are supported")
+    if device.type == "cuda":
+        need(torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
+             f"--device {device} is not available here ({torch.cuda.device_count()} CUDA devices"
+             f"{'' if torch.cuda.is_available() else '; this torch build has no CUDA'})")
+        torch.cuda.set_device(device)
+    return device
 
-def drafter_config(args, target):
-    """--init_from's config.json, or a new config from the flags (DRAFTER_FLAGS); checked against the target."""
-    cfg = read_drafter_config(args.init_from) if args.init_from else \
-        new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, target)
-    return cfg
+def setup_distributed(device_flag):
+    """The same script under `python` (one process) and `torchrun` (DDP: gloo on CPU, nccl on CUDA)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = pick_device(device_flag, int(os.environ.get("LOCAL_RANK", 0)))
+    if world > 1 and not dist.is_initialized():  # the demo may have started it
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+def peak_memory_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+def check_out_dir(out):
+    """--out: a directory that can be created or written, with nothing but files where latest and metrics.jsonl go."""
+    need(out, "--out is empty; give a directory")
+    need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
+    parent = out
+    while not os.path.exists(parent):
+        parent = os.path.dirname(os.path.abspath(parent))
+    need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
+         f"--out {out!r} cannot be written ({parent!r} is not a writable directory)")
+    for name in ("latest", "metrics.jsonl"):
+        p = os.path.join(out, name)
+        need(not os.path.exists(p) or os.path.isfile(p),
+             f"--out {out!r}: {p} is in the way (not a file); remove it or give another --out")
 
 def train(args):
-    """Set up the run from the command line (target, drafter, data, optimizer, resume), then train_loop()."""
-    missing = [f"--{k}" for k in ("target",) + (() if args.plan else ("data",)) if not getattr(args, k)]
-    if missing:
-        raise DFlashError(f"{missing[0]} is required (or run `python dflash.py` with no arguments for the demo)")
+    """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
+    log, held-out eval, save, stop on SIGTERM), the end (final eval and checkpoint). Returns drafter, cfg, target."""
+    # --- set-up: everything that can be checked without loading weights is checked first
+    need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
+    need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     rank, world, device = setup_distributed(args.device)
-    check_writable_dir(args.out, "--out")
-    resume_dir = check_run_dir(args.out, args.resume)  # with --resume: <out>/latest, checked complete
-    args.init_from = args.init_from and resolve_drafter(args.init_from, "--init_from")  # a directory or a hub id
-    if args.plan or device.type == "cuda":  # the memory plan, from the configs alone, before any weights load
-        meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
-        plan = drafter_config(args, meta)
-        memory_plan(vars(args), asdict(plan), expected_shapes(plan), meta, world, device, DFlashError)  # --plan: exits
+    master = rank == 0
+    print0 = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
+    check_out_dir(args.out)
+    resume_dir, state = None, None
+    if args.resume:
+        try:
+            resume_dir = latest_checkpoint(args.out)
+        except DFlashError as e:
+            raise DFlashError(f"--resume: {e}") from None
+        need(resume_dir, f"--resume: no checkpoint in {args.out!r} (no {os.path.join(args.out, 'latest')}); drop "
+             f"--resume to start")
+        state = read_train_state(resume_dir)
+    init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
+    if args.plan or device.type == "cuda":
+        memory_plan(args, init_from, world, device)  # from the configs alone, before any weights load
+
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
-    print0, tok = print if rank == 0 else lambda *a: None, target.tokenizer
+    tok = target.tokenizer
     data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
                    vocab_size=target.vocab_size)
     samples = load_samples(args.data, tok, args.max_len, **data_kw)
     if args.show_data:  # look at the loss masks before spending anything on training
-        return show_data(samples, tok, args.show_data) if rank == 0 else None
-    cfg = drafter_config(args, target)
-    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
-    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-
+        return show_data(samples, tok, args.show_data) if master else None
+    cfg = read_drafter_config(init_from) if init_from else \
+        new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+    check_compatible(cfg, target)
     if args.eval_data:
         train_samples, eval_samples = samples, load_samples(args.eval_data, tok, args.max_len, **data_kw)
     else:
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
-    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
-                      getattr(tok, "pad_token_id", None) or 0)
+    pad_id = getattr(tok, "pad_token_id", None) or 0
+    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed, pad_id)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
+    if state:  # the checkpoint must be this run's: same drafter, same global batch (the data order depends on it)
+        saved = read_drafter_config(resume_dir)
+        for k, v in asdict(cfg).items():
+            need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
+                 f"this run has {v}; use the original target and flags, or a new --out")
+        need(state["global_batch"] == batches.global_batch, f"cannot resume {resume_dir}: global batch was "
+             f"{state['global_batch']}, now {batches.global_batch}; keep batch_size x grad_accum x ranks the same")
 
+    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
+    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    if args.init_from:
-        drafter = load_drafter(args.init_from, device, attention=attention)
-    else:
-        drafter = DFlashDrafter(cfg, attention).to(device)
+    drafter = load_drafter(resume_dir or init_from, device, attention=attention) if resume_dir or init_from else \
+        DFlashDrafter(cfg, attention).to(device)
     drafter.grad_checkpoint = args.grad_checkpoint
-    optimizer = make_optimizer(drafter.parameters(), args.zero and world > 1, lr=args.lr, betas=(0.9, 0.95),
-                               weight_decay=args.weight_decay, fused=device.type == "cuda")
-    state = read_train_state(resume_dir, cfg, batches.global_batch) if resume_dir else None
+    opt_kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
+    if args.zero and world > 1:  # --zero: AdamW's moments split over the ranks
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **opt_kw)
+    else:
+        optimizer = torch.optim.AdamW(drafter.parameters(), **opt_kw)
     if state:
-        drafter.load_state_dict(load_drafter(resume_dir, device).state_dict())
         optimizer.load_state_dict(state["optimizer"])
-        if rank < len(state["rng"]):
-            torch.set_rng_state(state["rng"][rank])
         print0(f"resumed from {resume_dir} at step {state['step']}")
-    torch.manual_seed(args.seed + rank)
     model = torch.compile(drafter) if compile_ else drafter
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels,
+                   pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
     print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
            f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
            f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} eval "
            f"samples; {total_steps} steps of {batches.global_batch} samples; attention {attention}, compile "
            f"{compile_}, {world} rank(s) on {device.type}")
-    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
-    run = Run(args, rank, world, device, target, drafter, model, optimizer, batches, eval_samples, total_steps,
-              dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, pad_to=pad_to),
-              step=state["step"] if state else 0, bad_steps=state.get("bad_steps", 0) if state else 0,
-              walk=held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world))
-    train_loop(run)
+
+    def log(record):
+        if master:
+            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def held_out(step):
+        if not eval_samples:
+            return
+        drafter.eval()
+        m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank,
+                     world, **loss_kw)
+        wt = walk_tau(drafter, target, walk, world)
+        drafter.train()
+        print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+               + (f"  walked tau {wt:.3f}" if wt is not None else ""))
+        log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"], "eval_walk_tau": wt})
+
+    def save(step):
+        if world > 1:  # --zero: the whole optimizer state gathered on rank 0
+            getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
+        if master:
+            p = save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype],
+                                {"args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps})
+            print0(f"saved {p}")
+        if world > 1:
+            dist.barrier()
+
+    # --- the loop
+    step = start = state["step"] if state else 0
+    bad_steps = state["bad_steps"] if state else 0  # consecutive non-finite steps
+    stopped = False
+    drafter.train()
+    if step == 0:
+        held_out(0)
+    t_last, tokens = time.time(), 0
+    with StopFlag() as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
+                                  dynamic_ncols=True) as bar:
+        while step < total_steps and not stopped:
+            t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            micro = [batches.get(step, m) for m in range(args.grad_accum)]
+            total = train_step(model, target, cfg, micro, args.num_anchors, world, **loss_kw)
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
+            loss = total["ce_w"] / total["w"].clamp(min=1e-9)
+            if torch.isfinite(loss) and torch.isfinite(grad_norm):
+                bad_steps = 0
+                optimizer.step()
+            else:  # grads are all-reduced and the loss summed, so every rank takes this branch together
+                bad_steps += 1
+                print0(f"step {step + 1}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the "
+                       f"update ({bad_steps} in a row)")
+                need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step "
+                     f"{step + 1}); lower --lr or check the data; the last good checkpoint is in {args.out}")
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            bar.update(1)
+            tokens += total["tokens"].item()  # all ranks' tokens, exactly
+            if step == start + 1:
+                print0(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
+            if step % args.log_every == 0 or step == total_steps:
+                m, tok_s, mem = summarize(total), tokens / max(time.time() - t_last, 1e-9), peak_memory_mb(device)
+                print0(f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+                       f"grad {grad_norm.item():.2f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MB")
+                log({"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
+                     "grad_norm": grad_norm.item(), "tokens_per_s": tok_s, "peak_mb": mem})
+                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
+                t_last, tokens = time.time(), 0
+            if args.eval_every and step % args.eval_every == 0 and step != total_steps:
+                held_out(step)
+            flag = torch.tensor(float(stop.requested), device=device)
+            if world > 1:  # all ranks agree to stop after the same step
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stopped = bool(flag.item())
+            if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
+                save(step)
+
+    # --- the end
+    if stopped:
+        print0(f"interrupted after step {step}; resume with the same command plus --resume")
+    elif step > start:  # (a resumed run that had already finished has nothing left to do)
+        held_out(step)
+        save(step)
     if world > 1:
         dist.destroy_process_group()
     return drafter, cfg, target
 
+def memory_plan(args, init_from, world, device):
+    """The memory plan (dflash_tools/plan.py): --plan prints it and exits; a CUDA run prints it and stops early if
+    it cannot fit. The plan is an optional extra: a CUDA run without dflash_tools/ goes on without it."""
+    if not args.plan and not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools",
+                                                         "plan.py")):
+        return
+    plan = import_tool("plan", "--plan")
+    meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+    cfg = read_drafter_config(init_from) if init_from else \
+        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+    plan.memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
+
+def import_tool(name, flag):
+    """An optional extra from dflash_tools/ (the tools import this file as `dflash`), or one error line without it."""
+    sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
+    try:
+        return importlib.import_module(f"dflash_tools.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("dflash_tools", f"dflash_tools.{name}"):
+            raise
+        raise DFlashError(f"{flag} needs dflash_tools/{name}.py, which is not beside {os.path.basename(sys.argv[0])}; "
+                          f"copy the dflash_tools folder next to it") from None
+
 
 # -----------------------------------------------------------------------------
-# Command line: every flag is checked once, here, where it enters (its valid range is in its --help)
+# Command line: every flag is checked once, here, where it enters
+
+def number(kind, lo, open_lo=False, hi=None):
+    """An argparse type: a finite int (kind int) or float >= lo (> lo when open_lo; <= hi when given: fractions).
+    Its rule, in words, is `.text` (what the error says)."""
+    text = f"{'an integer' if kind is int else 'a number'} {'>' if open_lo else '>='} {lo}" + \
+        (f" and <= {hi}" if hi is not None else "")
+
+    def parse(s):
+        try:
+            v = kind(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and (hi is None or v <= hi)):
+            raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {text}")
+        return v
+
+    parse.text = text
+    return parse
+
+def int_list(s):
+    try:
+        return [int(x) for x in s.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+
+def layer_type_list(s):
+    """--layer_types: comma-separated sliding|full (or their config names) -> the config names."""
+    types = [LAYER_TYPES.get(t.strip(), t.strip()) for t in s.split(",")]
+    bad = next((t for t in types if t not in LAYER_TYPES.values()), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"{s!r}: unknown layer type {bad!r}; give a comma-separated list of "
+                                         f"sliding|full, one per drafter layer")
+    return types
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Each flag's default after its help, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h and action.option_strings:
+            h += f" (default: {action.default})"
+        return h
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error."""
+
+    def __init__(self, **kw):
+        super().__init__(formatter_class=HelpFormatter, **kw)
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    def add(self, group, name, kind, default, help, lo=0, open_lo=False, hi=None):
+        group.add_argument(name, type=number(kind, lo, open_lo, hi), default=default, help=help)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -1109,53 +1723,51 @@ DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_laye
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
 
 def get_parser():
-    p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
     a = p.add_argument
     a("--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
-    a("--data", help="training JSONL: messages | prompt+response | text | input_ids(+loss_mask) per line")
+    a("--data", help="training JSONL (.jsonl or .jsonl.gz): messages | prompt+response | text | input_ids(+loss_mask) "
+      "per line")
     a("--out", default="out", help="output directory for checkpoints and metrics.jsonl")
     a("--init_from", default=None, help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
     a("--resume", action="store_true", help="continue from <out>/latest")
-    a("--demo", action="store_true", help="the CPU demo (also what runs with no arguments)")
+    a("--demo", action="store_true", help="the CPU demo (also what runs with no arguments; needs dflash_tools/)")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    p.add(g, "--num_draft_layers", int, 5, "drafter decoder layers", lo=1, hi=256)
-    p.add(g, "--block_size", int, 16, "B: one anchor token + B-1 drafted tokens", lo=2, hi=1024)
+    p.add(g, "--num_draft_layers", int, 5, "drafter decoder layers", lo=1)
+    p.add(g, "--block_size", int, 16, "B: one anchor token + B-1 drafted tokens", lo=2)
     g.add_argument("--target_layer_ids", type=int_list, default=None,
                    help="comma-separated target layers feeding the context (default: spread from 1 to L-3)")
-    p.add(g, "--mask_token_id", int, None, "mask token id (default: the tokenizer's)", lo=0, hi=2**31 - 1)
-    p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)", lo=0, hi=2**30)
+    p.add(g, "--mask_token_id", int, None, "mask token id (default: the tokenizer's)")
+    p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)")
     g.add_argument("--layer_types", type=layer_type_list, default=None,
                    help="comma-separated sliding|full per layer (default: all sliding but the last)")
-    p.add(g, "--num_heads", int, 32, "attention heads", lo=1, hi=1024)
-    p.add(g, "--num_kv_heads", int, 8, "key/value heads (GQA)", lo=1, hi=1024)
-    p.add(g, "--head_dim", int, 128, "head dimension (even: RoPE rotates pairs)", lo=2, hi=1024)
-    p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1, hi=2**20)
+    p.add(g, "--num_heads", int, 32, "attention heads", lo=1)
+    p.add(g, "--num_kv_heads", int, 8, "key/value heads (GQA)", lo=1)
+    p.add(g, "--head_dim", int, 128, "head dimension (even: RoPE rotates pairs)", lo=2)
+    p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1)
     g = p.add_argument_group("data and loss")
-    p.add(g, "--max_len", int, 3072, "truncate samples to this many tokens", lo=2, hi=2**20)
+    p.add(g, "--max_len", int, 3072, "truncate samples to this many tokens", lo=2)
     g.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template if it reads enable_thinking, as eval.py does (default: its own)")
     p.add(g, "--show_data", int, 0, "print the first N encoded samples with their loss spans in [[...]], then exit "
-          "(0: train)", lo=0, hi=10**9)
-    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data (0: no held-out evaluation)", lo=0, hi=0.5)
+          "(0: train)")
+    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data (0: no held-out evaluation)", hi=0.5)
     a("--eval_data", default=None, help="held-out JSONL (instead of --eval_fraction)")
-    p.add(g, "--num_anchors", int, 512, "anchors (blocks) per sequence", lo=1, hi=2**16)
-    p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", lo=0, hi=10**6,
-          open_lo=True)
+    p.add(g, "--num_anchors", int, 512, "anchors (blocks) per sequence", lo=1)
+    p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", open_lo=True)
     g.add_argument("--labels", choices=["target", "data"], default="target",
                    help="target: the target's greedy token (teacher-forced); data: the data token")
-    p.add(g, "--noise_std", float, 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)",
-          lo=0, hi=10)
+    p.add(g, "--noise_std", float, 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)")
     g = p.add_argument_group("optimisation")
-    p.add(g, "--batch_size", int, 1, "sequences per rank per micro-step", lo=1, hi=2**16)
-    p.add(g, "--grad_accum", int, 4, "micro-steps per optimizer step", lo=1, hi=2**16)
-    p.add(g, "--lr", float, 6e-4, "peak learning rate (AdamW)", lo=0, hi=1, open_lo=True)
-    p.add(g, "--warmup_ratio", float, 0.04, "linear warmup fraction, then cosine to 0 (0: none)", lo=0, hi=1)
-    p.add(g, "--epochs", int, 6, "epochs (unless --max_steps)", lo=1, hi=10**6)
-    p.add(g, "--max_steps", int, 0, "optimizer steps (0: from --epochs)", lo=0, hi=10**9)
-    p.add(g, "--grad_clip", float, 1.0, "gradient norm clip", lo=0, hi=10**9, open_lo=True)
-    p.add(g, "--weight_decay", float, 0.0, "AdamW weight decay", lo=0, hi=1)
-    p.add(g, "--max_bad_steps", int, 10, "stop after this many consecutive non-finite steps", lo=1, hi=10**6)
+    p.add(g, "--batch_size", int, 1, "sequences per rank per micro-step", lo=1)
+    p.add(g, "--grad_accum", int, 4, "micro-steps per optimizer step", lo=1)
+    p.add(g, "--lr", float, 6e-4, "peak learning rate (AdamW)", open_lo=True)
+    p.add(g, "--warmup_ratio", float, 0.04, "linear warmup fraction, then cosine to 0 (0: none)", hi=1)
+    p.add(g, "--epochs", int, 6, "epochs (unless --max_steps)", lo=1)
+    p.add(g, "--max_steps", int, 0, "optimizer steps (0: from --epochs)")
+    p.add(g, "--grad_clip", float, 1.0, "gradient norm clip", open_lo=True)
+    p.add(g, "--weight_decay", float, 0.0, "AdamW weight decay")
+    p.add(g, "--max_bad_steps", int, 10, "stop after this many consecutive non-finite steps", lo=1)
     g = p.add_argument_group("system")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile the drafter (auto: on for CUDA, off on CPU)")
@@ -1167,27 +1779,29 @@ def get_parser():
                    help="checkpoint weights dtype (fp32 resumes exactly; bf16 halves the size)")
     g.add_argument("--device", default=None, help="device (default: cuda:LOCAL_RANK if available, else cpu)")
     g.add_argument("--trust_remote_code", action="store_true", help="allow the target's custom code")
-    p.add(g, "--seed", int, 0, "random seed", lo=0, hi=2**62)
-    p.add(g, "--log_every", int, 10, "log every N steps", lo=1, hi=10**9)
-    p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)", lo=0,
-          hi=10**9)
-    p.add(g, "--eval_walk_prompts", int, 16, "held-out prompts for the exact walked tau at each eval (0: off)", lo=0,
-          hi=10**6)
-    p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1, hi=2**20)
-    p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)", lo=0, hi=10**9)
+    p.add(g, "--seed", int, 0, "random seed")
+    p.add(g, "--log_every", int, 10, "log every N steps", lo=1)
+    p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)")
+    p.add(g, "--eval_walk_prompts", int, 16, "held-out prompts for the exact walked tau at each eval (0: off)")
+    p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1)
+    p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)")
     g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
-    add_plan_flags(p)  # --plan, --plan_world_size, --plan_gpu_gb, --zero, --grad_checkpoint
+    g = p.add_argument_group("memory")
+    g.add_argument("--zero", action="store_true",
+                   help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one process)")
+    g.add_argument("--grad_checkpoint", action="store_true",
+                   help="recompute each drafter layer in backward instead of keeping its activations")
+    g.add_argument("--plan", action="store_true", help="print the per-GPU memory plan from the target's and "
+                   "drafter's configs (no weights), then exit (needs dflash_tools/)")
+    p.add(g, "--plan_world_size", int, None, "ranks to plan for (default: this run's)", lo=1)
+    p.add(g, "--plan_gpu_gb", float, None, "memory per GPU in GB to plan for (default: this machine's)", open_lo=True)
     return p
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_parser().parse_args(argv)
     if args.demo or not argv:
-        # The demo lives in dflash_tools/ and imports this file; running it as its own program (same process, same
-        # environment, so torchrun's ranks carry over) keeps one instance of this module and no import cycle.
-        demo = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools", "demo.py")
-        sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, demo, *argv])
+        return run_main(lambda _: import_tool("demo", "the demo (dflash.py without arguments)").main(argv), args)
     return run_main(train, args)
 
 

@@ -38,11 +38,7 @@ import time
 import torch
 
 import dflash
-from dflash import DFlashError
-from dflash_tools import benchmarks, walk
-from dflash_tools.checks import check_output_file
-from dflash_tools.hub import resolve_drafter
-from dflash_tools.walk import MEMORY_BUDGET, accepted_prefix, greedy_continuation, step_anchors, tau_walk  # noqa: F401
+from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -137,7 +133,7 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
 
 
 # -----------------------------------------------------------------------------
-# The statistics of acceptance lengths (the walk itself: dflash_tools/walk.py, shared with dflash.py's training)
+# The statistics of acceptance lengths (the walk itself is dflash.tau_walk, shared with training)
 
 
 def acceptance_stats(lengths, block_size):
@@ -157,7 +153,7 @@ def acceptance_stats(lengths, block_size):
 # Drafters as eval sees them. Both kinds answer the same two questions:
 #   walk_drafts(target, prompt, continuation, features, num_drafts) -> drafts[k] for the block anchored at
 #       continuation[k] (the exact walk);
-#   start(prompt, first_token, features) / draft(anchor_token, num_drafts) / extend(tokens, features) (the loop).
+#   start(target, prompt, features) / draft(anchor_token, num_drafts) / accept(tokens, features) (the loop).
 # layer_ids: the target layers whose features the drafter reads ([] for prompt lookup).
 
 
@@ -279,11 +275,6 @@ def select_layers(features, union, layer_ids):
     if idx == list(range(len(union))):
         return features
     return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
-
-
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET):
-    """dflash_tools/walk.py's draft_every_anchor with flex's padding rule: (S-1-first, B-1) drafted ids."""
-    return walk.draft_every_anchor(drafter, target, context_features, ids, first, dflash.padded_length, budget)
 
 
 # -----------------------------------------------------------------------------
@@ -446,6 +437,7 @@ def summarize_drafter(name, B, per, mode, timing):
 
 def load_bench(spec, bench_dir, max_samples):
     """--bench -> {name: samples (lists of user turns)}, every dataset loaded and checked before any generation."""
+    benchmarks = dflash.import_tool("benchmarks", "--bench")
     try:
         return {name: benchmarks.subset(benchmarks.conversations(name, benchmarks.load_rows(name, path, bench_dir),
                                                                  path), max_samples)
@@ -467,6 +459,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    benchmarks = dflash.import_tool("benchmarks", "--bench")
     turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)
              for t in benchmarks.run_conversation(s, render, generate, decode)]
     return [p for p, _ in turns], [c for _, c in turns]
@@ -549,6 +542,18 @@ def print_report(report, file=None):
         out(f"{L:>3}  " + "  ".join(cells))
 
 
+def check_output_file(path, flag):
+    """A file written at the end (replacing it if it exists): refuse a directory in its place or a location that
+    cannot be written, before anything is loaded."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise DFlashError(f"{flag} {path!r} cannot be written ({parent!r} is not a writable directory)")
+
+
 def write_json(report, path):
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -571,7 +576,7 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
         if name == PROMPT_LOOKUP:
             drafters[name] = PromptLookupDrafter()
             continue
-        path = resolve_drafter(name)  # a local directory, or a hub id downloaded once
+        path = dflash.resolve_drafter(name)  # a local directory, or a hub id downloaded once
         dflash.check_compatible(dflash.read_drafter_config(path), target, where=f"drafter {name}")
         drafters[name] = NeuralDrafter(dflash.load_drafter(path, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
@@ -581,7 +586,7 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
 
 def get_parser():
     p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
-                                          "their target.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                          "their target.")
     a = p.add_argument
     a("--target", required=True, help="target model: a local directory or a hub id (loaded as dflash.py does)")
     a("--drafter", action="append", default=[],
@@ -590,17 +595,17 @@ def get_parser():
     a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
-    p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)", lo=0, hi=10**9)
+    p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)")
     p.add(p, "--max_new_tokens", int, None, "greedy continuation length per prompt (stops early at eos); default "
-          "256, or 2048 with --bench (z-lab's)", lo=1, hi=2**20)
+          "256, or 2048 with --bench (z-lab's)", lo=1)
     a("--bench", default=None, help="z-lab's benchmarks, comma-separated: gsm8k, math500, humaneval, mbpp, mt-bench "
       "(NAME=FILE: that one from a local JSONL/JSON file in the dataset's schema); downloaded with `datasets`")
     a("--bench_dir", default=None, help="with --bench: a directory of NAME.jsonl (or NAME.json) files, one row per "
       "line in each dataset's own schema (offline; default: download through datasets.load_dataset)")
     p.add(p, "--max_samples", int, None, "with --bench: the same N samples of each benchmark for every drafter (the "
-          "first N after a shuffle seeded with 0; default: all)", lo=1, hi=10**9)
+          "first N after a shuffle seeded with 0; default: all)", lo=1)
     p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
-          "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2, hi=1024)
+          "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2)
     a("--mode", choices=["exact", "loop"], default="exact",
       help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with "
            "the KV cache (dense targets), reports tokens/s and checks the output equals plain greedy decoding")

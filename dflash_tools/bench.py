@@ -528,8 +528,8 @@ def print_table(rep):
     print()
     if rep.get("train_step"):
         print("train step, forward + chunked loss + backward (fp32): seconds, peak MB above weights and inputs")
-        print(f"{'anchors':>7} {'seq_len':>7} | {'ours':>7} {'MB':>6} | {'copy':>7} {'MB':>6} | {'naive':>7} {'MB':>6} |"
-              f" {'naive/ours':>10} {'copy/ours':>9} {'mem ours/naive':>14}")
+        print(f"{'anchors':>7} {'seq_len':>7} | {'ours':>7} {'MB':>6} | {'copy':>7} {'MB':>6} | {'naive':>7} "
+              f"{'MB':>6} | {'naive/ours':>10} {'copy/ours':>9} {'mem ours/naive':>14}")
         for r in rep["train_step"]:
             o, c, n = (r[k] for k in TRAIN_IMPLS)
             print(f"{r['num_anchors']:>7} {r['seq_len']:>7} | " + " | ".join(

@@ -19,7 +19,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this folder's scripts import dflash.py and eval.py from the repository root
+sys.path.insert(0, ROOT)  # run as a script too: dflash.py and eval.py are in the repository root
 
 import dflash  # noqa: E402
 
@@ -33,24 +33,26 @@ DEMO_FLAGS = [
 ]
 DEMO_TRAIN_SAMPLES = 2048
 DEMO_PROMPTS, DEMO_NEW_TOKENS = 24, 64
+DEMO_PRETRAIN_STEPS = 300  # the tiny target's pretraining (16 x 256 tokens a step)
+CACHE = os.path.join(ROOT, ".cache")  # the target and the data, built once
 
 
 def run_demo(argv):
     """argv: extra dflash.py flags, applied after the preset (e.g. `python dflash.py --demo --noise_std 0`)."""
     import eval as tau_eval
-    from tiny_target import build_tiny_target, heldout_prompts, make_regenerated_data
+    from dflash_tools.tiny_target import build_tiny_target, heldout_prompts, make_regenerated_data
 
     t0 = time.time()
     argv = [a for a in argv if a != "--demo"]
     args = dflash.get_parser().parse_args(argv)
     out = args.out if args.out != "out" else os.path.join("out", "demo")
-    dflash.check_writable_dir(out, "--out")
-    cache = os.path.join(ROOT, ".cache")
+    dflash.check_out_dir(out)
+    cache = CACHE
     rank, world, _ = dflash.setup_distributed(args.device)
     say = print if rank == 0 else lambda *a: None
     if rank == 0:
         print("== 1/4 tiny Qwen3.5-hybrid target (cached in .cache/ after the first run)")
-        target_path = build_tiny_target(cache)
+        target_path = build_tiny_target(cache, DEMO_PRETRAIN_STEPS)
         print("== 2/4 training data: the target's own greedy continuations of stdlib prompts")
         data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"),
                                      num_samples=DEMO_TRAIN_SAMPLES)
@@ -87,7 +89,6 @@ def check_walked_tau(args, data, target, drafter):
     """The walked tau logged by the last held-out evaluation of training (eval_walk_tau) against eval.py's pooled
     tau of the final drafter on the same prompts and continuation length: the same walk, so the same number."""
     import eval as tau_eval
-    from dflash_tools.walk import walk_prompts
     with open(os.path.join(args.out, "metrics.jsonl")) as f:
         logged = [r["eval_walk_tau"] for r in map(json.loads, f) if r.get("eval_walk_tau") is not None]
     if not logged:
@@ -95,7 +96,7 @@ def check_walked_tau(args, data, target, drafter):
     samples = dflash.load_samples(data, target.tokenizer, args.max_len, log=lambda *a: None,
                                   enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
                                   vocab_size=target.vocab_size)
-    prompts = walk_prompts(dflash.split_eval(samples, args.eval_fraction, args.seed)[1], args.eval_walk_prompts)
+    prompts = dflash.walk_prompts(dflash.split_eval(samples, args.eval_fraction, args.seed)[1], args.eval_walk_prompts)
     report = tau_eval.evaluate_drafters(target, {"trained": drafter}, prompts, args.eval_walk_tokens, progress=False)
     print(f"walked tau of the last training eval {logged[-1]:.4f}; eval.py on the same {len(prompts)} held-out "
           f"prompts, {args.eval_walk_tokens}-token continuations: {report['results'][0]['tau']:.4f}")

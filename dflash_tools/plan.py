@@ -1,10 +1,8 @@
 """The memory plan of a DFlash training run: what one rank holds, term by term, from the configs alone.
 
-Imports nothing of the project. plan_rows() is the arithmetic: plain numbers and dicts in, table rows out, so a GPU
-script can compare it with torch.cuda.max_memory_allocated(). memory_plan() is what dflash.py's train() calls
+An optional extra of dflash.py. plan_rows() is the arithmetic: plain numbers and dicts in, table rows out, so a GPU
+test can compare it with torch.cuda.max_memory_allocated(). memory_plan() is what dflash.py's train() calls
 before any weight loads (--plan prints and exits; a CUDA run prints it and stops early if it cannot fit).
-The flags of the memory options (--plan, --plan_world_size, --plan_gpu_gb, --zero, --grad_checkpoint) and the
-optimizer they select (make_optimizer) live here too.
 
 Per rank, with P_t target parameters, P_d drafter parameters, R ranks, T = batch * anchors * block tokens:
   target weights    P_t x target dtype (text model only: no vision tower)
@@ -24,60 +22,15 @@ import sys
 
 import torch
 
+import dflash
+
 GB = 1e9
-LOGIT_BUDGET = 2**27      # floats per chunk of logits: dflash.vocab_chunk's budget
 CUDA_ALLOWANCE = 4 * GB   # CUDA context, NCCL buffers, allocator fragmentation: not computed, allowed for
-
-
-def add_plan_flags(p):
-    """The memory flags, on dflash's ArgumentParser (p.add: a flag with a checked range)."""
-    g = p.add_argument_group("memory (dflash_tools/plan.py)")
-    g.add_argument("--plan", action="store_true",
-                   help="print the per-GPU memory plan from the target's and drafter's configs (no weights), then exit")
-    p.add(g, "--plan_world_size", int, None, "ranks to plan for (default: this run's)", lo=1, hi=2**20)
-    p.add(g, "--plan_gpu_gb", float, None, "memory per GPU in GB to plan for (default: this machine's)", lo=0,
-          hi=10**6, open_lo=True)
-    g.add_argument("--zero", action="store_true",
-                   help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one process)")
-    g.add_argument("--grad_checkpoint", action="store_true",
-                   help="recompute each drafter layer in backward instead of keeping its activations")
-
-
-def make_optimizer(params, zero, **kw):
-    """AdamW, or with zero (under DDP) AdamW whose state is split over the ranks."""
-    if zero:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, **kw)
-    return torch.optim.AdamW(params, **kw)
-
-
-def checkpointed(layer, *args):
-    """--grad_checkpoint: run one drafter layer keeping only its inputs; backward recomputes the rest."""
-    from torch.utils.checkpoint import checkpoint
-    return checkpoint(layer, *args, use_reentrant=False)
-
-
-def model_loader(device):
-    """How dflash.load_target builds the target: from_pretrained, or on the meta device from the config alone."""
-    from transformers import AutoModelForCausalLM
-    return meta_model if str(device) == "meta" else AutoModelForCausalLM.from_pretrained
-
-
-def meta_model(name, dtype=None, trust_remote_code=False):
-    """The target built from its config.json on the meta device: parameter shapes, no weights read or allocated."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
 def count_params(*modules):
     """Parameters of the modules, each tensor once (a tied lm_head is the embedding)."""
     return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
-
-
-def padded_length(S):  # dflash.padded_length: flex shapes are padded to the next power of two, at least 128
-    return max(128, 1 << (S - 1).bit_length())
 
 
 def activation_elems(d, T, b, S, attention, grad_checkpoint):
@@ -108,10 +61,10 @@ def plan_rows(target, drafter, run):
       target_bytes, act_bytes (activation dtype: 2 under bf16 autocast, 4 in fp32), cuda (adds an allowance)."""
     Pd, R, ab, tb = drafter["params"], run["world"], run["act_bytes"], run["target_bytes"]
     b, V, Dt = run["batch_size"], target["vocab_size"], target["hidden_size"]
-    S = padded_length(run["max_len"]) if run["attention"] == "flex" else run["max_len"]
+    S = dflash.padded_length(run["max_len"]) if run["attention"] == "flex" else run["max_len"]
     T = b * run["num_anchors"] * drafter["block_size"]
     acts, mask_bytes, layer = activation_elems(drafter, T, b, S, run["attention"], run["grad_checkpoint"])
-    chunk = max(1, LOGIT_BUDGET // V)
+    chunk = dflash.vocab_chunk(V)
     # one chunk of logits in fp32 (and its bf16 original when the lm_head is bf16)
     logits = lambda rows: min(chunk, rows) * V * (4 + (tb if tb != 4 else 0))  # noqa: E731
     rows = [("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes"),
@@ -183,7 +136,7 @@ def machine_bytes(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def memory_plan(args, cfg, shapes, meta_target, world, device, error=ValueError):
+def memory_plan(args, cfg, shapes, meta_target, world, device):
     """Print the plan for the run's flags (rank 0), and the options that would fit; --plan: exit after.
     A CUDA run that cannot fit stops here with one error naming the flags that would. args: vars(args)."""
     on_gpu = device.type == "cuda" or args["plan_gpu_gb"] is not None
@@ -216,6 +169,6 @@ def memory_plan(args, cfg, shapes, meta_target, world, device, error=ValueError)
     if device.type == "cuda" and not fits:
         hint = f"add {' '.join(fit)}" if fit else "even --zero --grad_checkpoint --num_anchors 32 does not fit; " \
             "serve the target from an inference engine (README: Will it fit?)"
-        raise error(f"the memory plan needs {rows[-1][1] / GB:.1f} GB per GPU, this device has "
+        raise dflash.DFlashError(f"the memory plan needs {rows[-1][1] / GB:.1f} GB per GPU, this device has "
                     f"{gpu_bytes / GB:.1f} GB: {hint} (or check with --plan)")
     return rows

@@ -14,7 +14,6 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dflash
 import eval as ev
-from dflash_tools import walk
 from conftest import SMALL, VOCAB, tiny_cfg, tiny_qwen3, write_data
 
 EAGER_FLEX = "flex_attention called without torch.compile"  # what flex warns when it runs unfused
@@ -116,10 +115,10 @@ def test_block_masks_compiled_without_the_deprecated_flag(setup):
 
 def test_eval_chunks_sized_for_the_attention_path(setup, monkeypatch):
     cfg = setup["cfg"]
-    flex, dense = walk.anchors_per_chunk(cfg, 4096, "flex"), walk.anchors_per_chunk(cfg, 4096, "dense")
-    assert flex > dense and flex == walk.anchors_per_chunk(cfg, 128, "flex")  # flex shares the context keys/values
+    flex, dense = dflash.anchors_per_chunk(cfg, 4096, "flex"), dflash.anchors_per_chunk(cfg, 4096, "dense")
+    assert flex > dense and flex == dflash.anchors_per_chunk(cfg, 128, "flex")  # flex shares the context keys/values
     asked = []
-    monkeypatch.setattr(walk, "anchors_per_chunk", lambda cfg, S, attention, budget: asked.append(attention) or 8)
+    monkeypatch.setattr(dflash, "anchors_per_chunk", lambda cfg, S, attention, budget: asked.append(attention) or 8)
     monkeypatch.setattr(dflash, "compiled_flex_attention", flex_attention)
     ids = torch.tensor([setup["samples"][0][0]])
     feats = torch.randn(1, ids.shape[1], len(cfg.target_layer_ids) * cfg.hidden_size)

@@ -160,7 +160,7 @@ def test_torchrun_compiled_loop_and_tau_equal_to_cpu(tiny_run, tmp_path):
     with open(tmp_path / "data.jsonl") as f:
         prompts = [json.loads(line)["input_ids"][:20] for line in f][:6]
     ref = dflash.load_target(str(tmp_path / "target"), "cpu", torch.float32)
-    conts = [tau_eval.greedy_continuation(ref, p, 32, ref.eos_ids()) for p in prompts]
+    conts = [dflash.greedy_continuation(ref, p, 32, ref.eos_ids()) for p in prompts]
     walks = []
     for dev, path in (("cpu", "dense"), ("cuda", "flex")):
         t = dflash.load_target(str(tmp_path / "target"), dev, torch.float32)

@@ -1,22 +1,26 @@
-"""Hostile input, checked where it enters: every numeric flag of both command lines (swept by class, enumerated from
-the parsers, so a flag added later is swept too), list flags, the paths a run writes, every kind of file it reads
-(truncated or garbage), token ids against the target's vocabulary, devices that are not there. Each mistake ends
-in exactly one `error:` line and exit code 2, never a traceback."""
+"""Bad input, checked where it enters, and faults of a run: every numeric flag of both command lines (swept by
+class, enumerated from the parsers, so a flag added later is swept too), list flags, missing paths, the paths a run
+writes, every kind of file it reads (truncated or garbage), data without anything to learn, drafters made for
+another target, token ids against the target's vocabulary, devices that are not there, non-finite steps. Each
+mistake ends in exactly one `error:` line and exit code 2, never a traceback; numerical faults never reach the
+weights."""
 import json
 import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import dflash
 import eval as ev
-from conftest import (SMALL, VOCAB, ZL, build_qwen3, tiny_qwen3, write_data, write_lines, write_zlab_dir, zlab_config,
-                      zlab_tensors)
+from conftest import (ROOT, SMALL, VOCAB, ZL, build_qwen3, tiny_qwen3, write_data, write_lines, write_zlab_dir,
+                      zlab_config, zlab_tensors)
 from dflash import DFlashError
-from dflash_tools import checks
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -43,16 +47,29 @@ def trained(w):
     return out
 
 
-def one_error(capsys, main, argv, *needles):
-    """main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle."""
+def one_error(capsys, main, argv, *needles, progress=False):
+    """main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle (progress: after the
+    training bar, which also writes to stderr, the last line)."""
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    err = err[-1:] if progress and sum(x.startswith("error:") for x in err) == 1 else err
     assert len(err) == 1 and err[0].startswith("error: "), err
     for n in needles:
         assert n in err[0], (n, err[0])
     return err[0]
+
+
+def fails_with(capsys, argv, *needles):
+    """dflash.main(argv) ends in one `error:` line, whatever the runs before it printed to stderr."""
+    return one_error(capsys, dflash.main, argv, *needles, progress=True)
+
+
+def replace(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
 
 
 def raises_one_line(fn, *needles):
@@ -87,43 +104,47 @@ def with_data(w, path, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# Flags: every numeric flag of both command lines has a range, stated in --help, checked at parse time
+# Flags: every numeric flag of both command lines is checked at parse time by its type (a rule such as
+# "an integer >= 1"; an upper bound only where the meaning has one, e.g. a fraction)
 
 def numeric_actions(parser):
-    """Every flag whose value is a number; a flag declared with a bare int/float (no range) fails the test."""
+    """Every flag whose value is a number; a flag declared with a bare int/float (unchecked) fails the test."""
     acts = [a for a in parser._actions if a.option_strings and a.type is not None]
     bare = [a.dest for a in acts if a.type in (int, float)]
-    assert not bare, f"numeric flags without a declared range (use p.add(..., lo=, hi=)): {bare}"
+    assert not bare, f"numeric flags without a checked type (use p.add(..., lo=)): {bare}"
     return [a for a in acts if hasattr(a.type, "text")]
 
 
-def declared_range(action):
-    lo_s, hi_s = re.fullmatch(r"[\[(](.*), (.*)\]", action.type.text).groups()
-    return float(lo_s), float(hi_s), action.type.text.startswith("(")
+def declared_rule(action):
+    """(kind, lo, open_lo, hi) of a flag's rule text: 'an integer >= 1', 'a number > 0 and <= 1'."""
+    m = re.fullmatch(r"(an integer|a number) (>=|>) (\S+)(?: and <= (\S+))?", action.type.text)
+    assert m, action.type.text
+    return m[1], float(m[3]), m[2] == ">", float(m[4]) if m[4] else math.inf
+
+
+def obeys(value, rule):
+    kind, lo, open_lo, hi = rule
+    return (value > lo if open_lo else value >= lo) and value <= hi and (kind == "a number" or isinstance(value, int))
 
 
 @pytest.mark.parametrize("cli", PARSERS)
-def test_every_numeric_flag_has_a_range_stated_in_help(cli):
+def test_every_numeric_flag_is_checked(cli):
     parser = PARSERS[cli][0]()
     acts = numeric_actions(parser)
     assert len(acts) >= (20 if cli == "dflash" else 3)
-    text = " ".join(parser.format_help().split())
     for a in acts:
-        lo, hi, open_lo = declared_range(a)
-        assert math.isfinite(hi), f"{a.option_strings[0]} has no upper bound: a huge value would pass"
-        assert f"valid {a.type.text}" in " ".join(a.help.split()) and a.type.text in text
         if a.default is not None:  # the default itself is valid
-            assert lo <= a.default <= hi and not (open_lo and a.default == lo), a.dest
+            assert obeys(a.default, declared_rule(a)), a.dest
 
 
 @pytest.mark.parametrize("cli", PARSERS)
 def test_numeric_flag_sweep(cli, capsys):
-    """0, -1, nan, inf, huge, ...: a parse whose value is in range and meaningful, or one error line, exit 2."""
+    """0, -1, nan, inf, huge, ...: a parse whose value obeys the flag's rule and is meaningful, or one error line
+    naming the flag and its rule, exit 2."""
     make, base = PARSERS[cli]
     parser = make()
     for a in numeric_actions(parser):
-        flag = a.option_strings[0]
-        lo, hi, open_lo = declared_range(a)
+        flag, rule = a.option_strings[0], declared_rule(a)
         for v in HOSTILE:
             try:
                 value = getattr(parser.parse_args(base + [flag, v]), a.dest)
@@ -137,7 +158,7 @@ def test_numeric_flag_sweep(cli, capsys):
                 continue
             assert capsys.readouterr().err == ""
             assert isinstance(value, (int, float)) and math.isfinite(value), (flag, v, value)
-            assert lo <= value <= hi and not (open_lo and value == lo), (flag, v, value)
+            assert obeys(value, rule), (flag, v, value)
             if value == 0 and isinstance(value, int) and not re.search(r"_id$|seed", a.dest):
                 assert "(0:" in a.help, f"{flag} accepts 0: its --help must say what 0 means"
 
@@ -283,11 +304,11 @@ def test_resume_from_corrupt_latest_names_the_previous_checkpoint(w, trained, ca
     out = str(tmp_path / "run")
     shutil.copytree(trained, out)
     step1, step2, latest = (os.path.join(out, n) for n in ("step_1", "step_2", "latest"))
-    assert checks.previous_checkpoint(out) == step2 and checks.previous_checkpoint(out, 2) == step1
+    assert dflash.previous_checkpoint(out) == step2 and dflash.previous_checkpoint(out, 2) == step1
     CORRUPT[how](os.path.join(step2, "train_state.pt"))
     one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, "train_state.pt", "corrupt",
               f"the previous complete checkpoint is {step1}: point {latest} at it")
-    assert checks.previous_checkpoint(out) == step1
+    assert dflash.previous_checkpoint(out) == step1
     shutil.copy(os.path.join(trained, "step_2", "train_state.pt"), os.path.join(step2, "train_state.pt"))
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(step2, name), os.path.join(tmp_path, name))
@@ -325,3 +346,110 @@ def test_token_ids_outside_the_vocabulary(w, capsys, tmp_path):
         raises_one_line(lambda: ev.encode_prompt({"input_ids": junk}, None, "p.jsonl:1", vocab_size=VOCAB),
                         "p.jsonl:1", "input_ids")
     assert ev.encode_prompt({"input_ids": [0, VOCAB - 1]}, None, "p", vocab_size=VOCAB) == [0, VOCAB - 1]
+
+
+# -----------------------------------------------------------------------------
+# Paths that are not there, data with nothing to learn
+
+def test_missing_paths(w, capsys, tmp_path):
+    fails_with(capsys, replace(w["base"], "--data", str(tmp_path / "nope.jsonl")), "nope.jsonl", "does not exist")
+    fails_with(capsys, replace(w["base"], "--target", str(tmp_path / "no_model")), "no_model", "config.json")
+    fails_with(capsys, w["base"] + ["--out", str(tmp_path / "o"), "--init_from", str(tmp_path / "nodrafter")],
+               "nodrafter", "does not exist")
+
+
+def test_bad_data_files(w, capsys, tmp_path):
+    empty = write_lines(tmp_path / "empty.jsonl", [""])
+    fails_with(capsys, replace(w["base"], "--data", empty), "empty")
+    bad = write_lines(tmp_path / "bad.jsonl", [json.dumps({"input_ids": [1, 2, 3]}), "{not json"])
+    fails_with(capsys, replace(w["base"], "--data", bad), "bad.jsonl:2", "not valid JSON")
+    unknown = write_lines(tmp_path / "unknown.jsonl", [json.dumps({"foo": 1})])
+    fails_with(capsys, replace(w["base"], "--data", unknown), "unknown.jsonl:1", "known fields")
+    no_resp = write_lines(tmp_path / "noresp.jsonl", [json.dumps({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}),
+                                                      json.dumps({"input_ids": [5]})])
+    fails_with(capsys, replace(w["base"], "--data", no_resp), "no usable samples", "2 skipped")
+
+
+def test_samples_without_response_are_skipped_and_counted(tmp_path, capsys):
+    lines = [json.dumps({"input_ids": [1, 2, 3, 4]}), json.dumps({"input_ids": [1, 2], "loss_mask": [1, 0]}),
+             json.dumps({"input_ids": [7]})]
+    samples = dflash.load_samples(write_lines(tmp_path / "d.jsonl", lines), None, 100)
+    assert samples == [([1, 2, 3, 4], [1, 1, 1, 1])]
+    assert "skipped 2" in capsys.readouterr().out
+
+
+# -----------------------------------------------------------------------------
+# Drafter geometry that does not fit the target, and drafters made for another one
+
+def test_bad_flags(w, capsys):
+    b = w["base"]
+    fails_with(capsys, replace(b, "--target_layer_ids", "1,4"), "out of range", "4 decoder layers")
+    fails_with(capsys, replace(b, "--target_layer_ids", "1,1"), "duplicates")
+    fails_with(capsys, replace(b, "--target_layer_ids", "3,1"), "increasing")
+    fails_with(capsys, replace(b, "--mask_token_id", str(VOCAB + 5)), "mask_token_id", "outside the vocabulary")
+    i = b.index("--mask_token_id")
+    fails_with(capsys, b[:i] + b[i + 2:], "no mask token", "--mask_token_id")  # no tokenizer, no flag
+    fails_with(capsys, replace(b, "--block_size", "1"), "--block_size", "1 is outside", "an integer >= 2")
+    fails_with(capsys, replace(b, "--num_anchors", "0"), "--num_anchors", "0 is outside", "an integer >= 1")
+
+
+def test_mismatched_drafter_and_resume(w, capsys, tmp_path):
+    out = str(tmp_path / "run")
+    fails_with(capsys, w["base"] + ["--out", out, "--resume"], "no checkpoint", "--resume")
+    dflash.main(w["base"] + ["--out", out])  # a good run, then reuse its drafter against other targets
+    drafter = os.path.join(out, "step_2")
+    for name, kw, needle in [("wide", {"hidden_size": 48}, "hidden size"), ("vocab", {"vocab_size": VOCAB + 32}, "vocab"),
+                             ("deep", {"num_hidden_layers": 6}, "num_target_layers")]:
+        path = tiny_qwen3(tmp_path / name, **kw)  # tiny_qwen3's geometry but for one field
+        fails_with(capsys, replace(w["base"], "--target", path) + ["--out", str(tmp_path / "x"), "--init_from", drafter],
+                   needle, "another target")
+    # fine-tuning from a drafter directory (ours or z-lab's) keeps its geometry and trains on
+    tuned = str(tmp_path / "tuned")
+    dflash.main(replace(w["base"], "--block_size", "3") + ["--out", tuned, "--init_from", drafter])
+    assert dflash.read_drafter_config(os.path.join(tuned, "step_2")) == dflash.read_drafter_config(drafter)
+    before, after = dflash.load_drafter(drafter), dflash.load_drafter(os.path.join(tuned, "step_2"))
+    assert not torch.equal(before.fc.weight, after.fc.weight)
+    # resuming with another drafter geometry is refused, naming the field
+    fails_with(capsys, replace(w["base"], "--block_size", "3") + ["--out", out, "--resume"], "block_size", "cannot resume")
+
+
+# -----------------------------------------------------------------------------
+# The one line is all a user sees, and numerical faults never reach the weights
+
+def test_subprocess_error_has_no_traceback_unless_debug(w, tmp_path):
+    argv = [sys.executable, os.path.join(ROOT, "dflash.py"), *replace(w["base"], "--data", str(tmp_path / "x.jsonl"))]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("error: data file")
+    with pytest.raises(dflash.DFlashError, match="data file"):  # --debug: the exception itself, traceback and all
+        dflash.main(argv[2:] + ["--debug"])
+
+
+def test_non_finite_steps_are_skipped_and_never_reach_weights(w, monkeypatch, tmp_path, capsys):
+    real = dflash.target_features
+    calls = {"n": 0}
+
+    def poisoned(target, input_ids, layer_ids):  # the 2nd and 3rd training batches carry NaN features
+        calls["n"] += 1
+        context, final = real(target, input_ids, layer_ids)
+        if calls["n"] in (2, 3):
+            context = context.clone()
+            context[0, 0, 0] = float("nan")
+        return context, final
+
+    monkeypatch.setattr(dflash, "target_features", poisoned)
+    out = str(tmp_path / "nan")
+    dflash.main(replace(w["base"], "--max_steps", "5") + ["--out", out, "--grad_accum", "1"])
+    text = capsys.readouterr().out
+    assert "step 2: non-finite" in text and "step 3: non-finite" in text  # log lines count steps from 1
+    assert "step 1: non-finite" not in text and "step 4: non-finite" not in text
+    weights = load_file(os.path.join(out, "step_5", "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    state = torch.load(os.path.join(out, "step_5", "train_state.pt"), weights_only=True)
+    assert all(torch.isfinite(v).all() for s in state["optimizer"]["state"].values() for v in s.values()
+               if torch.is_tensor(v))
+
+    calls["n"] = -100  # from now on every batch is poisoned: the run stops after --max_bad_steps
+    monkeypatch.setattr(dflash, "target_features", lambda *a: (torch.full_like(real(*a)[0], float("nan")), real(*a)[1]))
+    fails_with(capsys, replace(w["base"], "--max_steps", "10") + ["--out", str(tmp_path / "nan2"), "--max_bad_steps", "3"],
+               "3 consecutive non-finite steps")

@@ -9,7 +9,7 @@ import pytest
 import dflash
 import eval as ev
 from dflash import DFlashError
-from dflash_tools.hub import resolve_drafter
+from dflash import resolve_drafter
 
 
 def fake_hub(monkeypatch, result):
