@@ -917,13 +917,18 @@ def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def chat_sample(messages, tokenizer, kw, eos, where):
-    """(ids, mask) of a conversation, mask 1 exactly on what the target generates for each assistant turn k: from the
-    end of its generation prompt through the eos token that stops generation. Turns are located inside the full
-    rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the assistant turn after the
-    last user message with a think block and earlier ones without."""
+    """(ids, mask) of a conversation with the ids inference gives: each assistant turn tokenized on its own after the
+    text before it, as a server tokenizes the generation prompt and the target appends its tokens. Whole-string
+    tokenization can merge the "\n" that ends "<|im_start|>assistant\n" with a code answer's indentation, and the
+    loss would start on a token the target never produces there. Mask 1 exactly on what the target generates for
+    each assistant turn k: from the end of its generation prompt through the eos token that stops generation. Turns
+    are located inside the full rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the
+    assistant turn after the last user message with a think block and earlier ones without."""
+    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+
     def render(msgs, gen=False):
         try:
-            return chat_ids(tokenizer, msgs, add_generation_prompt=gen, **kw)
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
         except Exception as e:  # the template's raise_exception, or a message it cannot render
             raise DFlashError(f"{where}: the chat template fails on the first {len(msgs)} messages: "
                               f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
@@ -931,29 +936,49 @@ def chat_sample(messages, tokenizer, kw, eos, where):
     def ambiguous(k, why):
         return DFlashError(f"{where}: assistant turn {k}: {why}, so its loss mask is ambiguous; split the "
                            f"conversation into one sample per assistant turn")
-    full = render(messages)
+    full = render(messages)  # text; tokenized piece by piece below
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     contexts = [render(messages[:k]) for k in turns] + [full]  # each must be a prefix of the full rendering
-    mask = [0] * len(full)
+    ids, mask, pos = [], [], 0  # pos: where the text not yet tokenized starts
+
+    def add(text, m):
+        t = encode(text)
+        ids.extend(t)
+        mask.extend([m] * len(t))
     for i, k in enumerate(turns):
         context, gen = contexts[i], render(messages[:k], gen=True)
-        if full[:len(context)] != context:
+        if not full.startswith(context):
             raise ambiguous(k, "the template renders the turns before it differently inside the whole conversation")
-        # what the generation prompt shares with the turn is context (an empty think block when thinking is off);
-        # the rest is generated. An earlier turn rendered without that block starts at its content.
+        # the turn starts where its generation prompt ends. An earlier turn rendered without what the prompt adds
+        # (an empty think block when thinking is off) starts where the two part, moved back to a token boundary of
+        # the prompt (an answer that starts with "<" must not start inside "<think>").
         start = next((j for j, (a, b) in enumerate(zip(gen, full)) if a != b), min(len(gen), len(full)))
+        if start < len(gen):
+            gen_ids = encode(gen)
+            while start > len(context):
+                head = encode(gen[:start])
+                if head == gen_ids[:len(head)]:
+                    break
+                start -= 1
         if start < len(context):
             raise ambiguous(k, "the generation prompt rewrites the conversation before it")
+        add(full[pos:start], 0)
         # the turn ends at the first eos token, searched no further than the next assistant turn's context
-        end = next((j + 1 for j in range(start, len(contexts[i + 1])) if full[j] in eos), None)
-        if end is None:  # no end-of-turn token: the turn's own rendering ends it, if that is part of the whole
-            own = render(messages[:k + 1])
-            if full[:len(own)] != own or len(own) <= start:
-                raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently "
-                                   f"as the last turn (pass the target's eos ids)")
-            end = len(own)
-        mask[start:end] = [1] * (end - start)
-    return full, mask
+        pos = len(contexts[i + 1])
+        turn = encode(full[start:pos])
+        end = next((j + 1 for j, t in enumerate(turn) if t in eos), None)
+        if end is not None:
+            ids.extend(turn)
+            mask.extend([1] * end + [0] * (len(turn) - end))
+            continue
+        own = render(messages[:k + 1])  # no end-of-turn token: the turn's own rendering ends it, if part of the whole
+        if not full.startswith(own) or len(own) <= start:
+            raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently as the "
+                               f"last turn (pass the target's eos ids)")
+        add(full[start:len(own)], 1)
+        add(full[len(own):pos], 0)
+    add(full[pos:], 0)
+    return ids, mask
 
 def show_data(samples, tokenizer, n, file=None):
     """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
