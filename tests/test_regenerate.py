@@ -294,11 +294,12 @@ def test_a_refused_sample_goes_to_failed_jsonl_and_the_run_goes_on(served, regen
 
 
 def test_connection_errors_and_5xx_are_retried(served, regenerated, tmp_path, monkeypatch):
-    """A reset connection and a 503 on the first requests are retried (with backoff) and lose nothing."""
+    """A reset connection and a 503 on the first requests are retried (with backoff) and lose nothing. Every request
+    says temperature 0 and max_tokens (a server would otherwise apply the model's sampling generation_config)."""
     real, calls = urllib.request.urlopen, []
 
     def urlopen(req, timeout):
-        calls.append(req.full_url)
+        calls.append(json.loads(req.data))
         if len(calls) == 2:
             raise ConnectionResetError(104, "Connection reset by peer")
         if len(calls) == 3:
@@ -310,6 +311,8 @@ def test_connection_errors_and_5xx_are_retried(served, regenerated, tmp_path, mo
     out = tmp_path / "out.jsonl"
     regen(served, regenerated["data"], out, "--no-enable_thinking", "--concurrency", "1")
     assert out.read_bytes() == regenerated["runs"][False]["out"].read_bytes()
+    sent = calls[1:]  # after the one-token check of the server
+    assert all(c["temperature"] == 0 and c["max_tokens"] == MAX_TOKENS and "top_p" not in c for c in sent)
     with pytest.raises(SystemExit):  # without retries the same failure ends the run
         calls.clear()
         regen(served, regenerated["data"], tmp_path / "other.jsonl", "--no-enable_thinking", "--retries", "0")
@@ -443,3 +446,18 @@ def test_a_template_bos_is_not_sent_twice():
     fast = tokenizer(True)
     prompt = rg.Server(args, fast).prompt(turns)
     assert prompt == "|user| hi |assistant| " and fast(prompt)["input_ids"][:2] == [1, 3]
+
+
+def test_sampling_flags_are_sent(served, tmp_path, monkeypatch):
+    """--temperature / --top_p for sampled data reach every request."""
+    real, sent = urllib.request.urlopen, []
+
+    def urlopen(req, timeout):
+        sent.append(json.loads(req.data))
+        return real(req, timeout=timeout)
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    data = write_input(tmp_path / "one.jsonl", INPUT[:1])
+    regen(served, data, tmp_path / "out.jsonl", "--temperature", "0.7", "--top_p", "0.9", "--keep_truncated")
+    assert len(sent) == 2 and all(c["temperature"] == 0.7 and c["top_p"] == 0.9 for c in sent)
+    assert len(read_lines(tmp_path / "out.jsonl")) == 1
