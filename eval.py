@@ -543,15 +543,11 @@ def print_report(report, file=None):
 
 
 def check_output_file(path, flag):
-    """A file written at the end (replacing it if it exists): refuse a directory in its place or a location that
-    cannot be written, before anything is loaded."""
+    """A file written at the end (write_json: a temp file beside it, renamed over it): refuse a directory in its
+    place, and prove the location by creating its directories and a temp file there, before anything is loaded."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise DFlashError(f"{flag} {path!r} cannot be written ({parent!r} is not a writable directory)")
+    dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
 
 
 def write_json(report, path):
