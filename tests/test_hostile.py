@@ -453,3 +453,219 @@ def test_non_finite_steps_are_skipped_and_never_reach_weights(w, monkeypatch, tm
     monkeypatch.setattr(dflash, "target_features", lambda *a: (torch.full_like(real(*a)[0], float("nan")), real(*a)[1]))
     fails_with(capsys, replace(w["base"], "--max_steps", "10") + ["--out", str(tmp_path / "nan2"), "--max_bad_steps", "3"],
                "3 consecutive non-finite steps")
+
+
+# -----------------------------------------------------------------------------
+# Faults of a long run: outputs that cannot be written, a used --out, lost ranks and torchrun restarts, resume across
+# a change of ranks, --zero or data, a full disk during a checkpoint, repeated signals, input files of the wrong kind
+
+def listing(out):
+    """Every file of out with its bytes: what a refused or failed run must leave exactly as it was."""
+    found = {}
+    for d, _, files in os.walk(out):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                found[os.path.relpath(os.path.join(d, f), out)] = fh.read()
+    return found
+
+
+def latest_name(out):
+    with open(os.path.join(out, "latest")) as f:
+        return f.read().strip()
+
+
+def test_every_output_is_proven_before_the_target_loads(w, capsys, tmp_path, monkeypatch):
+    """--out (checkpoint directories, latest, metrics.jsonl), eval.py --json and the demo's outputs: each location is
+    created and a temp file (and, for --out, a directory) made and removed in it before any weights load. A path below
+    a regular file cannot be created even as root; a refused mkstemp/mkdtemp stands for a read-only directory."""
+    from dflash_tools import demo
+    nowhere = str(tmp_path / "no_target")  # no target there: the error must come before it is loaded
+    a_file = write_lines(tmp_path / "a_file", ["x"])
+    train = ["--target", nowhere, "--data", w["data"]]
+    one_error(capsys, dflash.main, train + ["--out", os.path.join(a_file, "run", "deep")], "--out", "cannot be written",
+              "Not a directory")
+    one_error(capsys, ev.main, ["--target", nowhere, "--json", os.path.join(a_file, "new", "r.json")], "--json",
+              "cannot be written", "Not a directory")
+    one_error(capsys, demo.main, ["--out", os.path.join(a_file, "demo")], "--out", "cannot be written")
+    monkeypatch.setattr(demo, "ROOT", a_file)  # the demo's cache (<root>/.cache) cannot be created
+    one_error(capsys, demo.main, ["--out", str(tmp_path / "demo_out")], "demo's cache", "cannot be written")
+    monkeypatch.undo()
+    # a location that can be created is created (with its parents) and left empty
+    fresh_out, fresh_json = tmp_path / "a" / "b" / "run", tmp_path / "c" / "d" / "r.json"
+    one_error(capsys, dflash.main, train + ["--out", str(fresh_out)], "no_target")
+    one_error(capsys, ev.main, ["--target", nowhere, "--json", str(fresh_json)], "no_target")
+    assert os.listdir(fresh_out) == [] and os.listdir(fresh_json.parent) == []
+    # a directory that refuses files, or refuses directories (a checkpoint), fails by the operation that is refused
+    for name in ("mkstemp", "mkdtemp"):
+        def refused(*a, **k):
+            raise PermissionError(13, "Permission denied", k.get("dir"))
+        monkeypatch.setattr(dflash.tempfile, name, refused)
+        one_error(capsys, dflash.main, train + ["--out", str(fresh_out)], "--out", "cannot be written",
+                  "Permission denied", str(fresh_out))
+        if name == "mkstemp":
+            one_error(capsys, ev.main, ["--target", nowhere, "--json", str(fresh_json)], "--json",
+                      "cannot be written", "Permission denied")
+        monkeypatch.undo()
+    # metrics.jsonl is appended to: a metrics.jsonl that cannot be opened for appending is refused up front
+    real_open, metrics = open, str(write_lines(fresh_out / "metrics.jsonl", []))
+
+    def read_only(f, mode="r", *a, **k):
+        if f == metrics and mode == "a":
+            raise PermissionError(13, "Permission denied", f)
+        return real_open(f, mode, *a, **k)
+    monkeypatch.setattr("builtins.open", read_only)
+    one_error(capsys, dflash.main, train + ["--out", str(fresh_out)], "metrics.jsonl", "cannot be appended")
+
+
+def test_a_used_out_is_never_clobbered(w, trained, capsys, tmp_path, monkeypatch):
+    """Without --resume, an --out holding a run is refused in one line (its latest step, --resume, a new --out) and
+    nothing in it changes; --resume auto continues it, and so does a worker torchrun restarted."""
+    out = str(tmp_path / "run")
+    shutil.copytree(trained, out)
+    before = listing(out)
+    argv = replace(w["base"], "--target", str(tmp_path / "no_target")) + ["--out", out]
+    one_error(capsys, dflash.main, argv, "already holds a run", "step 2", "--resume", "new --out")
+    only_metrics = tmp_path / "only_metrics"  # a run stopped before its first checkpoint is a run too
+    os.makedirs(only_metrics)
+    shutil.copy(os.path.join(out, "metrics.jsonl"), only_metrics)
+    one_error(capsys, dflash.main, argv[:-1] + [str(only_metrics)], "already holds a run", "without a complete")
+    assert listing(out) == before
+    # --resume auto: continues from latest (one more step), and starts afresh where there is none
+    dflash.main(w["base"] + ["--out", out, "--resume", "auto", "--max_steps", "3"])
+    assert "resumed from" in capsys.readouterr().out and latest_name(out) == "step_3"
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [r["step"] for r in map(json.loads, f) if "loss" in r] == [1, 2, 3]  # no step logged twice
+    fresh = str(tmp_path / "fresh")
+    dflash.main(w["base"] + ["--out", fresh, "--resume", "auto"])
+    assert "resumed" not in capsys.readouterr().out and latest_name(fresh) == "step_2"
+    # a restarted torchrun worker (TORCHELASTIC_RESTART_COUNT > 0) resumes without being told; the first start does not
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    one_error(capsys, dflash.main, argv, "already holds a run")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    dflash.main(w["base"] + ["--out", out, "--max_steps", "4"])
+    assert f"resumed from {os.path.join(out, 'step_3')} at step 3" in capsys.readouterr().out
+    assert latest_name(out) == "step_4"
+
+
+def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_path):
+    """The checkpoint records the data file's size and sha256: edited since, the resume is refused in one line naming
+    --allow_data_change (before the target loads), and with it the run continues; a changed --seed is refused too."""
+    out, data = str(tmp_path / "run"), str(tmp_path / "data.jsonl")
+    shutil.copytree(trained, out)
+    shutil.copy(w["data"], data)  # the same bytes as the run was trained on: it resumes
+    assert torch.load(os.path.join(out, "step_2", "train_state.pt"), weights_only=True)["data"] == \
+        dflash.file_digest(data)
+    with open(data, "a") as f:
+        f.write(json.dumps({"input_ids": [1, 2, 3, 4, 5]}) + "\n")
+    before = listing(out)
+    resume = replace(replace(w["base"], "--data", data), "--target", str(tmp_path / "no_target")) + \
+        ["--out", out, "--resume"]
+    one_error(capsys, dflash.main, resume, "cannot resume", "step_2", data, "changed", "--allow_data_change")
+    one_error(capsys, dflash.main, replace(w["base"], "--target", str(tmp_path / "no_target")) +
+              ["--out", out, "--resume", "--seed", "7"], "cannot resume", "--seed 0", "--seed 7")
+    assert listing(out) == before
+    dflash.main(replace(w["base"], "--data", data) + ["--out", out, "--resume", "--allow_data_change",
+                                                      "--max_steps", "3"])
+    assert latest_name(out) == "step_3"
+
+
+@pytest.mark.parametrize("writer", ["safetensors", "torch.save"])
+def test_disk_full_during_a_checkpoint(w, capsys, tmp_path, monkeypatch, writer):
+    """ENOSPC while the second checkpoint is written: one line naming it and the last complete one, latest unchanged,
+    nothing partial left (no step_2, no step_2.tmp<pid>), and step_1 resumes."""
+    import errno
+
+    import safetensors.torch
+    module, name = (safetensors.torch, "save_file") if writer == "safetensors" else (torch, "save")
+    real, calls = getattr(module, name), []
+
+    def full_disk(obj, path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:
+            with open(path, "wb") as f:  # half a file, then the disk is full
+                f.write(b"\0" * 100)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return real(obj, path, *a, **k)
+    monkeypatch.setattr(module, name, full_disk)
+    out = str(tmp_path / "run")
+    fails_with(capsys, w["base"] + ["--out", out, "--save_every", "1", "--max_steps", "3"], "cannot write checkpoint",
+               os.path.join(out, "step_2"), "No space left", f"the last complete checkpoint is {os.path.join(out, 'step_1')}")
+    monkeypatch.undo()
+    assert latest_name(out) == "step_1"
+    assert sorted(os.listdir(out)) == ["latest", "metrics.jsonl", "step_1"]
+    assert dflash.checkpoint_problem(os.path.join(out, "step_1")) is None
+
+
+def test_a_second_signal_still_saves_a_third_abandons(w, capsys, tmp_path, monkeypatch):
+    """Two signals during a step: it finishes and its checkpoint is written (the console says so). A third, during
+    that save: the save is abandoned (nothing partial left), latest keeps the last complete checkpoint, named."""
+    import signal
+
+    import safetensors.torch
+    real_step, real_save = dflash.train_step, safetensors.torch.save_file
+    plan = {}
+
+    def step(*a, **k):  # the signals arrive in the middle of step 2
+        plan["n"] = plan.get("n", 0) + 1
+        if plan["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(*a, **k)
+
+    def save(*a, **k):
+        if plan.get("third") and plan["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_save(*a, **k)
+    monkeypatch.setattr(dflash, "train_step", step)
+    monkeypatch.setattr(safetensors.torch, "save_file", save)
+    out = str(tmp_path / "two")
+    dflash.main(w["base"] + ["--out", out, "--max_steps", "5", "--save_every", "1"])
+    text = capsys.readouterr().out
+    assert "SIGINT: finishing this step, then saving" in text
+    assert "second signal (SIGTERM): still saving after this step; a third abandons it" in text
+    assert f"interrupted after step 2: saved {os.path.join(out, 'step_2')}" in text
+    assert latest_name(out) == "step_2" and dflash.checkpoint_problem(os.path.join(out, "step_2")) is None
+    plan.clear()
+    plan["third"] = True
+    out = str(tmp_path / "three")
+    with pytest.raises(SystemExit) as e:
+        dflash.main(w["base"] + ["--out", out, "--max_steps", "5", "--save_every", "1"])
+    assert e.value.code == 128 + signal.SIGINT
+    text = capsys.readouterr().out
+    assert f"third signal (SIGINT): abandoning the checkpoint; the last complete checkpoint is " \
+           f"{os.path.join(out, 'step_1')}" in text
+    assert latest_name(out) == "step_1" and sorted(os.listdir(out)) == ["latest", "metrics.jsonl", "step_1"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+
+def test_gzip_and_binary_input_files(w, capsys, tmp_path):
+    """Where JSONL is read (--data, --prompts, --bench NAME=FILE): gzip is read transparently, anything else binary
+    is one line naming the file."""
+    import gzip
+
+    from dflash_tools import benchmarks
+    rows = [{"prompt": "def add(a, b):\n", "task_id": "HumanEval/0"}, {"prompt": "def sub(a, b):\n"}]
+    plain = write_lines(tmp_path / "HumanEval.jsonl", [json.dumps(r) for r in rows])
+    packed = str(tmp_path / "HumanEval.jsonl.gz")
+    with open(plain, "rb") as f, gzip.open(packed, "wb") as g:
+        g.write(f.read())
+    assert benchmarks.read_local(packed) == benchmarks.read_local(plain) == rows
+    assert ev.load_bench(f"humaneval={packed}", None, None) == ev.load_bench(f"humaneval={plain}", None, None)
+    binary, bad_gz = tmp_path / "bin.jsonl", tmp_path / "bad.jsonl.gz"
+    binary.write_bytes(b"\x93\xff\x00\x01" * 64)
+    bad_gz.write_bytes(open(packed, "rb").read()[:30] + b"\x00garbage" * 8)
+    for path in (binary, bad_gz):
+        one_error(capsys, ev.main, ["--target", str(tmp_path / "no_target"), "--bench", f"humaneval={path}"],
+                  str(path), "not a JSONL/JSON text file")
+    prompts = str(tmp_path / "prompts.jsonl.gz")
+    with gzip.open(prompts, "wt") as g:
+        g.write(json.dumps({"input_ids": [1, 2, 3]}) + "\n" + json.dumps({"input_ids": [4, 5]}) + "\n")
+    assert ev.load_prompts(prompts, None, vocab_size=VOCAB) == [[1, 2, 3], [4, 5]]
+    one_error(capsys, ev.main, ["--target", w["q3"], "--prompts", str(bad_gz)], "bad.jsonl.gz", "cannot read")
+    one_error(capsys, ev.main, ["--target", w["q3"], "--prompts", str(binary)], "bin.jsonl:1", "not UTF-8")
+    gz_data = str(tmp_path / "data.jsonl.gz")
+    with open(w["data"], "rb") as f, gzip.open(gz_data, "wb") as g:
+        g.write(f.read())
+    fails_with(capsys, replace(w["base"], "--data", str(bad_gz)) + ["--out", str(tmp_path / "o")], "bad.jsonl.gz")
+    dflash.main(replace(w["base"], "--data", gz_data) + ["--out", str(tmp_path / "gz")])
+    assert latest_name(str(tmp_path / "gz")) == "step_2"
