@@ -1550,9 +1550,11 @@ def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
     print0 = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
-    check_out_dir(args.out)
-    data_digest = file_digest(args.data) if args.data and os.path.isfile(args.data) else None
-    resume_dir, state = resume_point(args, data_digest)
+    writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
+    if writes:
+        check_out_dir(args.out)
+    data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
+    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan or device.type == "cuda":
         memory_plan(args, init_from, world, device)  # from the configs alone, before any weights load

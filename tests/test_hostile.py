@@ -7,10 +7,13 @@ weights."""
 import json
 import math
 import os
+import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -669,3 +672,94 @@ def test_gzip_and_binary_input_files(w, capsys, tmp_path):
     fails_with(capsys, replace(w["base"], "--data", str(bad_gz)) + ["--out", str(tmp_path / "o")], "bad.jsonl.gz")
     dflash.main(replace(w["base"], "--data", gz_data) + ["--out", str(tmp_path / "gz")])
     assert latest_name(str(tmp_path / "gz")) == "step_2"
+
+
+# torchrun on 2 gloo ranks: a rank lost and restarted, a resume onto other ranks with --zero, SIGTERM
+
+def torchrun(argv, *launcher):
+    port = str(29500 + random.randrange(1000))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", port, *launcher,
+           os.path.join(ROOT, "dflash.py"), *argv]
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def logged_steps(out):
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            return [json.loads(x)["step"] for x in f if '"loss"' in x]
+    except (OSError, ValueError):  # not there yet, or a line being written
+        return []
+
+
+def wait_for(cond, what, timeout=300):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def workers(p):
+    """{RANK: pid} of the worker processes torchrun (process p) started."""
+    with open(f"/proc/{p.pid}/task/{p.pid}/children") as f:
+        pids = [int(c) for c in f.read().split()]
+    ranks = {}
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+def same_weights(a, b):
+    wa, wb = (load_file(os.path.join(d, latest_name(d), "model.safetensors")) for d in (a, b))
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def reference(w):
+    """An uninterrupted run of 8 steps on one process, global batch 4 (2 x grad_accum 2), a checkpoint every 2."""
+    out = str(w["dir"] / "reference")
+    dflash.main(replace(replace(w["base"], "--max_steps", "8"), "--grad_accum", "2") + ["--out", out,
+                                                                                           "--save_every", "2"])
+    return out
+
+
+TWO_RANKS = ["--max_steps", "8", "--batch_size", "2", "--grad_accum", "1", "--zero"]  # global batch 4 again
+
+
+def test_torchrun_restart_after_a_lost_rank_resumes_by_itself(w, reference, tmp_path):
+    """torchrun --max_restarts=1: rank 1 SIGKILLed after a checkpoint; torchrun restarts both workers, which resume
+    from latest by themselves (TORCHELASTIC_RESTART_COUNT); the job finishes with the uninterrupted run's weights."""
+    out = str(tmp_path / "elastic")
+    p = torchrun(w["base"] + TWO_RANKS + ["--out", out, "--save_every", "2"], "--max_restarts=1")
+    wait_for(lambda: os.path.exists(os.path.join(out, "latest")), "the first checkpoint")
+    reached = max(logged_steps(out), default=0)
+    os.kill(workers(p)[1], signal.SIGKILL)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0, stderr[-3000:]
+    resumed = re.search(r"resumed from \S+step_(\d+) at step", stdout)
+    assert resumed and reached - int(resumed[1]) <= 2, (reached, stdout[-2000:])  # at most one --save_every lost
+    assert latest_name(out) == "step_8" and logged_steps(out) == list(range(1, 9))
+    assert same_weights(out, reference) <= 1e-6
+
+
+def test_resume_onto_other_ranks_with_zero_then_sigterm(w, reference, tmp_path):
+    """The same global batch on other ranks, --zero toggled, resumes exactly: the one-process checkpoint continues on
+    2 ranks with --zero, SIGTERM stops them cleanly (exit 0, no traceback, the last line says what was saved), and
+    that checkpoint continues on one process without --zero to the uninterrupted run's weights."""
+    out = str(tmp_path / "moved")
+    shutil.copytree(os.path.join(reference, "step_2"), os.path.join(out, "step_2"))
+    dflash.write_latest(out, "step_2")
+    p = torchrun(w["base"] + TWO_RANKS + ["--out", out, "--resume"])
+    wait_for(lambda: logged_steps(out), "a step on 2 ranks")
+    for pid in workers(p).values():  # as a cluster scheduler does: every worker gets SIGTERM
+        os.kill(pid, signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=300)
+    assert p.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    stopped = step_of_latest = int(latest_name(out).split("_")[1])
+    assert 3 <= stopped < 8, "the interruption should land mid-run"
+    assert stdout.strip().splitlines()[-1] == f"interrupted after step {step_of_latest}: saved " \
+        f"{os.path.join(out, f'step_{stopped}')}; resume with the same command plus --resume"
+    dflash.main(replace(w["base"], "--max_steps", "8") + ["--out", out, "--resume", "--batch_size", "4"])
+    assert same_weights(out, reference) <= 1e-6
