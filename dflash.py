@@ -1470,7 +1470,8 @@ def check_writable_dir(d, what, subdirs=False):
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
-        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename}); give a writable location") from None
+        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); give a writable "
+                          f"location") from None
 
 def check_out_dir(out):
     """--out: a directory that can be created and written, with nothing but files where latest and metrics.jsonl go."""

@@ -592,7 +592,8 @@ def test_disk_full_during_a_checkpoint(w, capsys, tmp_path, monkeypatch, writer)
     monkeypatch.setattr(module, name, full_disk)
     out = str(tmp_path / "run")
     fails_with(capsys, w["base"] + ["--out", out, "--save_every", "1", "--max_steps", "3"], "cannot write checkpoint",
-               os.path.join(out, "step_2"), "No space left", f"the last complete checkpoint is {os.path.join(out, 'step_1')}")
+               os.path.join(out, "step_2"), "No space left",
+               f"the last complete checkpoint is {os.path.join(out, 'step_1')}")
     monkeypatch.undo()
     assert latest_name(out) == "step_1"
     assert sorted(os.listdir(out)) == ["latest", "metrics.jsonl", "step_1"]
@@ -639,6 +640,29 @@ def test_a_second_signal_still_saves_a_third_abandons(w, capsys, tmp_path, monke
            f"{os.path.join(out, 'step_1')}" in text
     assert latest_name(out) == "step_1" and sorted(os.listdir(out)) == ["latest", "metrics.jsonl", "step_1"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are given back
+
+
+def test_the_demo_reruns_in_its_own_out_and_refuses_another_used_out(w, capsys, tmp_path, monkeypatch):
+    """The demo's own out/demo starts over on a rerun (saying so); an --out given to it obeys the rule of dflash.py.
+    The tiny target and its data are stood in for by the test's (the demo's flow, not its numbers, is checked)."""
+    from dflash_tools import demo, tiny_target
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(demo, "ROOT", str(tmp_path))  # its cache too
+    monkeypatch.setattr(tiny_target, "build_tiny_target", lambda cache: w["q3"])
+    monkeypatch.setattr(tiny_target, "make_regenerated_data", lambda *a, **k: w["data"])
+    monkeypatch.setattr(tiny_target, "heldout_prompts", lambda *a, **k: [[5, 6, 7, 8]])
+    monkeypatch.setattr(demo, "check_walked_tau", lambda *a: None)
+    quick = ["--demo", "--max_steps", "2", "--batch_size", "2", "--mask_token_id", str(VOCAB - 1), "--target_layer_ids", "1,3",
+             "--eval_fraction", "0", "--eval_walk_prompts", "0"]
+    demo.main(quick)
+    first = listing(demo.DEMO_OUT)
+    assert "demo_eval.json" in first and latest_name(demo.DEMO_OUT) == "step_2"
+    demo.main(quick)
+    assert f"removing the previous demo run in {demo.DEMO_OUT}" in capsys.readouterr().out
+    assert sorted(listing(demo.DEMO_OUT)) == sorted(first)
+    kept = str(tmp_path / "kept")
+    shutil.copytree(demo.DEMO_OUT, kept)
+    one_error(capsys, demo.main, quick + ["--out", kept], "already holds a run", "--resume")
 
 
 def test_gzip_and_binary_input_files(w, capsys, tmp_path):
