@@ -1516,8 +1516,9 @@ RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data
 
 def resume_point(args, data_digest):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
-    Never starts over in an --out that holds a run; refuses a checkpoint made on other data or a flag that decides
-    the data order (the drafter geometry and the global batch are checked once the target is loaded)."""
+    Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
+    data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
+    geometry and the global batch are checked once the target is loaded."""
     mode, out = resume_mode(args), args.out
     try:
         d = latest_checkpoint(out) if mode else None

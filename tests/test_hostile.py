@@ -1,9 +1,10 @@
 """Bad input, checked where it enters, and faults of a run: every numeric flag of both command lines (swept by
 class, enumerated from the parsers, so a flag added later is swept too), list flags, missing paths, the paths a run
 writes, every kind of file it reads (truncated or garbage), data without anything to learn, drafters made for
-another target, token ids against the target's vocabulary, devices that are not there, non-finite steps. Each
-mistake ends in exactly one `error:` line and exit code 2, never a traceback; numerical faults never reach the
-weights."""
+another target, token ids against the target's vocabulary, devices that are not there, non-finite steps; and the
+faults a long run meets: outputs that cannot be written, a used --out, a rank lost under torchrun, a resume on other
+ranks or other data, a full disk, repeated signals, gzip or binary input. Each mistake ends in exactly one `error:`
+line and exit code 2, never a traceback; numerical faults never reach the weights, and no fault loses a checkpoint."""
 import json
 import math
 import os
