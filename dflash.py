@@ -838,7 +838,7 @@ def target_features(target, input_ids, layer_ids):
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
 
-MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits here, a chunk of drafted blocks in the walk
+MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
 
 def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]

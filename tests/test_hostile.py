@@ -491,7 +491,7 @@ def test_every_output_is_proven_before_the_target_loads(w, capsys, tmp_path, mon
     one_error(capsys, ev.main, ["--target", nowhere, "--json", os.path.join(a_file, "new", "r.json")], "--json",
               "cannot be written", "Not a directory")
     one_error(capsys, demo.main, ["--out", os.path.join(a_file, "demo")], "--out", "cannot be written")
-    monkeypatch.setattr(demo, "ROOT", a_file)  # the demo's cache (<root>/.cache) cannot be created
+    monkeypatch.setattr(demo, "CACHE", os.path.join(a_file, ".cache"))  # the demo's cache cannot be created
     one_error(capsys, demo.main, ["--out", str(tmp_path / "demo_out")], "demo's cache", "cannot be written")
     monkeypatch.undo()
     # a location that can be created is created (with its parents) and left empty
@@ -648,8 +648,8 @@ def test_the_demo_reruns_in_its_own_out_and_refuses_another_used_out(w, capsys, 
     The tiny target and its data are stood in for by the test's (the demo's flow, not its numbers, is checked)."""
     from dflash_tools import demo, tiny_target
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(demo, "ROOT", str(tmp_path))  # its cache too
-    monkeypatch.setattr(tiny_target, "build_tiny_target", lambda cache: w["q3"])
+    monkeypatch.setattr(demo, "CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny_target, "build_tiny_target", lambda *a, **k: w["q3"])
     monkeypatch.setattr(tiny_target, "make_regenerated_data", lambda *a, **k: w["data"])
     monkeypatch.setattr(tiny_target, "heldout_prompts", lambda *a, **k: [[5, 6, 7, 8]])
     monkeypatch.setattr(demo, "check_walked_tau", lambda *a: None)
