@@ -551,12 +551,18 @@ def check_output_file(path, flag):
 
 
 def write_json(report, path):
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
+    the table printed before it stays the result."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise DFlashError(f"cannot write {path} ({e.strerror}); the report above is the result") from None
     return path
 
 

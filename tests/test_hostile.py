@@ -601,6 +601,19 @@ def test_disk_full_during_a_checkpoint(w, capsys, tmp_path, monkeypatch, writer)
     assert dflash.checkpoint_problem(os.path.join(out, "step_1")) is None
 
 
+def test_disk_full_writing_the_json_report(tmp_path, monkeypatch):
+    """eval.py's report (after the work, so proven writable first): a full disk is still one line, no partial file."""
+    import errno
+    path = str(tmp_path / "r.json")
+
+    def full_disk(obj, f):
+        f.write("{\"results\": [")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(ev.json, "dump", full_disk)
+    raises_one_line(lambda: ev.write_json({"results": []}, path), "cannot write", path, "No space left")
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_second_signal_still_saves_a_third_abandons(w, capsys, tmp_path, monkeypatch):
     """Two signals during a step: it finishes and its checkpoint is written (the console says so). A third, during
     that save: the save is abandoned (nothing partial left), latest keeps the last complete checkpoint, named."""
