@@ -5,6 +5,7 @@ another target, token ids against the target's vocabulary, devices that are not 
 faults a long run meets: outputs that cannot be written, a used --out, a rank lost under torchrun, a resume on other
 ranks or other data, a full disk, repeated signals, gzip or binary input. Each mistake ends in exactly one `error:`
 line and exit code 2, never a traceback; numerical faults never reach the weights, and no fault loses a checkpoint."""
+import errno
 import json
 import math
 import os
@@ -577,8 +578,6 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
 def test_disk_full_during_a_checkpoint(w, capsys, tmp_path, monkeypatch, writer):
     """ENOSPC while the second checkpoint is written: one line naming it and the last complete one, latest unchanged,
     nothing partial left (no step_2, no step_2.tmp<pid>), and step_1 resumes."""
-    import errno
-
     import safetensors.torch
     module, name = (safetensors.torch, "save_file") if writer == "safetensors" else (torch, "save")
     real, calls = getattr(module, name), []
@@ -603,7 +602,6 @@ def test_disk_full_during_a_checkpoint(w, capsys, tmp_path, monkeypatch, writer)
 
 def test_disk_full_writing_the_json_report(tmp_path, monkeypatch):
     """eval.py's report (after the work, so proven writable first): a full disk is still one line, no partial file."""
-    import errno
     path = str(tmp_path / "r.json")
 
     def full_disk(obj, f):
@@ -617,8 +615,6 @@ def test_disk_full_writing_the_json_report(tmp_path, monkeypatch):
 def test_a_second_signal_still_saves_a_third_abandons(w, capsys, tmp_path, monkeypatch):
     """Two signals during a step: it finishes and its checkpoint is written (the console says so). A third, during
     that save: the save is abandoned (nothing partial left), latest keeps the last complete checkpoint, named."""
-    import signal
-
     import safetensors.torch
     real_step, real_save = dflash.train_step, safetensors.torch.save_file
     plan = {}
