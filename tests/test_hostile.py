@@ -554,7 +554,8 @@ def test_a_used_out_is_never_clobbered(w, trained, capsys, tmp_path, monkeypatch
 
 def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_path):
     """The checkpoint records the data file's size and sha256: edited since, the resume is refused in one line naming
-    --allow_data_change (before the target loads), and with it the run continues; a changed --seed is refused too."""
+    --allow_data_change (before the target loads), and with it the run continues; a changed --seed or global batch
+    is refused too (the data order depends on both)."""
     out, data = str(tmp_path / "run"), str(tmp_path / "data.jsonl")
     shutil.copytree(trained, out)
     shutil.copy(w["data"], data)  # the same bytes as the run was trained on: it resumes
@@ -568,6 +569,8 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
     one_error(capsys, dflash.main, resume, "cannot resume", "step_2", data, "changed", "--allow_data_change")
     one_error(capsys, dflash.main, replace(w["base"], "--target", str(tmp_path / "no_target")) +
               ["--out", out, "--resume", "--seed", "7"], "cannot resume", "--seed 0", "--seed 7")
+    fails_with(capsys, replace(w["base"], "--batch_size", "4") + ["--out", out, "--resume"], "cannot resume",
+               "global batch was 2, now 4", "batch_size x grad_accum x ranks")  # another global batch: refused
     assert listing(out) == before
     dflash.main(replace(w["base"], "--data", data) + ["--out", out, "--resume", "--allow_data_change",
                                                       "--max_steps", "3"])
