@@ -665,8 +665,8 @@ def test_the_demo_reruns_in_its_own_out_and_refuses_another_used_out(w, capsys, 
     monkeypatch.setattr(tiny_target, "make_regenerated_data", lambda *a, **k: w["data"])
     monkeypatch.setattr(tiny_target, "heldout_prompts", lambda *a, **k: [[5, 6, 7, 8]])
     monkeypatch.setattr(demo, "check_walked_tau", lambda *a: None)
-    quick = ["--demo", "--max_steps", "2", "--batch_size", "2", "--mask_token_id", str(VOCAB - 1), "--target_layer_ids", "1,3",
-             "--eval_fraction", "0", "--eval_walk_prompts", "0"]
+    quick = ["--demo", "--max_steps", "2", "--batch_size", "2", "--mask_token_id", str(VOCAB - 1),
+             "--target_layer_ids", "1,3", "--eval_fraction", "0", "--eval_walk_prompts", "0"]
     demo.main(quick)
     first = listing(demo.DEMO_OUT)
     assert "demo_eval.json" in first and latest_name(demo.DEMO_OUT) == "step_2"
