@@ -782,22 +782,24 @@ def shard_target(target, device):
     weights: a meta-device build would leave RoPE buffers unset and untie a tied lm_head)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    layers = target.layers
+    layers, kind = target.layers, type(target.layers[0]).__name__
     whole = set(target.backbone.parameters()) - set(layers.parameters())  # embedding, final norm (, tied lm_head)
     target.backbone.layers = nn.ModuleList()  # everything but the decoder layers onto the device, whole
     target.model.to(device)
     target.backbone.layers = layers
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # all ranks, on every node
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))  # all ranks, on every node
     try:
         for layer in layers:  # reshard_after_forward: gathered for its forward only
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)
         # one root over the layers, so they share one all-gather stream; it owns no weights of its own
         fully_shard(target.backbone, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+        for layer, after in zip(layers, layers[1:]):  # layer i's forward starts gathering layer i+1
+            layer.set_modules_to_forward_prefetch([after])
+        with torch.no_grad():  # FSDP checks the layers at the first forward (one token, on every rank): now
+            target.backbone(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
     except (ValueError, TypeError, RuntimeError, AssertionError, NotImplementedError) as e:
-        raise DFlashError(f"--shard_target: cannot shard the {type(layers[0]).__name__} layers of {target.name!r} "
+        raise DFlashError(f"--shard_target: cannot shard the {kind} layers of {target.name!r} "
                           f"({first_line(e)}); drop --shard_target") from None
-    for layer, after in zip(layers, layers[1:]):  # layer i's forward starts gathering layer i+1
-        layer.set_modules_to_forward_prefetch([after])
     target.sharded = True
     return target
 
@@ -1299,10 +1301,12 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
         return None
     prompts = walk_prompts(samples, num_prompts)
     mine = prompts[rank::world]
-    # sharded, every target forward is a collective: as many prompts on every rank, an extra one walking nothing
-    extra = -(-len(prompts) // world) - len(mine) if target.sharded else 0
-    walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + prompts[:extra]]
-    return mine + prompts[:extra], walked[:len(mine)] + [[]] * extra
+    # sharded, every target forward is a collective: as many prompts on every rank. An extra one is generated too,
+    # then walked as its own last token alone (a one-token continuation has no step: it counts nothing)
+    per_rank = -(-len(prompts) // world)
+    extra = prompts[:per_rank - len(mine)] if target.sharded else []
+    walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + extra]
+    return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world):
