@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import dflash
-from conftest import ROOT, SMALL, build_qwen3, tiny_qwen3, tiny_qwen35, torch_threads, write_data
+from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, torch_threads, write_data
 
 EVAL_FRACTION, WALK_PROMPTS, WALK_TOKENS = 0.2, 3, 12  # 25 samples: 5 held out (3 + 2 per rank), 3 prompts (2 + 1)
 
