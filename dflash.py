@@ -1467,8 +1467,9 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     z = torch.zeros((), device=target.lm_head.weight.device)
     total = {k: z.new_zeros(B if k in ("correct", "count") else ()) for k in STAT_KEYS}  # a rank may have none
     mine = list(range(rank, len(samples), world))
-    for s in range(0, -(-len(samples) // world), batch_size):  # as many batches on every rank (--shard_target's
-        idx = mine[s:s + batch_size]                             # target forward is a collective)
+    # as many batches on every rank, a short rank's extra one all empty rows: a sharded target's forward is collective
+    for s in range(0, -(-len(samples) // world), batch_size):
+        idx = mine[s:s + batch_size]
         fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
         batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
                         keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
