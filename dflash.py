@@ -787,6 +787,7 @@ class Target:
     lm_head: nn.Module
     tokenizer: object
     name: str
+    sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
 
     def __post_init__(self):  # layers; the final norm, whose output f feeds lm_head; sizes
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
@@ -835,9 +836,10 @@ def target_load_error(name, e):
             return DFlashError(f"cannot load target {name!r}: {path} is truncated or garbage ({first_line(bad)})")
     return DFlashError(f"cannot load target {name!r}: {first_line(e)}")
 
-def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
+def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
     """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise.
-    device "meta": built from config.json alone (no weights read), for the memory plan."""
+    device "meta": built from config.json alone (no weights read), for the memory plan. shard (--shard_target under
+    torchrun): loaded on the CPU, then the decoder layers split over the ranks onto the device (shard_target)."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     if dtype is None:
@@ -853,10 +855,43 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         raise target_load_error(name, e) from None
-    model.to(device).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
     need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head (get_output_embeddings() is None)")
-    return Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
-                  load_tokenizer(name, trust_remote_code), name)
+    target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
+                    load_tokenizer(name, trust_remote_code), name)
+    if shard:
+        return shard_target(target, device)
+    model.to(device)
+    return target
+
+def shard_target(target, device):
+    """--shard_target: each decoder layer's weights split 1/world per rank (FSDP2 fully_shard, frozen: no gradient or
+    optimizer state), all-gathered one layer at a time while the target runs, the next layer prefetched, and freed
+    again after its forward. The rest (embedding, final norm, lm_head, rotary buffers) stays whole on every rank: the
+    drafter calls target.embed and target.lm_head itself. The target arrives on the CPU in its final dtype (real
+    weights: a meta-device build would leave RoPE buffers unset and untie a tied lm_head)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    layers, kind = target.layers, type(target.layers[0]).__name__
+    whole = set(target.backbone.parameters()) - set(layers.parameters())  # embedding, final norm (, tied lm_head)
+    target.backbone.layers = nn.ModuleList()  # everything but the decoder layers onto the device, whole
+    target.model.to(device)
+    target.backbone.layers = layers
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))  # all ranks, on every node
+    try:
+        for layer in layers:  # reshard_after_forward: gathered for its forward only
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+        # one root over the layers, so they share one all-gather stream; it owns no weights of its own
+        fully_shard(target.backbone, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+        for layer, after in zip(layers, layers[1:]):  # layer i's forward starts gathering layer i+1
+            layer.set_modules_to_forward_prefetch([after])
+        with torch.no_grad():  # FSDP checks the layers at the first forward (one token, on every rank): now
+            target.backbone(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+    except (ValueError, TypeError, RuntimeError, AssertionError, NotImplementedError) as e:
+        raise DFlashError(f"--shard_target: cannot shard the {kind} layers of {target.name!r} "
+                          f"({first_line(e)}); drop --shard_target") from None
+    target.sharded = True
+    return target
 
 def check_compatible(cfg, target, where="drafter"):
     """A drafter made for another target must fail loudly, not draft garbage."""
@@ -1374,7 +1409,7 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=max_new_tokens, eos_token_id=eos or None,
                                 pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                min_new_tokens=0)
+                                min_new_tokens=0, synced_gpus=target.sharded)  # sharded: until all ranks end
     return out[0, len(prompt):].tolist()
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
@@ -1436,8 +1471,14 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
     r, r + world, ..."""
     if not num_prompts:
         return None
-    mine = walk_prompts(samples, num_prompts)[rank::world]
-    return mine, [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine]
+    prompts = walk_prompts(samples, num_prompts)
+    mine = prompts[rank::world]
+    # sharded, every target forward is a collective: as many prompts on every rank. An extra one is generated too,
+    # then walked as its own last token alone (a one-token continuation has no step: it counts nothing)
+    per_rank = -(-len(prompts) // world)
+    extra = prompts[:per_rank - len(mine)] if target.sharded else []
+    walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + extra]
+    return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world, tree_budget=0):
@@ -1530,10 +1571,11 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     z = torch.zeros((), device=target.lm_head.weight.device)
     total = {k: z.new_zeros(B if k in ("correct", "count") else ()) for k in STAT_KEYS}  # a rank may have none
     mine = list(range(rank, len(samples), world))
-    for s in range(0, len(mine), batch_size):
+    # as many batches on every rank, a short rank's extra one all empty rows: a sharded target's forward is collective
+    for s in range(0, -(-len(samples) // world), batch_size):
         idx = mine[s:s + batch_size]
         fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
-        batch = collate([samples[i] for i in idx] + [([pad_id], [0])] * fill, pad_id,
+        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
                         keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
         anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
         total = add_stats(total, dflash_loss(drafter, target, batch, anchors, valid, **{**loss_kw, "noise_std": 0})[1])
@@ -1700,7 +1742,10 @@ def train(args):
     if args.plan or device.type == "cuda":
         memory_plan(args, init_from, world, device)  # from the configs alone, before any weights load
 
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
+    if args.shard_target and world == 1:
+        print0("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
+    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
+                         shard=args.shard_target and world > 1)
     tok = target.tokenizer
     data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
                    vocab_size=target.vocab_size)
@@ -2012,6 +2057,9 @@ def get_parser():
     g = p.add_argument_group("memory")
     g.add_argument("--zero", action="store_true",
                    help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one process)")
+    g.add_argument("--shard_target", action="store_true",
+                   help="split the frozen target's decoder layers over the ranks (FSDP2, under torchrun): each rank "
+                   "holds 1/world of them and gathers one layer at a time while the target runs")
     g.add_argument("--grad_checkpoint", action="store_true",
                    help="recompute each drafter layer in backward instead of keeping its activations")
     g.add_argument("--plan", action="store_true", help="print the per-GPU memory plan from the target's and "

@@ -19,6 +19,7 @@ compiled; step time, tokens/s, MFU, peak memory (bench_gpu.sh). --dry-run: the s
     python dflash_tools/bench.py --quick --threads 1            # a few minutes on a 2-core CPU
     python dflash_tools/bench.py --parts train --json t.json    # one section, 3 timed repeats
     bash dflash_tools/bench_gpu.sh [--dry-run]                  # tests/test_gpu.py, then --gpu
+    python dflash_tools/bench.py --shard_memory                 # --shard_target's memory per rank, 2 CPU ranks
 
 Peak memory on CPU: each training-step and loss configuration runs in a fresh process forked before the parent ran
 any torch op; the child builds its inputs, resets the kernel's peak-RSS counter (writing 5 to /proc/self/clear_refs),
@@ -572,6 +573,56 @@ def save_json(report, path):
         os.replace(path + ".tmp", path)
 
 
+# -----------------------------------------------------------------------------
+# --shard_memory: what --shard_target saves per rank, on 2 CPU ranks (gloo), at a size where the target dominates
+
+SHARD_TARGET = dict(vocab_size=1000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=16,
+                    num_attention_heads=8, num_key_value_heads=4, head_dim=128, max_position_embeddings=1024)
+
+
+def shard_worker(target_dir):
+    """Under torchrun: the target loaded whole or sharded (SHARD env), then 3 target forwards of 512 tokens. Prints
+    one JSON line per rank: the target bytes this rank holds (exact, from its tensors), RssAnon (private resident
+    memory) after them, VmHWM (peak resident, which includes the whole-model load on the CPU before sharding)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank, shard = dist.get_rank(), os.environ["SHARD"] == "1"
+    target = dflash.load_target(target_dir, "cpu", torch.float32, shard=shard)
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in target.model.parameters())
+    ids = torch.randint(0, SHARD_TARGET["vocab_size"], (1, 512), generator=torch.Generator().manual_seed(rank))
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dflash.target_features(target, ids, [1, 8, 14])
+    dist.barrier()
+    print(json.dumps({"rank": rank, "shard": shard, "target_mb": held / 2**20, "rss_anon_mb": status_mb("RssAnon"),
+                      "peak_mb": status_mb("VmHWM"), "forwards_s": time.perf_counter() - t0}), flush=True)
+    dist.destroy_process_group()
+
+
+def shard_memory(args):
+    """A bf16 checkpoint of 0.25B params loaded in fp32 (a private copy per rank, as the copy to a GPU is: a
+    same-dtype CPU load stays a memory map of the file, shared by the ranks' page cache, so there is nothing to
+    save), run on 2 ranks without and with --shard_target. glibc's heap keeps the freed whole layers after sharding
+    unless its mmap threshold is fixed (MALLOC_MMAP_THRESHOLD_), so it is."""
+    import subprocess
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    d = tempfile.mkdtemp(prefix="shard_memory_")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**SHARD_TARGET)).to(torch.bfloat16).save_pretrained(d)
+    rows = []
+    for shard in ("0", "1"):
+        env = {**os.environ, "SHARD": shard, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", __file__,
+                            "--shard_worker", d], env=env, capture_output=True, text=True)
+        rows += [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")] or [p.stderr[-2000:]]
+    shutil.rmtree(d)
+    for r in rows:
+        print(r if isinstance(r, str) else f"rank {r['rank']} {'--shard_target' if r['shard'] else 'whole':<15} "
+              f"target {r['target_mb']:7.0f} MB  RssAnon {r['rss_anon_mb']:7.0f} MB  peak {r['peak_mb']:7.0f} MB  "
+              f"3 forwards {r['forwards_s']:.1f} s")
+    return {"shard_memory": rows}
+
+
 def get_parser():
     p = argparse.ArgumentParser(description="Speed and memory of DFlash training and evaluation, side by side.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -587,6 +638,9 @@ def get_parser():
     p.add_argument("--gpu", action="store_true", help="the training step at the Qwen3-8B drafter shape on CUDA")
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="--gpu at tiny shapes on the CPU")
     p.add_argument("--budget", type=float, default=300, help="--gpu: seconds after which compile(model) is skipped")
+    p.add_argument("--shard_memory", action="store_true", help="resident memory per rank with and without "
+                   "--shard_target, 2 CPU ranks (torchrun, gloo)")
+    p.add_argument("--shard_worker", default=None, help=argparse.SUPPRESS)  # --shard_memory's ranks
     return p
 
 
@@ -594,7 +648,9 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run_gpu(args) if args.gpu or args.dry_run else run_cpu(args)
+    if args.shard_worker:
+        return shard_worker(args.shard_worker)
+    report = shard_memory(args) if args.shard_memory else run_gpu(args) if args.gpu or args.dry_run else run_cpu(args)
     save_json(report, args.json)
     if args.json:
         print(f"wrote {args.json}")

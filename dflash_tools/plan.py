@@ -5,7 +5,8 @@ test can compare it with torch.cuda.max_memory_allocated(). memory_plan() is wha
 before any weight loads (--plan prints and exits; a CUDA run prints it and stops early if it cannot fit).
 
 Per rank, with P_t target parameters, P_d drafter parameters, R ranks, T = batch * anchors * block tokens:
-  target weights    P_t x target dtype (text model only: no vision tower)
+  target weights    P_t x target dtype (text model only: no vision tower); with --shard_target the decoder layers
+                    / R + the embedding, final norm and lm_head whole, plus two gathered layers during its forward
   drafter weights   P_d x 4 (fp32 master weights; autocast runs the matmuls in bf16)
   gradients         P_d x 4
   DDP buckets       P_d x 4, or 0 when they are views of the gradients (gradient_as_bucket_view=True: ours)
@@ -54,11 +55,13 @@ def activation_elems(d, T, b, S, attention, grad_checkpoint):
 
 def plan_rows(target, drafter, run):
     """The per-rank memory terms, in bytes: [(name, bytes, note)], the last row the peak.
-    target: params, hidden_size, intermediate_size, vocab_size, context_layers (captured h[t]).
+    target: params, hidden_size, intermediate_size, vocab_size, context_layers (captured h[t]); with
+      run["shard_target"] also decoder_params (all decoder layers) and layer_params (the largest one).
     drafter: params and the DFlashConfig fields hidden_size, intermediate_size, num_hidden_layers,
       num_attention_heads, num_key_value_heads, head_dim, block_size, layer_kinds, context_layers.
-    run: world, zero, grad_checkpoint, num_anchors, batch_size, max_len, attention ("flex" | "dense"),
-      target_bytes, act_bytes (activation dtype: 2 under bf16 autocast, 4 in fp32), cuda (adds an allowance)."""
+    run: world, zero, grad_checkpoint, shard_target (optional), num_anchors, batch_size, max_len, attention
+      ("flex" | "dense"), target_bytes, act_bytes (activation dtype: 2 under bf16 autocast, 4 in fp32), cuda (adds
+      an allowance)."""
     Pd, R, ab, tb = drafter["params"], run["world"], run["act_bytes"], run["target_bytes"]
     b, V, Dt = run["batch_size"], target["vocab_size"], target["hidden_size"]
     S = dflash.padded_length(run["max_len"]) if run["attention"] == "flex" else run["max_len"]
@@ -67,7 +70,14 @@ def plan_rows(target, drafter, run):
     chunk = dflash.vocab_chunk(V)
     # one chunk of logits in fp32 (and its bf16 original when the lm_head is bf16)
     logits = lambda rows: min(chunk, rows) * V * (4 + (tb if tb != 4 else 0))  # noqa: E731
-    rows = [("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes"),
+    weights = ("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes")
+    gathered = ("gathered target layers", 0, "not sharded")
+    if run.get("shard_target") and R > 1:  # (target: also decoder_params, layer_params: the largest layer)
+        decoder, rest = target["decoder_params"], target["params"] - target["decoder_params"]
+        weights = ("target weights", (decoder / R + rest) * tb,
+                   f"{decoder / 1e9:.2f}B decoder / {R} ranks + {rest / 1e9:.2f}B whole, {tb} bytes")
+        gathered = ("gathered target layers", 2 * target["layer_params"] * tb, "the running layer and the next one")
+    rows = [weights,
             ("drafter weights", Pd * 4, f"{Pd / 1e9:.3f}B params, fp32"),
             ("drafter gradients", Pd * 4, "fp32"),
             ("DDP gradient buckets", 0, "views of the gradients (gradient_as_bucket_view)" if R > 1 else "one rank"),
@@ -80,28 +90,52 @@ def plan_rows(target, drafter, run):
             ("chunked-loss buffers", logits(T), f"{min(chunk, T)} rows x V={V} logits"),
             ("target-forward buffers", (b * S * (target["context_layers"] + 3) * Dt + 3 * b * S *
                                         target["intermediate_size"]) * tb + logits(b * S),
-             f"captured features + one layer, {b} x {S} tokens")]
+             f"captured features + one layer, {b} x {S} tokens"), gathered]
     if run.get("cuda"):
         rows.append(("CUDA context, NCCL, fragmentation", CUDA_ALLOWANCE, "allowance"))
-    transient = ("drafter activations", "backward working set", "chunked-loss buffers", "target-forward buffers")
-    static = sum(r[1] for r in rows if r[0] not in transient)
-    peak = static + max(rows[5][1] + rows[6][1] + rows[7][1], rows[8][1])
+    v = {name: value for name, value, _ in rows}
+    transient = ("drafter activations", "backward working set", "chunked-loss buffers", "target-forward buffers",
+                 "gathered target layers")
+    static = sum(value for name, value in v.items() if name not in transient)
+    peak = static + max(v["drafter activations"] + v["backward working set"] + v["chunked-loss buffers"],
+                        v["target-forward buffers"] + v["gathered target layers"])
     return rows + [("peak per rank", peak, "static + max(activations + backward + loss, target forward)")]
+
+
+# What a sharded target forward costs: assumed rates, not measured here
+NVLINK, PCIE = 350e9, 20e9  # all-gather bus bandwidth, bytes/s: H100/H200 NVLink (NVSwitch), PCIe 4.0 x16 via host
+FLOPS = 400e12              # bf16 dense matmul rate a target forward reaches (about 40% of an H100's peak)
+
+
+def shard_traffic(target, run):
+    """--shard_target: bytes each rank receives per target forward (every decoder layer gathered once: (R-1)/R of
+    it), their time over NVLink and over PCIe, and the forward's compute time at the run's shape (2 x active decoder
+    params x batch x max_len FLOPs: an MoE token runs through k of E experts) that the prefetch can hide them
+    behind. Seconds."""
+    R, tokens = run["world"], run["batch_size"] * run["max_len"]
+    gathered = target["decoder_params"] * run["target_bytes"] * (R - 1) / R
+    return gathered, gathered / NVLINK, gathered / PCIE, 2 * target["active_params"] * tokens / FLOPS
 
 
 OPTIONS = ([], ["--zero"], ["--grad_checkpoint"], ["--zero", "--grad_checkpoint"])
 
 
+def options(world):
+    """The memory-flag sets to try, cheapest first. --shard_target comes after the others: it costs an all-gather
+    of the decoder per target forward (hidden on NVLink, not on PCIe), and means nothing on one rank."""
+    return OPTIONS + tuple(f + ["--shard_target"] for f in OPTIONS) if world > 1 else OPTIONS
+
+
 def option_run(run, flags, anchors=None):
     return {**run, "zero": "--zero" in flags, "grad_checkpoint": "--grad_checkpoint" in flags,
-            "num_anchors": anchors or run["num_anchors"]}
+            "shard_target": "--shard_target" in flags, "num_anchors": anchors or run["num_anchors"]}
 
 
 def fitting_flags(target, drafter, run, gpu_bytes):
     """The fewest memory flags (then fewer anchors) with which the plan fits, or None."""
     anchors = [run["num_anchors"]] + [n for n in (256, 128, 64, 32) if n < run["num_anchors"]]
     for n in anchors:
-        for flags in OPTIONS:
+        for flags in options(run["world"]):
             if plan_rows(target, drafter, option_run(run, flags, n))[-1][1] <= gpu_bytes:
                 return flags + ([f"--num_anchors {n}"] if n != run["num_anchors"] else [])
     return None
@@ -109,7 +143,7 @@ def fitting_flags(target, drafter, run, gpu_bytes):
 
 def format_plan(rows, world, gpu_bytes, where):
     lines = [f"memory plan per rank ({world} rank(s), {gpu_bytes / GB:.0f} GB each, {where}):"]
-    lines += [f"  {name:<36} {v / GB:8.2f} GB  {note}" for name, v, note in rows]
+    lines += [f"  {name:<40} {v / GB:8.2f} GB  {note}" for name, v, note in rows]
     return "\n".join(lines)
 
 
@@ -118,7 +152,18 @@ def target_sizes(meta_target, context_layers):
     tc = meta_target.model.config.get_text_config()
     V, D = meta_target.lm_head.weight.shape
     return {"params": count_params(meta_target.backbone, meta_target.lm_head), "hidden_size": D, "vocab_size": V,
-            "intermediate_size": getattr(tc, "intermediate_size", 4 * D), "context_layers": context_layers}
+            "intermediate_size": getattr(tc, "intermediate_size", None) or 4 * D, "context_layers": context_layers,
+            "decoder_params": count_params(meta_target.layers), "active_params": active_params(meta_target),
+            "layer_params": max(count_params(layer) for layer in meta_target.layers)}
+
+
+def active_params(meta_target):
+    """Decoder parameters one token runs through: all of them, less the routed experts it is not sent to (an MoE
+    target: num_experts_per_tok of num_experts; the routed experts are the parameters under an `experts` module)."""
+    tc = meta_target.model.config.get_text_config()
+    E, k = getattr(tc, "num_experts", None), getattr(tc, "num_experts_per_tok", None)
+    routed = sum(p.numel() for name, p in meta_target.layers.named_parameters() if ".experts." in f".{name}")
+    return count_params(meta_target.layers) - (routed * (1 - k / E) if E and k else 0)
 
 
 def drafter_sizes(cfg, shapes):
@@ -145,6 +190,7 @@ def memory_plan(args, cfg, shapes, meta_target, world, device):
     tb = {"bf16": 2, "fp16": 2, "fp32": 4}.get(args["dtype"], 2 if on_gpu else 4)
     attention = args["attention"] if args["attention"] != "auto" else "flex" if on_gpu else "dense"
     run = {"world": world, "zero": args["zero"], "grad_checkpoint": args["grad_checkpoint"],
+           "shard_target": args["shard_target"],
            "num_anchors": args["num_anchors"], "batch_size": args["batch_size"], "max_len": args["max_len"],
            "attention": attention, "target_bytes": tb, "act_bytes": 2 if on_gpu else 4, "cuda": on_gpu}
     d = drafter_sizes(cfg, shapes)
@@ -155,20 +201,27 @@ def memory_plan(args, cfg, shapes, meta_target, world, device):
         torch.distributed.get_rank() == 0
     say = print if rank0 else (lambda *a: None)
     say(format_plan(rows, world, gpu_bytes, where))
-    for flags in OPTIONS:
+    for flags in options(world):
         peak = plan_rows(t, d, option_run(run, flags))[-1][1]
-        say(f"  {' '.join(flags) or 'plain DDP':<36} {peak / GB:8.2f} GB  "
+        say(f"  {' '.join(flags) or 'plain DDP':<40} {peak / GB:8.2f} GB  "
             f"{'fits' if peak <= gpu_bytes else 'does not fit'}")
     fit = fitting_flags(t, d, run, gpu_bytes)
     fits = rows[-1][1] <= gpu_bytes
     say(f"  verdict: {'fits' if fits else 'does not fit'}"
         + ("" if fits else f"; fits with {' '.join(fit)}" if fit else "; nothing fits: see the README, Will it fit?"))
+    if world > 1 and (run["shard_target"] or "--shard_target" in (fit or []) and not fits):
+        gathered, nvlink, pcie, compute = shard_traffic(t, run)
+        say(f"  --shard_target: each target forward all-gathers {gathered / GB:.1f} GB per rank: {nvlink:.2f} s over "
+            f"NVLink ({NVLINK / GB:.0f} GB/s), {pcie:.2f} s over PCIe ({PCIE / GB:.0f} GB/s), against {compute:.2f} s "
+            f"of compute at {run['batch_size']} x {run['max_len']} tokens ({FLOPS / 1e12:.0f} TFLOP/s): "
+            f"{'hidden by the prefetch' if nvlink < compute else 'not hidden'} on NVLink, "
+            f"{'hidden' if pcie < compute else 'dominant'} on PCIe; the walk gathers once per generated token")
     sys.stdout.flush()
     if args["plan"]:
         raise SystemExit(0)
     if device.type == "cuda" and not fits:
-        hint = f"add {' '.join(fit)}" if fit else "even --zero --grad_checkpoint --num_anchors 32 does not fit; " \
-            "serve the target from an inference engine (README: Will it fit?)"
+        hint = f"add {' '.join(fit)}" if fit else f"even {' '.join(options(world)[-1])} --num_anchors 32 does " \
+            "not fit; use more ranks, or serve the target from an inference engine (README: Will it fit?)"
         raise dflash.DFlashError(f"the memory plan needs {rows[-1][1] / GB:.1f} GB per GPU, this device has "
                     f"{gpu_bytes / GB:.1f} GB: {hint} (or check with --plan)")
     return rows

@@ -19,6 +19,22 @@ QWEN36_27B = {"model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalL
               "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}}
 
 
+# a Qwen3.5-122B-A10B-class text config from its published facts (48 layers, 3:1 Gated DeltaNet / full attention,
+# hidden 3072, 32 heads, 256 experts with 8 routed + 1 shared per token); the head and expert sizes are our assumption
+QWEN35_122B = {**QWEN36_27B, "model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+               "num_hidden_layers": 48, "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12,
+               "hidden_size": 3072, "num_attention_heads": 32, "num_key_value_heads": 2, "linear_num_value_heads": 64,
+               "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 1024,
+               "shared_expert_intermediate_size": 1024}
+del QWEN35_122B["intermediate_size"]
+
+
+def config_dir(tmp_path_factory, config):
+    d = tmp_path_factory.mktemp("target")
+    (d / "config.json").write_text(json.dumps(config))
+    return str(d)
+
+
 @pytest.fixture(scope="module")
 def q36(tmp_path_factory):
     d = tmp_path_factory.mktemp("q36")
@@ -63,6 +79,35 @@ def test_plan_bad_input_and_cuda_refusal(q36, capsys):
     capsys.readouterr()
 
 
+def test_plan_shard_target(q36, tmp_path_factory, capsys, tmp_path):
+    """--shard_target in the plan: Qwen3.6-27B on 8 x 48 GB fits only with it (with --zero), and the all-gather line
+    says 42.6 GB per forward (7/8 of the bf16 decoder), hidden on NVLink, not on PCIe; a 122B MoE target fits 8 x 80
+    GB with it alone, and its gathers are not hidden even on NVLink (a token runs through 8 of 256 experts)."""
+    out = ["--out", str(tmp_path / "out"), "--plan_world_size", "8"]
+    rows = plan_lines(capsys, ["--target", q36, "--plan", "--mask_token_id", "248070", "--plan_gpu_gb", "48", *out])
+    assert "fits with --zero --shard_target" in rows["verdict: does not fit; fits with --zero --shard_target"]
+    assert rows["--zero --grad_checkpoint"].endswith("does not fit") and rows["--zero --shard_target"].endswith("fits")
+    traffic = next(v for k, v in rows.items() if k.startswith("--shard_target: each"))
+    assert "all-gathers 42.6 GB per rank: 0.12 s over NVLink" in traffic
+    assert "hidden by the prefetch on NVLink, dominant on PCIe" in traffic
+    rows = plan_lines(capsys, ["--target", q36, "--plan", "--mask_token_id", "248070", "--plan_gpu_gb", "80",
+                               "--shard_target", *out])
+    whole = 2 * 248320 * 5120 * 2 / 1e9  # the embedding and the lm_head, bf16, on every rank
+    assert float(rows["target weights"].split("GB")[0].split()[-1]) == pytest.approx((53.79 - whole) / 8 + whole,
+                                                                                   abs=0.02)
+    assert float(rows["gathered target layers"].split("GB")[0].split()[-1]) > 1  # two whole layers
+    big = config_dir(tmp_path_factory, QWEN35_122B)
+    rows = plan_lines(capsys, ["--target", big, "--plan", "--mask_token_id", "248070", "--intermediate_size", "9216",
+                               "--plan_gpu_gb", "80", *out])
+    assert 121 < float(rows["target weights"].split("GB")[1].split("B params")[0]) < 123
+    assert rows["--zero --grad_checkpoint"].endswith("does not fit")
+    assert "verdict: does not fit; fits with --shard_target" in rows
+    assert "not hidden on NVLink" in next(v for k, v in rows.items() if k.startswith("--shard_target: each"))
+    one = plan_lines(capsys, ["--target", q36, "--plan", "--mask_token_id", "248070", "--plan_gpu_gb", "80",
+                              "--out", str(tmp_path / "out"), "--plan_world_size", "1"])
+    assert not any("--shard_target" in k for k in one)  # nothing to shard over on one rank
+
+
 def test_plan_rows_is_plain_arithmetic():
     """plan_rows: plain dicts in, rows out (what a GPU script compares with torch.cuda.max_memory_allocated)."""
     d = dict(params=10**9, hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=8,
@@ -75,6 +120,12 @@ def test_plan_rows_is_plain_arithmetic():
     assert rows["AdamW moments"] == 2e9 and rows["DDP gradient buckets"] == 0
     ckpt = dict((name, v) for name, v, _ in plan_rows(t, d, {**run, "grad_checkpoint": True}))
     assert ckpt["drafter activations"] < rows["drafter activations"]
+    # --shard_target: the decoder (7.5B of 8B) split over 4 ranks, the rest whole, two layers gathered in flight
+    shard = dict((name, v) for name, v, _ in plan_rows({**t, "decoder_params": 75 * 10**8, "layer_params": 10**8}, d,
+                                                       {**run, "shard_target": True}))
+    assert shard["target weights"] == (75e8 / 4 + 5e8) * 2 and shard["gathered target layers"] == 4e8
+    assert rows["gathered target layers"] == 0
+    assert shard["peak per rank"] < rows["peak per rank"]
 
 
 def test_grad_checkpoint_gradients_equal_plain(one_thread):

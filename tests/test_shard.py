@@ -1,0 +1,195 @@
+"""--shard_target: the frozen target's decoder layers split over 2 gloo ranks (FSDP2) give the unsharded run's
+features, labels, walk, losses, metrics and weights, also resumed, with an eval set and walk prompts that do not
+split evenly over the ranks and greedy continuations that end (eos) at different lengths: nothing hangs.
+
+One torchrun launch runs every case in sequence (a Python and torch start-up costs more than a tiny run)."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dflash
+from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, torch_threads, write_data
+
+EVAL_FRACTION, WALK_PROMPTS, WALK_TOKENS = 0.2, 3, 12  # 25 samples: 5 held out (3 + 2 per rank), 3 prompts (2 + 1)
+
+# Run under torchrun: each case in turn in one process group (train() would end it: kept for the next case)
+WORKER = r"""
+import contextlib, io, json, os, shutil, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import dflash
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+dist.destroy_process_group = lambda *a, **k: None
+for case in json.loads(sys.argv[2]):
+    kind, out, argv = case["kind"], case["out"], case.get("argv")
+    if kind == "resume" and rank == 0:  # a copy of the sharded run as it was after its step-3 checkpoint
+        shutil.copytree(case["from"], out, ignore=shutil.ignore_patterns("step_6"))
+        with open(os.path.join(out, "latest"), "w") as f:
+            f.write("step_3")
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= 3]
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.writelines(kept)
+    dist.barrier()
+    if kind == "features":  # the same tensors from a whole and a sharded target, on every rank
+        whole, shard = dflash.load_target(case["target"]), dflash.load_target(case["target"], shard=True)
+        ids = torch.randint(0, 90, (2, 9 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+        (cw, fw), (cs, fs) = (dflash.target_features(t, ids, [1, 3]) for t in (whole, shard))
+        _, held = dflash.split_eval(dflash.load_samples(case["data"], None, 3072, log=lambda *a: None), *case["split"])
+        walks = [dflash.held_out_walk(t, held, *case["walk"], rank, 2)[1] for t in (whole, shard)]
+        res = {"context": torch.equal(cw, cs), "final": torch.equal(fw, fs),
+               "labels": torch.equal(dflash.greedy_labels(fw, whole.lm_head), dflash.greedy_labels(fs, shard.lm_head)),
+               "walk_whole": walks[0], "walk_shard": walks[1][:len(walks[0])], "extra": walks[1][len(walks[0]):],
+               "sharded": type(shard.layers[0].mlp.up_proj.weight).__name__,
+               "embed_whole": type(shard.embed.weight).__name__, "tied": shard.embed.weight is shard.lm_head.weight}
+        shared = dflash.load_target(case["target"])  # a layer sharing a weight with another cannot be sharded alone
+        shared.layers[1].mlp.up_proj.weight = shared.layers[0].mlp.up_proj.weight
+        try:
+            dflash.shard_target(shared, torch.device("cpu"))
+        except dflash.DFlashError as e:
+            res["shared"] = str(e)
+        with open(f"{out}.{rank}.json", "w") as f:
+            json.dump(res, f)
+        continue
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            dflash.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    with open(f"{out}.{rank}.log", "w") as f:
+        f.write(f"{code}\n{err.getvalue()}")
+"""
+
+
+def pick_eos(target, data):
+    """An eos token that ends the walk prompts' greedy continuations at different lengths (rank 0 walks prompts 0
+    and 2, rank 1 prompt 1), so generation stops at different steps on the two ranks."""
+    t = dflash.load_target(target)
+    _, held_out = dflash.split_eval(dflash.load_samples(data, None, 3072, log=lambda *a: None), EVAL_FRACTION, 0)
+    runs = [dflash.greedy_continuation(t, p, WALK_TOKENS, set()) for p in dflash.walk_prompts(held_out, WALK_PROMPTS)]
+    for tok in runs[0][1:]:
+        ends = [r.index(tok) if tok in r else len(r) for r in runs]
+        if ends[0] < WALK_TOKENS - 1 and ends[1] != ends[0]:
+            return tok, ends
+    raise AssertionError(f"no eos candidate ends the walk at different lengths: {runs}")
+
+
+def with_eos(path, eos):
+    from transformers import GenerationConfig
+    g = GenerationConfig.from_pretrained(path)
+    g.eos_token_id = eos
+    g.save_pretrained(path)
+    return path
+
+
+def final_weights(out):
+    with open(os.path.join(out, "latest")) as f:
+        return load_file(os.path.join(out, f.read().strip(), "model.safetensors"))
+
+
+def records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "peak_mb")} for r in map(json.loads, f)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shard")
+    data = write_data(d / "data.jsonl", 25)
+    targets = {"dense": tiny_qwen3(d / "q3"), "hybrid": tiny_qwen35(d / "q35"),
+               "tied": tiny_qwen3(d / "q3tied", tie_word_embeddings=True)}
+    with torch_threads(1):
+        eos = {k: pick_eos(targets[k], data) for k in ("dense", "hybrid")}
+    for k, (tok, _) in eos.items():
+        with_eos(targets[k], tok)
+    common = ["--data", data, "--max_steps", "6", "--batch_size", "1", "--grad_accum", "2", *SMALL[:-6],
+              "--eval_every", "3", "--save_every", "3", "--eval_fraction", str(EVAL_FRACTION),
+              "--eval_walk_prompts", str(WALK_PROMPTS), "--eval_walk_tokens", str(WALK_TOKENS)]
+    cases, split, walk = [], [EVAL_FRACTION, 0], [WALK_PROMPTS, WALK_TOKENS]
+    for k in ("dense", "hybrid", "tied"):
+        cases.append({"kind": "features", "out": str(d / f"{k}_features"), "target": targets[k], "data": data,
+                      "split": split, "walk": walk})
+    for k in ("dense", "hybrid"):
+        argv = ["--target", targets[k], *common]
+        for name, extra in (("plain", []), ("shard", ["--shard_target"]), ("resumed", ["--shard_target", "--resume"])):
+            cases.append({"kind": "resume" if name == "resumed" else "train", "out": str(d / f"{k}_{name}"),
+                          "argv": argv + ["--out", str(d / f"{k}_{name}"), *extra], "from": str(d / f"{k}_shard")})
+    cases.append({"kind": "train", "out": str(d / "no_decoder"),
+                  "argv": ["--target", gpt2(d / "gpt2"), "--shard_target", *common, "--out", str(d / "no_decoder")]})
+    (d / "worker.py").write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+           str(29500 + random.randrange(1000)), str(d / "worker.py"), ROOT, json.dumps(cases)]
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return d, eos
+
+
+def gpt2(path):
+    """A target whose decoder stack find_decoder cannot find (GPT-2 keeps its blocks in `h`, not `layers`)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=64)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid", "tied"])
+def test_sharded_target_gives_the_same_features_labels_and_walk(runs, kind):
+    """On each rank: the captured context features, the final hidden state f, the greedy labels and the walk's
+    greedy continuations (synced_gpus: one rank stops at eos before the other) equal the whole target's, bitwise.
+    The decoder weights are sharded (DTensor); the embedding and lm_head are whole (and still tied if they were)."""
+    d, eos = runs
+    for rank in (0, 1):
+        with open(d / f"{kind}_features.{rank}.json") as f:
+            r = json.load(f)
+        assert r["context"] and r["final"] and r["labels"], r
+        assert r["walk_shard"] == r["walk_whole"] and len(r["walk_whole"]) == 2 - rank
+        assert [len(c) for c in r["extra"]] == [1] * rank  # rank 1's extra prompt (rank 0 has 2): no walk step
+        assert r["sharded"] == "DTensor" and r["embed_whole"] == "Parameter"
+        assert r["tied"] == (kind == "tied")
+        assert "--shard_target: cannot shard the Qwen3" in r["shared"] and "shared" in r["shared"]
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_sharded_training_equals_unsharded(runs, kind):
+    """6 steps (grad_accum 2) with evals at steps 0, 3, 6 (5 held-out samples, 3 walk prompts: uneven over 2
+    ranks; eos ends the walk at different lengths): metrics.jsonl (loss, tau estimate, walked tau) and the final
+    weights equal the unsharded run's; resumed from step 3, the sharded run reaches the same weights and metrics."""
+    d, eos = runs
+    assert eos[kind][1][0] != eos[kind][1][1]  # the premise: generation stops at different steps on the two ranks
+    plain, shard, resumed = (d / f"{kind}_{x}" for x in ("plain", "shard", "resumed"))
+    for out in (plain, shard, resumed):
+        for rank in (0, 1):
+            assert (d / f"{out.name}.{rank}.log").read_text().startswith("0\n")
+    rp, rs = records(plain), records(shard)
+    assert rp == rs
+    evals = [r for r in rp if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 3, 6] and all(r["eval_walk_tau"] is not None for r in evals)
+    assert len([r for r in rp if "loss" in r]) == 6 and rp[1]["loss"] != rp[-2]["loss"]  # it trained
+    wp, ws, wr = final_weights(plain), final_weights(shard), final_weights(resumed)
+    assert all(torch.equal(wp[k], ws[k]) for k in wp)
+    assert all(torch.equal(wp[k], wr[k]) for k in wp)
+    assert records(resumed) == rs  # steps 4-6 and the final eval appended to the step-3 records
+
+
+def test_shard_target_bad_input(runs, tmp_path, capsys):
+    """A target whose decoder layers cannot be found: one error line on each rank, no hang. One process: a note,
+    and the run goes on with the whole target."""
+    d, _ = runs
+    for rank in (0, 1):
+        code, *err = (d / f"no_decoder.{rank}.log").read_text().splitlines()
+        assert code == "2" and len([x for x in err if x.strip()]) == 1, err
+        assert err[0].startswith("error: cannot find the decoder layers of GPT2LMHeadModel"), err
+    with torch_threads(1):
+        dflash.main(["--target", str(d / "q3"), "--data", str(d / "data.jsonl"), *SMALL, "--max_steps", "1",
+                     "--batch_size", "4", "--shard_target", "--out", str(tmp_path / "one")])
+    assert "--shard_target: one process, nothing to shard over" in capsys.readouterr().out
+    assert (tmp_path / "one" / "step_1").is_dir()
