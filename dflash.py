@@ -86,11 +86,24 @@ def run_main(fn, args):
 # Drafter config: mirrors the z-lab config.json (a Qwen3 config plus the DFlash fields)
 
 def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61]."""
+    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (also SGLang's
+    rule for a config that names none). On a small target it repeats layers: see valid_target_layer_ids."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+def valid_target_layer_ids(num_target_layers, num_draft_layers):
+    """The spread to suggest: the default where it is valid, else up to n distinct layers evenly from 1 to L-2 (never
+    L-1, which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
+    L, n = num_target_layers, num_draft_layers
+    ids = default_target_layer_ids(L, n)
+    if len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < L - 1:
+        return ids
+    layers = list(range(1, L - 1)) or [0]
+    if n >= len(layers):
+        return layers
+    return sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))] for i in range(n)})
 
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
 POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -123,8 +136,11 @@ class DFlashConfig:
     is_causal: bool | None = None        # None: a layer is causal iff it is a sliding layer
 
     def __post_init__(self):
-        """Every config, from config.json or from flags, passes through here: all its problems at once."""
+        """Every config, from config.json or from flags, passes through here: all its problems at once. is_causal is
+        kept only where it differs from its default rule (causal iff sliding), so equal masks mean equal configs."""
         self.problems()  # raises
+        if self.is_causal is not None and all((t == "sliding_attention") == self.is_causal for t in self.layer_types):
+            self.is_causal = None
 
     def problems(self):
         bad = [f"{k} must be a positive integer, got {getattr(self, k)!r}" for k in POSITIVE_INT_FIELDS
@@ -150,7 +166,7 @@ class DFlashConfig:
             (not ints or 0 <= min(ids) and max(ids) < self.num_target_layers,
              f"target_layer_ids {ids} out of range: the target has {self.num_target_layers} decoder layers (valid "
              f"ids 0..{self.num_target_layers - 1}); e.g. --target_layer_ids "
-             f"{','.join(map(str, sorted(set(default_target_layer_ids(self.num_target_layers, n)))))}"),
+             f"{','.join(map(str, valid_target_layer_ids(self.num_target_layers, n)))}"),
             (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
              f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
             (not isinstance(types, list) or len(types) == n,
@@ -186,33 +202,45 @@ class DFlashConfig:
         return causal, self.sliding_window if sliding else None
 
     def to_json(self):
-        """The z-lab config.json layout: Qwen3-style fields plus the DFlash ones."""
+        """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
+        every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
+        Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
         d = asdict(self)
         d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
         if not self.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
             d.pop("rope_scaling")
-        if self.is_causal is None:
-            d.pop("is_causal")
-        d["dflash_config"] = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
+        kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
+        causal = {c for c, _ in kinds}
+        # one causality for all layers: said outright (both engines read is_causal, older vLLM dflash_config.causal);
+        # mixed: causal iff sliding, the rule both engines apply to layer_types when is_causal is absent
+        d.pop("is_causal")
+        said = {"is_causal": causal.pop()} if len(causal) == 1 else {}
+        sliding = any(w is not None for _, w in kinds)
+        dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
+              "num_target_layers": self.num_target_layers, "block_size": self.block_size, "use_swa": False,
+              "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
+              **({"swa_window_size": self.sliding_window} if sliding else {})}
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-                "tie_word_embeddings": False, "use_sliding_window": "sliding_attention" in self.layer_types,
-                "attention_dropout": 0.0, **d}
+                "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
+                "eagle_aux_hidden_state_layer_ids": [t + 1 for t in self.target_layer_ids], "dflash_config": dc}
 
     @classmethod
     def from_json(cls, d, where="config.json"):
-        """Read a z-lab or our config.json. The DFlash fields come from dflash_config first, then the top level;
+        """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
+        level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
         RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
-        missing: the default spread. What the drafter cannot run is refused, never ignored."""
+        missing: the default spread. A key this drafter does not implement, or one the two engines would serve
+        differently, is refused (one line each), never ignored."""
         need(isinstance(d, dict), f"{where}: expected a JSON object")
         dc = d.get("dflash_config") or {}
+        need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
         get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
         rope = d.get("rope_parameters") or {}
         need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
              f"{where}: per-layer-type rope_parameters are not supported")
+        bad = not_implemented(d, dc, rope)
         scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            need(scaling.get("partial_rotary_factor", 1.0) == 1.0, f"{where}: partial_rotary_factor != 1 is not "
-                 f"supported by the drafter (plain RoPE over the full head_dim)")
             scaling = None
         num_target, ids = get("num_target_layers"), get("target_layer_ids")
         need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
@@ -220,6 +248,19 @@ class DFlashConfig:
         need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
         try:
             n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+            layer_types, window, is_causal, differ = read_attention(d, dc, n)
+            ids = ids if isinstance(ids, list) else ids or []
+            if ids == [] and is_int(num_target) and is_int(n) and n > 0:
+                ids = default_target_layer_ids(num_target, n)
+            for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
+                               [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
+                               if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
+                if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
+                    differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
+                                  f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
+            if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
+                bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
+                           f"is not implemented by this drafter; refusing it rather than ignoring it")
             kw = dict(
                 hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
                 num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
@@ -228,20 +269,77 @@ class DFlashConfig:
                 rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
                 max_position_embeddings=d.get("max_position_embeddings", 32768),
                 attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-                mask_token_id=get("mask_token_id"), num_target_layers=num_target,
-                target_layer_ids=ids if isinstance(ids, list) else ids or [],
-                layer_types=list(d.get("layer_types") or ["full_attention"] * n),
-                sliding_window=d.get("sliding_window"), is_causal=d.get("is_causal"))
-            if kw["target_layer_ids"] == [] and is_int(num_target) and is_int(n) and n > 0:
-                kw["target_layer_ids"] = default_target_layer_ids(num_target, n)
-            return cls(**kw)
+                mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
+                layer_types=layer_types, sliding_window=window, is_causal=is_causal)
         except KeyError as e:
             raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
         except (TypeError, ValueError) as e:
             raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
+        need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
+        try:
+            return cls(**kw)
         except DFlashError as e:
             raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
                 from None
+
+# Keys of DFlash's relatives that change the drafter's math, with the values that leave it plain DFlash. Any other
+# value is refused: this drafter does not implement it, and ignoring it would train or measure another model.
+NOT_IMPLEMENTED = {
+    "conv_kernel_size": ((0, None), "DFlash2's grouped convolution over the block"),
+    "conv_group_size": ((0, None), "DFlash2's grouped convolution over the block"),
+    "selector_rank": ((0, None), "DFlash2's low-rank selector"),
+    "selector_top_k": ((0, None), "DFlash2's top-k selector"),
+    "input_embedding_scale": ((1, None), "a scale on the block embeddings"),
+    "output_multiplier": ((1, None), "a scale on the drafter's output"),
+    "final_logit_softcapping": ((0, None), "tanh soft-capping of the logits"),
+    "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
+    "add_swa_attention_sink_bias": ((False, None), "a learned per-head attention sink"),
+    "attention_value_scale": ((1, None), "a scale on the attention values"),
+    "projector_type": ((None,), "another context projector (Domino's GRU correction head)"),
+    "shift_label": ((False, None), "Domino's shifted labels"),
+    "gru_hidden_dim": ((None,), "Domino's GRU correction head"),
+    "sample_from_anchor": ((False, None), "the anchor's own output predicts the next token, as in DSpark and Domino; "
+                                          "DFlash predicts token a+i at block offset i"),
+    "use_aux_hidden_state": ((True, None), "false: no fc projection of the target's layer features"),
+    "is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
+    "rope_is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
+    "partial_rotary_factor": ((1, None), "RoPE over part of head_dim; this drafter rotates all of it (often copied "
+                                         "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
+}
+
+def not_implemented(d, dc, rope):
+    """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
+    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
+    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
+            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
+            if isinstance(src, dict) and k in src and src[k] not in plain]
+
+def read_attention(d, dc, n):
+    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
+    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
+    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
+    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
+    the two engines would serve different masks, and that is a problem."""
+    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
+    if types is None:
+        types = ["full_attention"] * n if is_int(n) else []
+        if causal:
+            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter bidirectionally "
+                            "and vLLM causally; list layer_types")
+    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
+    if dc.get("use_swa") and not any(sliding):
+        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
+                        "layers in layer_types instead")
+    window = dc.get("swa_window_size", d.get("sliding_window"))
+    if any(sliding) and d.get("sliding_window") not in (None, window):
+        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
+                        f"{d['sliding_window']} (SGLang); make them equal")
+    if causal is None and dc.get("causal") is not None:
+        if any(s != bool(dc["causal"]) for s in sliding):
+            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
+                            f"iff it is sliding); state it as the top-level is_causal, which both read")
+        causal = dc["causal"]
+    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
 
 
 # -----------------------------------------------------------------------------
