@@ -153,8 +153,8 @@ class DFlashConfig:
             (self.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}"),
             (self.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {self.block_size}"),
             (self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
-             f"{self.num_key_value_heads}; use num_key_value_heads in "
+             f"num_attention_heads {self.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
+             f"{self.num_key_value_heads} (--num_kv_heads); use one of "
              f"{[k for k in range(1, self.num_attention_heads + 1) if self.num_attention_heads % k == 0]}"),
             (is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
              f"mask_token_id {self.mask_token_id!r} is outside the vocabulary [0, {self.vocab_size}); pass "
@@ -324,8 +324,8 @@ def read_attention(d, dc, n):
     if types is None:
         types = ["full_attention"] * n if is_int(n) else []
         if causal:
-            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter bidirectionally "
-                            "and vLLM causally; list layer_types")
+            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
+                            "bidirectionally and vLLM causally; list layer_types")
     sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
     if dc.get("use_swa") and not any(sliding):
         problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
@@ -697,12 +697,34 @@ def resolve_drafter(path, flag="--drafter"):
     except ImportError:
         raise DFlashError(f"{flag} {path!r} is not a local directory; downloading it as a hub id needs "
                           f"huggingface_hub (pip install huggingface_hub)") from None
+    patterns = ["*.json", "*.safetensors"]
+    fix = f"download it elsewhere (huggingface-cli download {path} --local-dir DIR) and pass DIR"
+    try:  # already in the cache: no network at all
+        return snapshot_download(path, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    need(os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"), f"{flag} {path!r} is not a "
+         f"local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set; {fix}")
+    need(hub_reachable(endpoint), f"{flag} {path!r} is not a local directory nor in the Hugging Face cache, and "
+         f"{endpoint} cannot be reached (offline?); {fix}")
     try:
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    except Exception as e:  # offline, no such repository, gated, ...
+        return snapshot_download(path, allow_patterns=patterns)
+    except Exception as e:  # no such repository, gated, ...
         raise DFlashError(f"{flag} {path!r} is not a local directory, and downloading it from the hub failed "
-                          f"({first_line(e)}); when offline, download it elsewhere (huggingface-cli download {path} "
-                          f"--local-dir DIR) and pass DIR") from None
+                          f"({first_line(e)}); when offline, {fix}") from None
+
+def hub_reachable(endpoint, timeout=3.0):
+    """Whether a TCP connection to the hub (or the https proxy) opens within `timeout` seconds: offline,
+    huggingface_hub retries for about 30 s before it fails."""
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or endpoint)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 TRAIN_STATE_KEYS = {"step", "optimizer", "args", "global_batch", "bad_steps"}
 
@@ -843,6 +865,16 @@ def target_load_error(name, e):
             return DFlashError(f"cannot load target {name!r}: {path} is truncated or garbage ({first_line(bad)})")
     return DFlashError(f"cannot load target {name!r}: {first_line(e)}")
 
+def kernel_note(config):
+    """transformers says flash-linear-attention "is not installed" when a hybrid target's linear-attention layers
+    cannot import it; with torch's CPU wheel it is installed but needs triton, which that wheel lacks: say so."""
+    import importlib.util
+    if "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or []) and \
+            importlib.util.find_spec("fla") and not importlib.util.find_spec("triton"):
+        print("note: flash-linear-attention is installed but needs triton, which this torch build lacks (the CPU "
+              "wheel): the linear-attention layers run transformers' PyTorch reference, correct but slower",
+              file=sys.stderr)
+
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
     """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise.
     device "meta": built from config.json alone (no weights read), for the memory plan."""
@@ -859,6 +891,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False):
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
+            kernel_note(model.config)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         raise target_load_error(name, e) from None
     model.to(device).eval().requires_grad_(False)
@@ -1072,11 +1105,15 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
         log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
 
+EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
+
+def held_out_count(n, eval_fraction):
+    """eval_fraction of n samples, at least EVAL_FLOOR, but never more than half of them (training keeps the rest)."""
+    return min(max(int(n * eval_fraction), EVAL_FLOOR), n // 2) if eval_fraction > 0 else 0
+
 def split_eval(samples, eval_fraction, seed):
-    """A deterministic held-out split (the same on every rank): (train, eval)."""
-    n_eval = int(len(samples) * eval_fraction)
-    if eval_fraction > 0 and n_eval == 0 and len(samples) > 1:
-        n_eval = 1
+    """A deterministic held-out split (the same on every rank) of held_out_count samples: (train, eval)."""
+    n_eval = held_out_count(len(samples), eval_fraction)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
 
@@ -1395,32 +1432,53 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
+def mask_token_hint(target):
+    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row."""
+    used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
+    rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
+        if used is not None and used < V else "pick an id your data never uses"
+    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}; z-lab uses 248070 for " \
+           f"Qwen3.5/3.6 targets, 151669 for Qwen3)"
+
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
-                       sliding_window=2048, layer_types=None, num_heads=32, num_kv_heads=8, head_dim=128,
+                       sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None):
-    """A new drafter shaped like z-lab's: hidden/intermediate/vocab/eps/rope_theta from the target, plain RoPE over
-    the full head, n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise."""
+    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps/rope_theta from the target, and unless
+    given its attention geometry (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP
+    width; plain RoPE over the full head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types
+    says otherwise. Every problem of these flags with this target is raised at once, each with a value that works."""
     tc = target.model.config.get_text_config()
     rope = getattr(tc, "rope_parameters", None)
     rope_theta = (rope or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)) if isinstance(rope, dict | None) \
         else 1e4
-    n = num_draft_layers
+    n, L, problems = num_draft_layers, target.num_layers, []
+    heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
-    need(mask_token_id is not None, "no mask token: the target's tokenizer defines none; pass --mask_token_id "
-         "(248070 for Qwen3.5/3.6, 151669 for Qwen3)")
+    if mask_token_id is None:
+        problems.append(mask_token_hint(target))
+    ids = target_layer_ids or default_target_layer_ids(L, n)
+    if not target_layer_ids and len(set(ids)) < len(ids):
+        good = valid_target_layer_ids(L, n)
+        problems.append(f"the default target_layer_ids {ids} for a {L}-layer target and {n} drafter layers repeat a "
+                        f"layer; pass --target_layer_ids {','.join(map(str, good))}")
+        ids = good
     layer_types = layer_types or ["sliding_attention" if sliding_window and i < n - 1 else "full_attention"
                                   for i in range(n)]
-    ids = target_layer_ids or default_target_layer_ids(target.num_layers, n)
-    need(target_layer_ids or len(set(ids)) == len(ids), f"the default target_layer_ids {ids} for a "
-         f"{target.num_layers}-layer target and {n} drafter layers repeat a layer; pass --target_layer_ids explicitly")
-    return DFlashConfig(
-        hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
-        num_hidden_layers=n, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
-        mask_token_id=mask_token_id, target_layer_ids=list(ids), num_target_layers=target.num_layers,
-        layer_types=layer_types, sliding_window=sliding_window or None)
+    try:
+        cfg = DFlashConfig(
+            hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+            num_hidden_layers=n, num_attention_heads=heads,
+            num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
+            mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
+            num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
+    except DFlashError as e:
+        problems += str(e).splitlines()
+    need(not problems, "\n".join(problems))
+    return cfg
 
 def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw):
     """Forward and backward over one optimizer step's micro-batches; returns the step's stats summed over ranks.
@@ -1539,8 +1597,16 @@ def train(args):
              f"--resume to start")
         state = read_train_state(resume_dir)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
+    # the drafter config from the target's config.json and tokenizer alone: every problem of the flags with this
+    # target is reported (all at once) before any weights load
+    meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+    cfg = read_drafter_config(init_from) if init_from else \
+        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+    check_compatible(cfg, meta)
     if args.plan or device.type == "cuda":
-        memory_plan(args, init_from, world, device)  # from the configs alone, before any weights load
+        memory_plan(args, cfg, meta, world, device)
+    if device.type == "cpu" and master:
+        cpu_step_hint(args, cfg, meta)
 
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
     tok = target.tokenizer
@@ -1549,9 +1615,6 @@ def train(args):
     samples = load_samples(args.data, tok, args.max_len, **data_kw)
     if args.show_data:  # look at the loss masks before spending anything on training
         return show_data(samples, tok, args.show_data) if master else None
-    cfg = read_drafter_config(init_from) if init_from else \
-        new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, target)
     if args.eval_data:
         train_samples, eval_samples = samples, load_samples(args.eval_data, tok, args.max_len, **data_kw)
     else:
@@ -1590,11 +1653,12 @@ def train(args):
                    pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
+    held = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
     print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
            f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
-           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} eval "
-           f"samples; {total_steps} steps of {batches.global_batch} samples; attention {attention}, compile "
-           f"{compile_}, {world} rank(s) on {device.type}")
+           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} "
+           f"held-out samples{held}; {total_steps} steps of {batches.global_batch} samples; attention {attention}, "
+           f"compile {compile_}, {world} rank(s) on {device.type}")
 
     def log(record):
         if master:
@@ -1683,17 +1747,35 @@ def train(args):
         dist.destroy_process_group()
     return drafter, cfg, target
 
-def memory_plan(args, init_from, world, device):
-    """The memory plan (dflash_tools/plan.py): --plan prints it and exits; a CUDA run prints it and stops early if
-    it cannot fit. The plan is an optional extra: a CUDA run without dflash_tools/ goes on without it."""
+def memory_plan(args, cfg, meta, world, device):
+    """The memory plan (dflash_tools/plan.py) from the configs alone (meta: the target on the meta device): --plan
+    prints it and exits; a CUDA run prints it and stops early if it cannot fit. The plan is an optional extra: a CUDA
+    run without dflash_tools/ goes on without it."""
     if not args.plan and not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools",
                                                          "plan.py")):
         return
     plan = import_tool("plan", "--plan")
-    meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
-    cfg = read_drafter_config(init_from) if init_from else \
-        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
     plan.memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
+
+CPU_FLOPS = 5e10  # what a few CPU cores sustain in fp32 matmuls, roughly (FLOP/s)
+
+def first_step_flops(args, cfg, target_params):
+    """A rough cost of one optimizer step on one rank, from the shapes alone: 2 FLOPs per parameter per token for
+    the target's forward over max_len tokens, 6 per drafter parameter (and per lm_head weight) per drafted token
+    (forward + backward over num_anchors * block_size tokens), times batch_size * grad_accum. Attention is left out."""
+    drafter = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
+    drafted = args.num_anchors * cfg.block_size
+    per_sample = 2 * target_params * args.max_len + 6 * (drafter + cfg.vocab_size * cfg.hidden_size) * drafted
+    return per_sample * args.batch_size * args.grad_accum
+
+def cpu_step_hint(args, cfg, meta):
+    """A CPU run whose first step would take over a minute says which flags make it small (it still runs)."""
+    seconds = first_step_flops(args, cfg, sum(p.numel() for p in meta.model.parameters())) / CPU_FLOPS
+    if seconds > 60:
+        print(f"note: the first step will take ~{seconds:.0f} s on this CPU (2 FLOPs per target parameter per token "
+              f"over --max_len {args.max_len}, 6 per drafter parameter per drafted token, at ~{CPU_FLOPS / 1e9:.0f} "
+              f"GFLOP/s); for a small first run: --num_draft_layers 2 --num_anchors 32 --max_len 256 --grad_accum 1",
+              file=sys.stderr)
 
 def import_tool(name, flag):
     """An optional extra from dflash_tools/ (the tools import this file as `dflash`), or one error line without it."""
@@ -1744,12 +1826,14 @@ def layer_type_list(s):
     return types
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each flag's default after its help, unless the help already says it or there is none."""
+    """Each flag's default after its help, unless there is none or the help already says it ("default", or the
+    value explained as in "auto: ...")."""
 
     def _get_help_string(self, action):
-        h = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h and action.option_strings:
-            h += f" (default: {action.default})"
+        h, v = action.help or "", action.default
+        if v not in (None, False, [], argparse.SUPPRESS) and "default" not in h and f"{v}:" not in h and \
+                action.option_strings:
+            h += f" (default: {v})"
         return h
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -1789,9 +1873,10 @@ def get_parser():
     p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)")
     g.add_argument("--layer_types", type=layer_type_list, default=None,
                    help="comma-separated sliding|full per layer (default: all sliding but the last)")
-    p.add(g, "--num_heads", int, 32, "attention heads", lo=1)
-    p.add(g, "--num_kv_heads", int, 8, "key/value heads (GQA)", lo=1)
-    p.add(g, "--head_dim", int, 128, "head dimension (even: RoPE rotates pairs)", lo=2)
+    p.add(g, "--num_heads", int, None, "attention heads (default: the target's; a hybrid's full-attention layers')",
+          lo=1)
+    p.add(g, "--num_kv_heads", int, None, "key/value heads (GQA; default: the target's)", lo=1)
+    p.add(g, "--head_dim", int, None, "head dimension (even: RoPE rotates pairs; default: the target's)", lo=2)
     p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1)
     g = p.add_argument_group("data and loss")
     p.add(g, "--max_len", int, 3072, "truncate samples to this many tokens", lo=2)
@@ -1799,7 +1884,8 @@ def get_parser():
                    help="passed to the chat template if it reads enable_thinking, as eval.py does (default: its own)")
     p.add(g, "--show_data", int, 0, "print the first N encoded samples with their loss spans in [[...]], then exit "
           "(0: train)")
-    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data (0: no held-out evaluation)", hi=0.5)
+    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data, at least 16 samples, at most half (0: no "
+          "held-out evaluation)", hi=0.5)
     a("--eval_data", default=None, help="held-out JSONL (instead of --eval_fraction)")
     p.add(g, "--num_anchors", int, 512, "anchors (blocks) per sequence", lo=1)
     p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", open_lo=True)
