@@ -98,7 +98,7 @@ def valid_target_layer_ids(num_target_layers, num_draft_layers):
     L-1, which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
     L, n = num_target_layers, num_draft_layers
     ids = default_target_layer_ids(L, n)
-    if len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < L - 1:
+    if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
         return ids
     layers = list(range(1, L - 1)) or [0]
     if n >= len(layers):
