@@ -910,7 +910,9 @@ def check_compatible(cfg, target, where="drafter"):
 @contextmanager
 def capture_hidden(target, layer_ids):
     """Forward hooks on decoder layers `layer_ids` (their outputs h[t]) and on the final norm (its output f, what
-    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual."""
+    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual.
+    Target layer t means what vLLM serves, the residual stream after decoder layer t, before the final norm, also
+    for t = L-1 (not Hugging Face's hidden_states[L], which is after it; SGLang captures only layers 0..L-2)."""
     store = {}
     hook = lambda key: lambda m, i, out: store.__setitem__(key, out[0] if isinstance(out, tuple) else out)  # noqa
     handles = [target.layers[t].register_forward_hook(hook(t)) for t in layer_ids]
