@@ -6,7 +6,7 @@ Quick start
     python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 \
         --sliding_window 0                # one GPU
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl --out runs/q36 \
-        --mask_token_id 248070            # 8 GPUs (the z-lab Qwen3.6-27B-DFlash geometry by default)
+        --mask_token_id 248070 --num_heads 32 --num_kv_heads 8 --head_dim 128   # 8 GPUs, z-lab's 27B geometry
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 dflash.py ...
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
