@@ -373,14 +373,34 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
 
     return mask_mod
 
-def dense_mask(mask_mod, b, N, S, B, device):
-    """The dense path's mask: each block's queries against [context ; its own block] only: (b, N, B, S+B)."""
-    n = torch.arange(N, device=device)
-    q_idx = (n[:, None] * B + torch.arange(B, device=device))[:, :, None]              # (N, B, 1)
-    own = S + n[:, None] * B + torch.arange(B, device=device)                           # (N, B)
-    kv_idx = torch.cat([torch.arange(S, device=device).expand(N, S), own], 1)[:, None]  # (N, 1, S+B)
-    bi = torch.arange(b, device=device)[:, None, None, None]
-    return mask_mod(bi, 0, q_idx[None], kv_idx[None])
+def dense_masks(mask_mod, b, N, S, B, device):
+    """The rule evaluated where the dense path computes scores: every block query against the S context keys,
+    (b, N, B, S), and each block's queries against its own B keys, (b, N, B, B). Keys of other blocks are never
+    visible, so nothing else is needed."""
+    q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
+    ctx_idx = torch.arange(S, device=device)                    # context key j
+    own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
+    bi = torch.arange(b, device=device).view(b, 1, 1, 1)
+    return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
+
+CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
+
+def context_spans(ctx_visible):
+    """Split the N blocks into about S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of
+    context keys its queries see: (n0, n1, lo, hi) per group. Anchors come sorted (sample_anchors, every anchor in
+    eval), so a group of later blocks sees further, and its scores need only its own span: on a long context about
+    half of one (N*B) x S product for full layers, the window's band for sliding ones. Exact in any order: a span
+    covers every key its queries see. The spans are data (one host sync); a compiled graph keeps static shapes,
+    so under torch.compile all blocks are one group over the whole context."""
+    b, N, B, S = ctx_visible.shape
+    G = min(N, S // CONTEXT_TILE)
+    if G <= 1 or torch.compiler.is_compiling():
+        return [(0, N, 0, S)]
+    ends = [N * g // G for g in range(G + 1)]
+    seen = torch.stack([ctx_visible[:, n0:n1].any((0, 1, 2)) for n0, n1 in zip(ends, ends[1:])])  # (G, S)
+    lo = torch.where(seen.any(1), seen.int().argmax(1), 0)                       # first key seen (0 if none)
+    hi = torch.where(seen.any(1), S - seen.flip(1).int().argmax(1), 0)           # one past the last
+    return [(n0, n1, l, h) for n0, n1, l, h in zip(ends, ends[1:], lo.tolist(), hi.tolist())]
 
 
 # flex_attention runs fused only when compiled (eager flex materialises the full score matrix), and it compiles
@@ -394,7 +414,8 @@ def padded_length(S):
     return max(128, 1 << (S - 1).bit_length())
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per distinct (causal, window) layer kind: a BlockMask ("flex") or a bool (b, N, B, S+B) ("dense")."""
+    """One mask per distinct (causal, window) layer kind: a BlockMask ("flex"), or ("dense") dense_masks' pair and
+    the context_spans of its groups of blocks."""
     b, N = anchors.shape
     B, masks = cfg.block_size, {}
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
@@ -403,7 +424,8 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
             make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
             masks[kind] = make(mod, b, None, N * B, S + N * B, device=anchors.device)
         else:
-            masks[kind] = dense_mask(mod, b, N, S, B, anchors.device)
+            ctx_visible, own_visible = dense_masks(mod, b, N, S, B, anchors.device)
+            masks[kind] = ctx_visible, own_visible, context_spans(ctx_visible)
     return masks
 
 
@@ -460,6 +482,35 @@ def apply_rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.unsqueeze(-2) + torch.cat([-x2, x1], dim=-1) * sin.unsqueeze(-2)
 
+def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
+    """Each block's queries attend to [context ; own block]: one softmax over both, computed in two parts so that
+    the context keys/values are shared by all blocks instead of copied per block. Exact: both parts use one max
+    per query row m, and softmax = (sum_ctx e^(s-m) v + sum_own e^(s-m) v) / (sum_ctx e^(s-m) + sum_own e^(s-m)).
+    q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S),
+    own_visible (b, N, B, B) bool. Returns (b, N, B, h, hd); a row that sees nothing (a padding anchor) gives 0."""
+    b, N, B, h, hd = q.shape
+    S, hk = k_ctx.shape[1], k_ctx.shape[2]
+    g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
+    q = (q * hd ** -0.5).view(b, N, B, hk, g, hd).permute(0, 3, 4, 1, 2, 5)            # (b, hk, g, N, B, hd)
+    # 1. all N*B block queries against the S context keys at once: (b, hk, g*N*B, S), a view (b, hk, g, N, B, S)
+    s_ctx = (q.reshape(b, hk, g * N * B, hd) @ k_ctx.permute(0, 2, 3, 1)).view(b, hk, g, N, B, S)
+    s_ctx = torch.where(ctx_visible[:, None, None], s_ctx, float("-inf"))
+    # 2. each block's queries against its own B keys: (b, hk, g, N, B, B)
+    s_own = q @ k_blk.permute(0, 3, 1, 4, 2)[:, :, None]                                 # keys (b, hk, 1, N, hd, B)
+    s_own = torch.where(own_visible[:, None, None], s_own, float("-inf"))
+    # the shift m only keeps exp() in range (the result does not depend on it): no gradient through it. A row that
+    # sees nothing has m = -inf; shifting by 0 instead gives it all-zero weights and, below, a zero output.
+    m = s_own.detach().amax(-1)
+    if S:  # S = 0 when inference drafts at position 0: no context yet
+        m = torch.maximum(m, s_ctx.detach().amax(-1))
+    m = m.nan_to_num(neginf=0.0)[..., None]                                             # (b, hk, g, N, B, 1)
+    p_ctx, p_own = s_ctx.sub_(m).exp_(), s_own.sub_(m).exp_()  # in place: one buffer of scores per part
+    denom = p_ctx.sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)  # (b, hk, g, N, B, 1); >= 1 if a key is seen
+    out = (p_ctx.view(b, hk, g * N * B, S) @ v_ctx.transpose(1, 2)).view(b, hk, g, N, B, hd)
+    out = out + p_own @ v_blk.permute(0, 3, 1, 2, 4)[:, :, None]                         # values (b, hk, 1, N, B, hd)
+    out = out / denom.clamp(min=torch.finfo(denom.dtype).tiny)                         # padding rows: 0 / tiny
+    return out.permute(0, 3, 4, 1, 2, 5).reshape(b, N, B, h, hd)
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -479,28 +530,26 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
         """x (b, N, B, D) normed block hidden states; k_ctx/v_ctx (b, S, hk, hd) context keys/values;
-        mask: a BlockMask (flex) or a bool (b, N, B, S+B) (dense)."""
+        mask: a BlockMask (flex) or build_masks' (ctx_visible, own_visible, spans) (dense)."""
         b, N, B, _ = x.shape
-        S, h, hk, hd = k_ctx.shape[1], self.h, self.hk, self.hd
+        h, hk, hd = self.h, self.hk, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
         k_blk, v_blk = self.keys_values(x, cos, sin)                                  # (b, N, B, hk, hd)
         # the fp32 norm weights promote q and k under autocast while v stays bf16: one dtype for the kernel
-        q, k_blk, k_ctx = q.to(v_blk.dtype), k_blk.to(v_blk.dtype), k_ctx.to(v_blk.dtype)
+        q, k_blk, k_ctx, v_ctx = (t.to(v_blk.dtype) for t in (q, k_blk, k_ctx, v_ctx))
         if isinstance(mask, BlockMask):
             # all blocks as one query sequence against [context ; all blocks]; the BlockMask skips the rest
             q = q.reshape(b, N * B, h, hd).transpose(1, 2)
             k = torch.cat([k_ctx, k_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            v = torch.cat([v_ctx.to(v_blk.dtype), v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
+            v = torch.cat([v_ctx, v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
             out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
             out = out.transpose(1, 2).reshape(b, N, B, h * hd)
         else:
-            # each block attends to [context ; its own block] only: scores (b*N, h, B, S+B), linear in N
-            k = torch.cat([k_ctx[:, None].expand(b, N, S, hk, hd), k_blk], 2).transpose(2, 3)
-            v = torch.cat([v_ctx[:, None].expand(b, N, S, hk, hd).to(v_blk.dtype), v_blk], 2).transpose(2, 3)
-            out = F.scaled_dot_product_attention(q.transpose(2, 3).reshape(b * N, h, B, hd),
-                                                 k.reshape(b * N, hk, S + B, hd), v.reshape(b * N, hk, S + B, hd),
-                                                 attn_mask=mask.reshape(b * N, 1, B, S + B), enable_gqa=True)
-            out = out.reshape(b, N, h, B, hd).transpose(2, 3).reshape(b, N, B, h * hd)
+            # each group of blocks against its span of the context (context_spans) and its own keys
+            ctx_visible, own_visible, spans = mask
+            out = torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
+                                                v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
+                             for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
         return self.o_proj(out)
 
 class MLP(nn.Module):
@@ -527,8 +576,8 @@ class DecoderLayer(nn.Module):
 
 class DFlashDrafter(nn.Module):
     """Holds no embedding and no lm_head: both are the target's (frozen, passed in by the caller).
-    attention: "flex" (block-sparse, CUDA) or "dense" (SDPA on [context ; own block]; anywhere, also backward on
-    CPU where flex has none). Chosen once, here; it is not part of the checkpoint."""
+    attention: "flex" (block-sparse, CUDA) or "dense" (two_part_attention: [context ; own block]; anywhere, also
+    backward on CPU where flex has none). Chosen once, here; it is not part of the checkpoint."""
 
     def __init__(self, cfg, attention="dense"):
         super().__init__()
@@ -931,7 +980,7 @@ def target_features(target, input_ids, layer_ids):
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
 
-MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits here, a chunk of drafted blocks in the walk
+MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
 
 def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]
@@ -1001,13 +1050,18 @@ def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 def chat_sample(messages, tokenizer, kw, eos, where):
-    """(ids, mask) of a conversation, mask 1 exactly on what the target generates for each assistant turn k: from the
-    end of its generation prompt through the eos token that stops generation. Turns are located inside the full
-    rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the assistant turn after the
-    last user message with a think block and earlier ones without."""
+    """(ids, mask) of a conversation with the ids inference gives: each assistant turn tokenized on its own after the
+    text before it, as a server tokenizes the generation prompt and the target appends its tokens. Whole-string
+    tokenization can merge the "\n" that ends "<|im_start|>assistant\n" with a code answer's indentation, and the
+    loss would start on a token the target never produces there. Mask 1 exactly on what the target generates for
+    each assistant turn k: from the end of its generation prompt through the eos token that stops generation. Turns
+    are located inside the full rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the
+    assistant turn after the last user message with a think block and earlier ones without."""
+    encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+
     def render(msgs, gen=False):
         try:
-            return chat_ids(tokenizer, msgs, add_generation_prompt=gen, **kw)
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
         except Exception as e:  # the template's raise_exception, or a message it cannot render
             raise DFlashError(f"{where}: the chat template fails on the first {len(msgs)} messages: "
                               f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
@@ -1015,29 +1069,49 @@ def chat_sample(messages, tokenizer, kw, eos, where):
     def ambiguous(k, why):
         return DFlashError(f"{where}: assistant turn {k}: {why}, so its loss mask is ambiguous; split the "
                            f"conversation into one sample per assistant turn")
-    full = render(messages)
+    full = render(messages)  # text; tokenized piece by piece below
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     contexts = [render(messages[:k]) for k in turns] + [full]  # each must be a prefix of the full rendering
-    mask = [0] * len(full)
+    ids, mask, pos = [], [], 0  # pos: where the text not yet tokenized starts
+
+    def add(text, m):
+        t = encode(text)
+        ids.extend(t)
+        mask.extend([m] * len(t))
     for i, k in enumerate(turns):
         context, gen = contexts[i], render(messages[:k], gen=True)
-        if full[:len(context)] != context:
+        if not full.startswith(context):
             raise ambiguous(k, "the template renders the turns before it differently inside the whole conversation")
-        # what the generation prompt shares with the turn is context (an empty think block when thinking is off);
-        # the rest is generated. An earlier turn rendered without that block starts at its content.
+        # the turn starts where its generation prompt ends. An earlier turn rendered without what the prompt adds
+        # (an empty think block when thinking is off) starts where the two part, moved back to a token boundary of
+        # the prompt (an answer that starts with "<" must not start inside "<think>").
         start = next((j for j, (a, b) in enumerate(zip(gen, full)) if a != b), min(len(gen), len(full)))
+        if start < len(gen):
+            gen_ids = encode(gen)
+            while start > len(context):
+                head = encode(gen[:start])
+                if head == gen_ids[:len(head)]:
+                    break
+                start -= 1
         if start < len(context):
             raise ambiguous(k, "the generation prompt rewrites the conversation before it")
+        add(full[pos:start], 0)
         # the turn ends at the first eos token, searched no further than the next assistant turn's context
-        end = next((j + 1 for j in range(start, len(contexts[i + 1])) if full[j] in eos), None)
-        if end is None:  # no end-of-turn token: the turn's own rendering ends it, if that is part of the whole
-            own = render(messages[:k + 1])
-            if full[:len(own)] != own or len(own) <= start:
-                raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently "
-                                   f"as the last turn (pass the target's eos ids)")
-            end = len(own)
-        mask[start:end] = [1] * (end - start)
-    return full, mask
+        pos = len(contexts[i + 1])
+        turn = encode(full[start:pos])
+        end = next((j + 1 for j, t in enumerate(turn) if t in eos), None)
+        if end is not None:
+            ids.extend(turn)
+            mask.extend([1] * end + [0] * (len(turn) - end))
+            continue
+        own = render(messages[:k + 1])  # no end-of-turn token: the turn's own rendering ends it, if part of the whole
+        if not full.startswith(own) or len(own) <= start:
+            raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently as the "
+                               f"last turn (pass the target's eos ids)")
+        add(full[start:len(own)], 1)
+        add(full[len(own):pos], 0)
+    add(full[pos:], 0)
+    return ids, mask
 
 def show_data(samples, tokenizer, n, file=None):
     """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
@@ -1355,13 +1429,14 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
     return out[0, len(prompt):].tolist()
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. The dense path
-    copies the context keys/values and scores per block, (S+B) each; flex shares them, so only the MLP and the
-    logits grow with the number of blocks."""
+    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
+    the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
+    is formed, with the (B, S+B) mask (and the mask rule's integer intermediates) beside them; flex never
+    materialises scores, so only the MLP and the logits grow with the number of blocks."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
     if attention == "dense":
-        per_anchor += (S + B) * (2 * cfg.num_key_value_heads * cfg.head_dim + 2 * cfg.num_attention_heads * B)
+        per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
     return max(1, budget // per_anchor)
 
 @torch.no_grad()
@@ -1908,7 +1983,7 @@ def get_parser():
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile the drafter (auto: on for CUDA, off on CPU)")
     g.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
-                   help="attention path (auto: flex on CUDA, dense SDPA elsewhere)")
+                   help="attention path (auto: flex on CUDA, dense elsewhere)")
     g.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="target dtype (auto: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--save_dtype", choices=list(SAVE_DTYPES), default="fp32",

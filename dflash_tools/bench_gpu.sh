@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
-# One prepared GPU benchmark run (NVIDIA H200, < 8 minutes): the DFlash drafter training step at the Qwen3-8B
-# drafter shape (D=4096, 5 layers, 32/8 heads, head_dim 128, MLP 12288, fc 20480 -> 4096, block 16) on 4096 tokens
-# with 512 anchors in bf16 autocast: compiled flex_attention vs dense SDPA, then the whole drafter compiled (what
-# dflash.train runs on CUDA). Prints step time, tokens/s, MFU, peak memory and the largest flex-vs-dense gradient
-# difference; writes them all to JSON.
+# The prepared GPU run for one NVIDIA H200, under 8 minutes in all: first the CUDA tests (tests/test_gpu.py: the
+# default CUDA configuration, compiled drafter + flex + bf16 autocast, checked end to end), then the timing
+# (bench.py --gpu: the training step at the Qwen3-8B drafter shape, compiled flex vs dense, step time, tokens/s,
+# MFU, peak memory; JSON to $OUT/bench_gpu.json if $OUT is set, else dflash_tools/bench_gpu.json).
 #
-#   bash dflash_tools/bench_gpu.sh            # on the GPU machine; JSON to $OUT/bench_gpu.json if $OUT is set, else
-#                                        # dflash_tools/bench_gpu.json
-#   bash dflash_tools/bench_gpu.sh --dry-run  # tiny fp32 shapes on CPU: checks the script end to end (flex forward only)
+#   bash dflash_tools/bench_gpu.sh            # on the GPU machine
+#   bash dflash_tools/bench_gpu.sh --dry-run  # on a CPU: the tests report themselves skipped (no CUDA), then the
+#                                             # timing at tiny fp32 shapes (flex forward only)
 #
-# Runs from any directory: it changes into dflash_tools/ (its own directory), where bench.py puts the repository root
-# on sys.path itself. Extra arguments go to `python bench.py --gpu` (e.g. --budget 300, --json path; a relative
-# --json path is taken from dflash_tools/).
-set -euo pipefail
-cd "$(dirname "$0")"
+# Runs from any directory. Extra arguments go to `python bench.py --gpu` (e.g. --budget 200, --json path).
+set -uo pipefail
+cd "$(dirname "$0")/.."
 
-json="${OUT:-.}/bench_gpu.json"
+json="${OUT:-dflash_tools}/bench_gpu.json"
 if [[ " $* " == *" --dry-run "* ]]; then
     json="${OUT:-/tmp}/bench_gpu_dry_run.json"
 fi
 if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader || true
 fi
-# hard stop at 8 minutes; bench.py itself skips the optional compiled-model run past half its --budget (420 s)
 export TORCH_LOGS="${TORCH_LOGS:-recompiles,graph_breaks}"  # any recompile or graph break shows in the log
-exec timeout --signal=INT --kill-after=20 480 python bench.py --gpu --json "$json" "$@"
+# -rs: every skipped test is listed with its reason; the tests get at most 5 minutes, the timing what is left
+timeout --signal=INT --kill-after=20 300 python -m pytest -q -rs tests/test_gpu.py
+tests=$?
+timeout --signal=INT --kill-after=20 170 python dflash_tools/bench.py --gpu --budget 120 --json "$json" "$@"
+timing=$?
+echo "tests/test_gpu.py: exit $tests (0: all passed or skipped, as listed above); bench.py --gpu: exit $timing"
+exit $(( tests != 0 ? tests : timing ))

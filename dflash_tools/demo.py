@@ -33,6 +33,8 @@ DEMO_FLAGS = [
 ]
 DEMO_TRAIN_SAMPLES = 2048
 DEMO_PROMPTS, DEMO_NEW_TOKENS = 24, 64
+DEMO_PRETRAIN_STEPS = 300  # the tiny target's pretraining (16 x 256 tokens a step)
+CACHE = os.path.join(ROOT, ".cache")  # the target and the data, built once
 
 
 def run_demo(argv):
@@ -45,12 +47,12 @@ def run_demo(argv):
     args = dflash.get_parser().parse_args(argv)
     out = args.out if args.out != "out" else os.path.join("out", "demo")
     dflash.check_out_dir(out)
-    cache = os.path.join(ROOT, ".cache")
+    cache = CACHE
     rank, world, _ = dflash.setup_distributed(args.device)
     say = print if rank == 0 else lambda *a: None
     if rank == 0:
         print("== 1/4 tiny Qwen3.5-hybrid target (cached in .cache/ after the first run)")
-        target_path = build_tiny_target(cache)
+        target_path = build_tiny_target(cache, DEMO_PRETRAIN_STEPS)
         print("== 2/4 training data: the target's own greedy continuations of stdlib prompts")
         data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"),
                                      num_samples=DEMO_TRAIN_SAMPLES)

@@ -38,13 +38,12 @@ def activation_elems(d, T, b, S, attention, grad_checkpoint):
     Returns (elements, bool-mask bytes, elements of one decoder layer)."""
     D, I, L, B = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"], d["block_size"]
     Q, K, m = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"], d["context_layers"]
-    N = T // (b * B)
     if attention == "flex":  # one query sequence against [context ; all blocks]: q, k, v, out, lse
         attn = 2 * b * (S + T) * K + T * d["num_attention_heads"]
         masks = 0
-    else:  # dense: each block against [context ; its own block], keys/values copied per block
-        attn = 2 * b * N * (S + B) * K
-        masks = len(set(d["layer_kinds"])) * b * N * B * (S + B)
+    else:  # dense (two_part_attention): each head's softmax weights against [context ; own block]
+        attn = d["num_attention_heads"] * T * (S + B)
+        masks = len(set(d["layer_kinds"])) * T * (S + B)
     layer = T * (6 * D + 7 * Q + 4 * K + 4 * I) + attn          # one decoder layer, everything it saves
     ctx_kv = 4 * b * S * K                                       # k_proj -> k_norm -> RoPE of the context, per layer
     shared = b * S * m * D + 3 * b * S * D + 3 * T * D + T * D + 2 * T * d["head_dim"]  # fc in, norms, CE grad, RoPE

@@ -96,3 +96,74 @@ def test_grad_checkpoint_gradients_equal_plain(one_thread):
         drafter(context, x, anchors, valid).pow(2).mean().backward()
         grads.append({k: p.grad.clone() for k, p in drafter.named_parameters()})
     assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) <= 1e-6
+
+
+# -----------------------------------------------------------------------------
+# The plan's drafter-side terms against what a training step actually holds (CPU, fp32, dense attention)
+
+# (drafter overrides of tiny_cfg(), sequence length, anchors, batch): context shorter than 2 * CONTEXT_TILE, so the
+# dense path computes every block against the whole context, as the plan counts
+PLAN_SHAPES = ((dict(hidden_size=64, intermediate_size=192, head_dim=16, block_size=8), 128, 16, 1),
+               (dict(hidden_size=128, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                     head_dim=16, block_size=8), 256, 24, 2))
+
+
+def plan_terms(cfg, S, N, b, grad_checkpoint):
+    """The plan's weights + gradients + AdamW and activation terms, in bytes (one rank, fp32, dense)."""
+    import dataclasses
+    from dflash_tools.plan import drafter_sizes
+    d = drafter_sizes(dataclasses.asdict(cfg), dflash.expected_shapes(cfg))
+    t = dict(params=0, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+             vocab_size=cfg.vocab_size, context_layers=d["context_layers"])
+    run = dict(world=1, zero=False, grad_checkpoint=grad_checkpoint, num_anchors=N, batch_size=b, max_len=S,
+               attention="dense", target_bytes=4, act_bytes=4)
+    rows = dict((name, v) for name, v, _ in plan_rows(t, d, run))
+    return rows["drafter weights"] + rows["drafter gradients"] + rows["AdamW moments"], rows["drafter activations"]
+
+
+def measured_terms(cfg, S, N, b, grad_checkpoint):
+    """One training step (forward, chunked loss, backward, AdamW), counted exactly: the parameters, gradients and
+    AdamW state, and the bytes of every storage saved for backward (saved_tensors_hooks, each once, parameters and
+    the lm_head excluded)."""
+    g = torch.Generator().manual_seed(0)
+    D, B = cfg.hidden_size, cfg.block_size
+    torch.manual_seed(0)
+    drafter = dflash.DFlashDrafter(cfg).train()
+    drafter.grad_checkpoint = grad_checkpoint
+    opt = torch.optim.AdamW(drafter.parameters())
+    lm_head = torch.nn.Linear(D, cfg.vocab_size, bias=False).requires_grad_(False)
+    loss_mask = torch.ones(b, S, dtype=torch.long)
+    anchors, valid = (torch.stack(t) for t in zip(*[dflash.sample_anchors(loss_mask[0], N, g) for _ in range(b)]))
+    weights = dflash.loss_weights(anchors, valid, loss_mask, B, gamma=4.0)
+    labels = torch.randint(0, cfg.vocab_size, (b, N, B), generator=g)
+    context = torch.randn(b, S, len(cfg.target_layer_ids) * D, generator=g)
+    skip = {p.untyped_storage().data_ptr() for p in [*drafter.parameters(), lm_head.weight]}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = drafter(context, torch.randn(b, N, B, D, generator=g), anchors, valid)
+        loss = dflash.weighted_ce(hidden, lm_head, labels, weights)[0] / weights.sum()
+    loss.backward()
+    opt.step()
+    state = [*drafter.parameters(), *(p.grad for p in drafter.parameters())]
+    state += [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in state), sum(saved.values())
+
+
+@pytest.mark.parametrize("shape", range(len(PLAN_SHAPES)))
+def test_plan_matches_a_measured_training_step(shape, one_thread):
+    """Weights + gradients + AdamW exactly, the activations saved for backward within 10%. With --grad_checkpoint
+    the hooks see only what lives outside the checkpointed layers (the layers' inputs are kept by the checkpoint
+    itself): there the plan must cover what they count, and both must fall below half of the plain step's."""
+    over, S, N, b = PLAN_SHAPES[shape]
+    cfg = tiny_cfg(**over)
+    (p_state, plan), (m_state, measured) = plan_terms(cfg, S, N, b, False), measured_terms(cfg, S, N, b, False)
+    assert p_state == m_state
+    assert 0.9 <= plan / measured <= 1.1, f"plan {plan} vs measured {measured} bytes saved for backward"
+    (_, plan_ckpt), (_, measured_ckpt) = plan_terms(cfg, S, N, b, True), measured_terms(cfg, S, N, b, True)
+    assert measured_ckpt <= plan_ckpt < plan / 2 and measured_ckpt < measured / 2

@@ -4,7 +4,6 @@ saved and loaded back through dflash.load_target."""
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch

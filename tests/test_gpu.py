@@ -1,0 +1,197 @@
+"""The default CUDA configuration (compiled drafter, flex_attention, bf16 autocast) on a real GPU, at the Qwen3.6
+drafter geometry (DFlashConfig() defaults: 4 sliding + 1 full layer) and the Qwen3-8B drafter shape: one graph and
+no recompile over fresh anchors, peak memory with fused AdamW, flex's gradients against eager dense, bf16 q/k/v in
+both directions, held-out evaluation compiling flex once, dflash.py end to end with --resume and under torchrun,
+tau on the GPU equal to the CPU's, and the memory plan against torch.cuda.max_memory_allocated. Skipped without
+CUDA; `bash dflash_tools/bench_gpu.sh` runs them on one H200 (a few minutes) before the timing."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import dflash
+import eval as tau_eval
+from dflash_tools import plan
+from dflash_tools.bench import gpu_config, tiny_qwen3_target, train_inputs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EAGER_FLEX = "flex_attention called without torch.compile"  # flex warns this when it runs unfused
+S, N = 4096, 512
+
+
+def inputs(cfg, n, seed):
+    """Random features, blocks, anchors, labels, weights and lm_head for one sequence of S tokens, on the GPU."""
+    t = train_inputs(cfg, S, n, seed)
+    return [x.cuda().to(torch.bfloat16) if x.is_floating_point() else x.cuda() for x in
+            (t.context, t.x, t.anchors, t.valid, t.labels, t.weights)] + [t.lm_head.cuda().to(torch.bfloat16)]
+
+
+def loss_of(model, inp):
+    ctx, x, a, v, y, w, head = inp
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return dflash.weighted_ce(model(ctx, x, a, v), head, y, w)[0] / w.sum()
+
+
+@pytest.fixture
+def drafter():
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    d = dflash.DFlashDrafter(dflash.DFlashConfig(), "flex").cuda().train()
+    yield d
+    del d
+    torch.cuda.empty_cache()
+
+
+def test_compiled_drafter_one_graph_and_fits(drafter):
+    """Three steps with fresh anchors: one graph, no graph break, no recompile (an error here); the peak with fused
+    AdamW well inside the device."""
+    model = torch.compile(drafter)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=True)
+    torch.cuda.reset_peak_memory_stats()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i in range(3):
+            loss_of(model, inputs(drafter.cfg, N, seed=i)).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert counters["stats"]["unique_graphs"] == 1 and sum(counters["graph_break"].values()) == 0
+    assert torch.cuda.max_memory_allocated() < 0.9 * torch.cuda.get_device_properties(0).total_memory
+
+
+def test_compiled_flex_gradients_equal_eager_dense(drafter):
+    """The compiled flex kernel's gradients against the dense path's at 128 anchors (bf16: within 5e-2)."""
+    inp, grads = inputs(drafter.cfg, 128, seed=7), []
+    for model, path in ((torch.compile(drafter), "flex"), (drafter, "dense")):
+        drafter.attention = path
+        drafter.zero_grad(set_to_none=True)
+        loss_of(model, inp).backward()
+        grads.append({k: p.grad.float() for k, p in drafter.named_parameters()})
+    rel = max(((grads[0][k] - grads[1][k]).norm() / grads[1][k].norm().clamp(min=1e-30)).item() for k in grads[0])
+    assert rel < 5e-2, f"worst per-tensor relative L2 difference {rel:.2e}"
+
+
+def test_flex_gets_bf16_both_ways(drafter, monkeypatch):
+    """Under autocast the fp32 norm weights would promote q and k: flex must get bf16 q/k/v forward, and bf16
+    gradients flow back through them."""
+    seen, compiled = [], dflash.compiled_flex_attention
+
+    def recording(q, k, v, **kw):
+        seen.append(("forward", q.dtype, k.dtype, v.dtype))
+        for t in (q, k, v):
+            t.register_hook(lambda g: seen.append(("backward", g.dtype)))
+        return compiled(q, k, v, **kw)
+
+    monkeypatch.setattr(dflash, "compiled_flex_attention", recording)
+    loss_of(drafter, inputs(drafter.cfg, 16, seed=3)).backward()
+    assert {d for s in seen for d in s[1:]} == {torch.bfloat16}
+    assert sum(s[0] == "backward" for s in seen) == 3 * sum(s[0] == "forward" for s in seen) > 0
+
+
+def test_evaluation_compiles_flex_once():
+    """Held-out evaluation at 6 distinct lengths (and a ragged last batch): one graph per mask kind for flex and
+    its block masks, no recompile-limit hit, never unfused (the warning is an error here)."""
+    target = tiny_qwen3_target()
+    target.model.to("cuda", torch.bfloat16)
+    cfg = dflash.new_drafter_config(target, 3, mask_token_id=511, target_layer_ids=[1, 2, 3], num_heads=4,
+                                    num_kv_heads=2, head_dim=16, sliding_window=64)
+    drafter = dflash.DFlashDrafter(cfg, "flex").cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = (90, 130, 170, 210, 250, 300)
+    samples = [(torch.randint(0, 500, (n,), generator=g).tolist(), [0] * 20 + [1] * (n - 20)) for n in lengths]
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=EAGER_FLEX)
+        m = dflash.evaluate(drafter, target, samples, 4, 32, 0, 0, 0, 1, gamma=4.0, labels="target",
+                            pad_to=dflash.padded_length(max(lengths)))
+    kinds = len({cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)})
+    assert counters["stats"]["unique_graphs"] <= 2 * kinds and m["tau"] >= 1.0
+
+
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A tiny Qwen3 target in tmp/target, pre-tokenized data in tmp/data.jsonl (random 20-token prompts, then
+    the loss tokens), and the dflash.py flags of a small drafter for them."""
+    tiny_qwen3_target().model.save_pretrained(tmp_path / "target")
+    g = torch.Generator().manual_seed(1)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for i in range(40):
+            n = 60 + 7 * i
+            f.write(json.dumps({"input_ids": torch.randint(0, 500, (n,), generator=g).tolist(),
+                                "loss_mask": [0] * 20 + [1] * (n - 20)}) + "\n")
+    return ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--batch_size", "2",
+            "--grad_accum", "1", "--eval_fraction", "0.2", "--max_len", "512", "--mask_token_id", "511",
+            "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "16", "--sliding_window", "64", "--num_anchors",
+            "16", "--log_every", "1", "--num_draft_layers", "3", "--target_layer_ids", "1,2,3"]
+
+
+def test_end_to_end_then_resume(tiny_run, tmp_path):
+    """dflash.py --max_steps 3 --eval_every 2, then --resume to step 5: clean logs (no unfused flex, no recompile
+    limit, no traceback), and the second run resumes."""
+    base = [sys.executable, os.path.join(ROOT, "dflash.py"), *tiny_run, "--out", str(tmp_path / "out"),
+            "--eval_every", "2", "--save_every", "2"]
+    for extra in (["--max_steps", "3"], ["--max_steps", "5", "--resume"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True, timeout=240)
+        log = r.stdout + r.stderr
+        assert r.returncode == 0, log[-2000:]
+        assert not [s for s in (EAGER_FLEX, "recompile_limit", "cache_size_limit", "Traceback") if s in log], log
+    assert "resumed from" in log
+
+
+def test_torchrun_compiled_loop_and_tau_equal_to_cpu(tiny_run, tmp_path):
+    """torchrun --nproc_per_node=1 dflash.py with compile on for 40 steps: the loss falls; the checkpoint loads in
+    eval.py, and its exact tau on the GPU equals the CPU's (same prompts and continuations, fp32 on both)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port",
+           str(29400 + os.getpid() % 500), os.path.join(ROOT, "dflash.py"), *tiny_run, "--out", str(out),
+           "--max_steps", "40", "--lr", "3e-3", "--eval_every", "0", "--compile", "on"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    with open(out / "metrics.jsonl") as f:
+        losses = [rec["loss"] for rec in map(json.loads, f) if "loss" in rec]
+    assert len(losses) == 40 and losses[-1] < losses[0]
+    with open(tmp_path / "data.jsonl") as f:
+        prompts = [json.loads(line)["input_ids"][:20] for line in f][:6]
+    ref = dflash.load_target(str(tmp_path / "target"), "cpu", torch.float32)
+    conts = [dflash.greedy_continuation(ref, p, 32, ref.eos_ids()) for p in prompts]
+    walks = []
+    for dev, path in (("cpu", "dense"), ("cuda", "flex")):
+        t = dflash.load_target(str(tmp_path / "target"), dev, torch.float32)
+        ds = tau_eval.load_drafters([dflash.latest_checkpoint(str(out))], t, torch.float32, False, path)
+        res = tau_eval.evaluate_drafters(t, ds, prompts, 32, continuations=conts, progress=False)["results"][0]
+        walks.append([p["acceptance_lengths"] for p in res["prompts"]])
+    assert walks[0] == walks[1]
+
+
+def test_memory_plan_matches_max_memory_allocated():
+    """The plan's drafter-side terms against torch.cuda.max_memory_allocated at the Qwen3-8B drafter shape (4096
+    tokens, 512 anchors, flex, bf16 autocast, one fused AdamW step): within 25%."""
+    import dataclasses
+    torch.cuda.empty_cache()
+    cfg = gpu_config(tiny=False)
+    inp = inputs(cfg, N, seed=0)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    drafter = dflash.DFlashDrafter(cfg, "flex").cuda().train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-5, fused=True)
+    loss_of(drafter, inp).backward()
+    opt.step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    d = plan.drafter_sizes(dataclasses.asdict(cfg), dflash.expected_shapes(cfg))
+    t = dict(params=0, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+             vocab_size=cfg.vocab_size, context_layers=d["context_layers"])
+    run = dict(world=1, zero=False, grad_checkpoint=False, num_anchors=N, batch_size=1, max_len=S, attention="flex",
+               target_bytes=2, act_bytes=2, cuda=False)
+    rows = {name: b for name, b, _ in plan.plan_rows(t, d, run)}
+    planned = sum(rows[k] for k in ("drafter weights", "drafter gradients", "AdamW moments", "drafter activations",
+                                    "backward working set", "chunked-loss buffers"))
+    assert 0.75 <= planned / measured <= 1.25, f"plan {planned / 2**30:.2f} GiB vs {measured / 2**30:.2f} GiB"
