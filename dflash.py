@@ -1674,6 +1674,8 @@ def train(args):
              f"--resume to start")
         state = read_train_state(resume_dir)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
+    if args.plan:
+        import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
     # the drafter config from the target's config.json and tokenizer alone: every problem of the flags with this
     # target is reported (all at once) before any weights load
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
