@@ -1676,16 +1676,17 @@ def train(args):
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
-    # the drafter config from the target's config.json and tokenizer alone: every problem of the flags with this
-    # target is reported (all at once) before any weights load
-    meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
-    cfg = read_drafter_config(init_from) if init_from else \
-        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, meta)
-    if args.plan or device.type == "cuda":
-        memory_plan(args, cfg, meta, world, device)
-    if device.type == "cpu" and master:
-        cpu_step_hint(args, cfg, meta)
+    if not args.show_data:  # (which looks at the data alone)
+        # the drafter config from the target's config.json and tokenizer alone: every problem of the flags with this
+        # target is reported (all at once) before any weights load
+        meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+        cfg = read_drafter_config(init_from) if init_from else \
+            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+        check_compatible(cfg, meta)
+        if args.plan or device.type == "cuda":
+            memory_plan(args, cfg, meta, world, device)
+        if device.type == "cpu" and master:
+            cpu_step_hint(args, cfg, meta)
 
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code)
     tok = target.tokenizer
