@@ -9,6 +9,7 @@ Quick start
         --mask_token_id 248070 --num_heads 32 --num_kv_heads 8 --head_dim 128   # 8 GPUs, z-lab's 27B geometry
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 dflash.py ...
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
+    torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
 This file stands alone: copied into an empty directory (with requirements.txt installed) it trains, evaluates
@@ -31,6 +32,7 @@ The method in ten lines
 
 import argparse
 import gzip
+import hashlib
 import importlib
 import itertools
 import json
@@ -40,7 +42,9 @@ import re
 import shutil
 import signal
 import sys
+import tempfile
 import time
+import zlib
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
@@ -840,19 +844,55 @@ def latest_checkpoint(out):
 def write_latest(out, name):
     """<out>/latest := name, atomically (written aside, synced, then renamed): it never names a partial checkpoint."""
     tmp = os.path.join(out, "latest.tmp")
-    with open(tmp, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out, "latest"))
+    try:
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(out, "latest"))
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+def keep_metrics(out, step):
+    """Drop the records of metrics.jsonl after `step` (-1: all): what a resumed or restarted run logs again."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    def step_of_record(line):
+        try:
+            return json.loads(line).get("step", 0)
+        except (ValueError, AttributeError):  # a line cut short by a kill: dropped
+            return math.inf
+    with open(path) as f:
+        lines = [x for x in f if x.strip()]
+    kept = [x for x in lines if step_of_record(x) <= step]
+    if len(kept) < len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
     """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically; then <out>/latest
     is switched to it (atomically too), so latest never names a partial checkpoint."""
-    path = save_drafter(drafter, os.path.join(out, f"step_{step}"), save_dtype, extra_files={
-        "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
-    write_latest(out, os.path.basename(path))
+    try:
+        path = save_drafter(drafter, os.path.join(out, f"step_{step}"), save_dtype, extra_files={
+            "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
+        write_latest(out, os.path.basename(path))
+    except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
+        raise DFlashError(f"cannot write checkpoint {os.path.join(out, f'step_{step}')} ({e.strerror}); "
+                          f"{last_complete(out)}") from None
     return path
+
+def last_complete(out):
+    """The sentence naming what a run that stops now leaves behind: the checkpoint <out>/latest names."""
+    try:
+        d = latest_checkpoint(out)
+    except DFlashError:
+        d = previous_checkpoint(out)
+    return f"the last complete checkpoint is {d} (resume from it with --resume)" if d else \
+        f"no complete checkpoint in {out} yet"
 
 
 # -----------------------------------------------------------------------------
@@ -1019,7 +1059,7 @@ def read_jsonl(path, what, hint=""):
                 except ValueError as e:
                     raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") \
                         from None
-    except (OSError, EOFError) as e:  # unreadable, or a truncated gzip stream
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
         raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}") \
             from None
 
@@ -1594,11 +1634,15 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     return summarize(all_reduce_sum(total, world))
 
 class StopFlag:
-    """Inside `with StopFlag() as stop`, SIGTERM/SIGINT set stop.requested: the loop finishes the current step,
-    saves and exits. A second signal kills."""
+    """Inside `with StopFlag(out, say) as stop`, SIGTERM/SIGINT set stop.requested: the loop finishes the current
+    step, saves and exits. A second signal (Ctrl-C, then the SIGTERM of a scheduler or `timeout`) does not cancel the
+    save; a third abandons it (SystemExit: a checkpoint being written is removed, latest is untouched)."""
+
+    def __init__(self, out, say=print):
+        self.out, self.say = out, say
 
     def __enter__(self):
-        self.requested = False
+        self.requested, self.count = False, 0
         self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
@@ -1607,10 +1651,16 @@ class StopFlag:
             signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
-        if self.requested:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        self.count += 1
         self.requested = True
+        name = signal.Signals(signum).name
+        if self.count == 1:
+            self.say(f"{name}: finishing this step, then saving a checkpoint")
+        elif self.count == 2:
+            self.say(f"second signal ({name}): still saving after this step; a third abandons it")
+        else:
+            self.say(f"third signal ({name}): abandoning the checkpoint; {last_complete(self.out)}")
+            raise SystemExit(128 + signum)
 
 def pick_device(flag, local_rank=0):
     """--device, or cuda:LOCAL_RANK when CUDA is there, else cpu; a device that is not there is one error line."""
@@ -1640,19 +1690,91 @@ def peak_memory_mb(device):
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+def check_writable_dir(d, what, subdirs=False):
+    """Prove d can take our outputs by the operations the end uses: create it (and its parents), then create and
+    remove a file in it (latest, metrics.jsonl, --json are files written aside and renamed) and, with subdirs, a
+    directory (a checkpoint is a directory renamed into place). One error line before anything is loaded, instead
+    of a failure after the work."""
+    try:
+        os.makedirs(d, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
+        os.close(fd)
+        os.remove(probe)
+        if subdirs:
+            os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
+    except OSError as e:
+        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); give a writable "
+                          f"location") from None
+
 def check_out_dir(out):
-    """--out: a directory that can be created or written, with nothing but files where latest and metrics.jsonl go."""
+    """--out: a directory that can be created and written, with nothing but files where latest and metrics.jsonl go."""
     need(out, "--out is empty; give a directory")
     need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
-    parent = out
-    while not os.path.exists(parent):
-        parent = os.path.dirname(os.path.abspath(parent))
-    need(os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK),
-         f"--out {out!r} cannot be written ({parent!r} is not a writable directory)")
     for name in ("latest", "metrics.jsonl"):
         p = os.path.join(out, name)
         need(not os.path.exists(p) or os.path.isfile(p),
              f"--out {out!r}: {p} is in the way (not a file); remove it or give another --out")
+    check_writable_dir(out, f"--out {out!r}", subdirs=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(metrics):  # appended to: opened as the log will open it
+        try:
+            open(metrics, "a").close()
+        except OSError as e:
+            raise DFlashError(f"--out {out!r}: {metrics} cannot be appended to ({e.strerror})") from None
+
+def run_in(out):
+    """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
+    names = os.listdir(out) if os.path.isdir(out) else []
+    steps = [step_of(n) for n in names if step_of(n) is not None and os.path.isdir(os.path.join(out, n))]
+    if steps:
+        return f"checkpoints up to step {max(steps)}"
+    metrics = os.path.join(out, "metrics.jsonl")
+    if "latest" in names or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
+        return "a run without a complete checkpoint"
+    return None
+
+def resume_mode(args):
+    """--resume must | auto | None; a worker that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) resumes
+    automatically: the restarted command continues from <out>/latest instead of starting over."""
+    if args.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return "auto"
+    return args.resume
+
+def file_digest(path):
+    """{size, sha256} of a data file's bytes: recorded in each checkpoint, so a resume can tell the data changed."""
+    with open(path, "rb") as f:
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+
+RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
+
+def resume_point(args, data_digest):
+    """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
+    Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
+    data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
+    geometry and the global batch are checked once the target is loaded."""
+    mode, out = resume_mode(args), args.out
+    try:
+        d = latest_checkpoint(out) if mode else None
+    except DFlashError as e:
+        raise DFlashError(f"--resume: {e}") from None
+    if d is None:
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
+             f"to start")
+        held = None if mode else run_in(out)
+        need(not held, f"--out {out!r} already holds a run ({held}); pass --resume to continue it, or give a new "
+             f"--out (a run is never started over in place)")
+        return None, None
+    state = read_train_state(d)
+    old = state["args"] if isinstance(state["args"], dict) else {}
+    for k in RESUME_SAME:
+        need(old.get(k, getattr(args, k)) == getattr(args, k), f"cannot resume {d}: it was made with --{k} {old.get(k)}"
+             f", this run has --{k} {getattr(args, k)} (it decides the data order); use {old.get(k)} or a new --out")
+    saved = state.get("data")
+    need(not saved or not data_digest or saved == data_digest or args.allow_data_change,
+         f"cannot resume {d}: --data {args.data} changed since it was written ({saved and saved['size']} -> "
+         f"{data_digest and data_digest['size']} bytes, another sha256), so the data order would silently differ; "
+         f"restore the file, or pass --allow_data_change to continue on the new data")
+    return d, state
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -1663,16 +1785,11 @@ def train(args):
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
     print0 = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
-    check_out_dir(args.out)
-    resume_dir, state = None, None
-    if args.resume:
-        try:
-            resume_dir = latest_checkpoint(args.out)
-        except DFlashError as e:
-            raise DFlashError(f"--resume: {e}") from None
-        need(resume_dir, f"--resume: no checkpoint in {args.out!r} (no {os.path.join(args.out, 'latest')}); drop "
-             f"--resume to start")
-        state = read_train_state(resume_dir)
+    writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
+    if writes:
+        check_out_dir(args.out)
+    data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
+    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
@@ -1742,8 +1859,12 @@ def train(args):
 
     def log(record):
         if master:
-            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
+            try:
+                with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except OSError as e:
+                raise DFlashError(f"cannot append to {args.out}/metrics.jsonl ({e.strerror}); "
+                                  f"{last_complete(args.out)}") from None
 
     def held_out(step):
         if not eval_samples:
@@ -1762,7 +1883,8 @@ def train(args):
             getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
         if master:
             p = save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype],
-                                {"args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps})
+                                {"args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps,
+                                 "data": data_digest})
             print0(f"saved {p}")
         if world > 1:
             dist.barrier()
@@ -1770,12 +1892,14 @@ def train(args):
     # --- the loop
     step = start = state["step"] if state else 0
     bad_steps = state["bad_steps"] if state else 0  # consecutive non-finite steps
+    if master:
+        keep_metrics(args.out, start if state else -1)  # a restart's log picks up where its checkpoint left off
     stopped = False
     drafter.train()
     if step == 0:
         held_out(0)
     t_last, tokens = time.time(), 0
-    with StopFlag() as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
+    with StopFlag(args.out, print0) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
                                   dynamic_ncols=True) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
@@ -1819,7 +1943,8 @@ def train(args):
 
     # --- the end
     if stopped:
-        print0(f"interrupted after step {step}; resume with the same command plus --resume")
+        print0(f"interrupted after step {step}: saved {os.path.join(args.out, f'step_{step}')}; resume with the same "
+               f"command plus --resume")
     elif step > start:  # (a resumed run that had already finished has nothing left to do)
         held_out(step)
         save(step)
@@ -1942,7 +2067,12 @@ def get_parser():
       "per line")
     a("--out", default="out", help="output directory for checkpoints and metrics.jsonl")
     a("--init_from", default=None, help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
-    a("--resume", action="store_true", help="continue from <out>/latest")
+    a("--resume", nargs="?", const="must", choices=["must", "auto"], default=None,
+      help="continue from <out>/latest (--resume: it must be there; --resume auto: when it is, else start); a worker "
+           "torchrun restarts (--max_restarts, TORCHELASTIC_RESTART_COUNT > 0) resumes as with auto. Without it a "
+           "used --out is refused")
+    a("--allow_data_change", action="store_true", help="with --resume: continue although --data changed since the "
+      "checkpoint was written (the data order then differs)")
     a("--demo", action="store_true", help="the CPU demo (also what runs with no arguments; needs dflash_tools/)")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
     p.add(g, "--num_draft_layers", int, 5, "drafter decoder layers", lo=1)

@@ -543,24 +543,26 @@ def print_report(report, file=None):
 
 
 def check_output_file(path, flag):
-    """A file written at the end (replacing it if it exists): refuse a directory in its place or a location that
-    cannot be written, before anything is loaded."""
+    """A file written at the end (write_json: a temp file beside it, renamed over it): refuse a directory in its
+    place, and prove the location by creating its directories and a temp file there, before anything is loaded."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise DFlashError(f"{flag} {path!r} cannot be written ({parent!r} is not a writable directory)")
+    dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
 
 
 def write_json(report, path):
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
+    """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
+    the table printed before it stays the result."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(report, f)
-    os.replace(tmp, path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise DFlashError(f"cannot write {path} ({e.strerror}); the report above is the result") from None
     return path
 
 

@@ -19,9 +19,11 @@ own schema, or NAME.json holding a list of rows) works offline. Imports nothing 
 it): errors are BenchmarkError, which eval.py reports as one line.
 """
 
+import gzip
 import json
 import os
 import random
+import zlib
 
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
@@ -55,18 +57,25 @@ def parse_bench(spec):
 
 
 def read_local(path):
-    """Rows of a local file: JSONL (one object per line) or JSON (a list of objects)."""
+    """Rows of a local file: JSONL (one object per line) or JSON (a list of objects), either of them gzip-compressed
+    (as HumanEval.jsonl.gz is published; found by its magic bytes)."""
     if not os.path.isfile(path):
         raise BenchmarkError(f"benchmark file {path!r} does not exist")
-    with open(path) as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        if path.endswith(".json"):
+        text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as e:  # a truncated gzip, a binary file
+        why = str(e).strip().splitlines()[0][:100] if str(e).strip() else type(e).__name__
+        raise BenchmarkError(f"{path}: not a JSONL/JSON text file, plain or gzip ({why})") from None
+    try:
+        if path.removesuffix(".gz").endswith(".json"):
             rows = json.loads(text)
         else:
             rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     except json.JSONDecodeError as e:
-        raise BenchmarkError(f"{path}: not valid JSON{'' if path.endswith('.json') else 'L'} ({e})") from None
+        raise BenchmarkError(f"{path}: not valid JSON{'' if path.removesuffix('.gz').endswith('.json') else 'L'} "
+                             f"({e})") from None
     if not isinstance(rows, list) or not rows:
         raise BenchmarkError(f"{path}: expected a non-empty list of rows")
     return rows

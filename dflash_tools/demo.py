@@ -13,6 +13,7 @@ rank 0 alone measures and reports tau.
 """
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -35,6 +36,7 @@ DEMO_TRAIN_SAMPLES = 2048
 DEMO_PROMPTS, DEMO_NEW_TOKENS = 24, 64
 DEMO_PRETRAIN_STEPS = 300  # the tiny target's pretraining (16 x 256 tokens a step)
 CACHE = os.path.join(ROOT, ".cache")  # the target and the data, built once
+DEMO_OUT = os.path.join("out", "demo")  # the demo's own --out: each run starts over in it
 
 
 def run_demo(argv):
@@ -45,12 +47,17 @@ def run_demo(argv):
     t0 = time.time()
     argv = [a for a in argv if a != "--demo"]
     args = dflash.get_parser().parse_args(argv)
-    out = args.out if args.out != "out" else os.path.join("out", "demo")
+    out = args.out if args.out != "out" else DEMO_OUT
     dflash.check_out_dir(out)
     cache = CACHE
+    dflash.check_writable_dir(cache, f"the demo's cache {cache!r}")
     rank, world, _ = dflash.setup_distributed(args.device)
     say = print if rank == 0 else lambda *a: None
     if rank == 0:
+        if out == DEMO_OUT and not args.resume and dflash.run_in(out):  # the demo's own directory: a rerun starts over
+            print(f"== removing the previous demo run in {out} (pass --resume to continue it, --out DIR to keep one)")
+            shutil.rmtree(out)
+            os.makedirs(out)
         print("== 1/4 tiny Qwen3.5-hybrid target (cached in .cache/ after the first run)")
         target_path = build_tiny_target(cache, DEMO_PRETRAIN_STEPS)
         print("== 2/4 training data: the target's own greedy continuations of stdlib prompts")
