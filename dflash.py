@@ -6,7 +6,7 @@ Quick start
     python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 \
         --sliding_window 0                # one GPU
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl --out runs/q36 \
-        --mask_token_id 248070            # 8 GPUs (the z-lab Qwen3.6-27B-DFlash geometry by default)
+        --mask_token_id 248070 --num_heads 32 --num_kv_heads 8 --head_dim 128   # 8 GPUs, z-lab's 27B geometry
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 dflash.py ...
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
     torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
@@ -91,11 +91,24 @@ def run_main(fn, args):
 # Drafter config: mirrors the z-lab config.json (a Qwen3 config plus the DFlash fields)
 
 def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61]."""
+    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (also SGLang's
+    rule for a config that names none). On a small target it repeats layers: see valid_target_layer_ids."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+def valid_target_layer_ids(num_target_layers, num_draft_layers):
+    """The spread to suggest: the default where it is valid, else up to n distinct layers evenly from 1 to L-2 (never
+    L-1, which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
+    L, n = num_target_layers, num_draft_layers
+    ids = default_target_layer_ids(L, n)
+    if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
+        return ids
+    layers = list(range(1, L - 1)) or [0]
+    if n >= len(layers):
+        return layers
+    return sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))] for i in range(n)})
 
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
 POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -128,8 +141,11 @@ class DFlashConfig:
     is_causal: bool | None = None        # None: a layer is causal iff it is a sliding layer
 
     def __post_init__(self):
-        """Every config, from config.json or from flags, passes through here: all its problems at once."""
+        """Every config, from config.json or from flags, passes through here: all its problems at once. is_causal is
+        kept only where it differs from its default rule (causal iff sliding), so equal masks mean equal configs."""
         self.problems()  # raises
+        if self.is_causal is not None and all((t == "sliding_attention") == self.is_causal for t in self.layer_types):
+            self.is_causal = None
 
     def problems(self):
         bad = [f"{k} must be a positive integer, got {getattr(self, k)!r}" for k in POSITIVE_INT_FIELDS
@@ -142,8 +158,8 @@ class DFlashConfig:
             (self.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}"),
             (self.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {self.block_size}"),
             (self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads {self.num_attention_heads} is not a multiple of num_key_value_heads "
-             f"{self.num_key_value_heads}; use num_key_value_heads in "
+             f"num_attention_heads {self.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
+             f"{self.num_key_value_heads} (--num_kv_heads); use one of "
              f"{[k for k in range(1, self.num_attention_heads + 1) if self.num_attention_heads % k == 0]}"),
             (is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
              f"mask_token_id {self.mask_token_id!r} is outside the vocabulary [0, {self.vocab_size}); pass "
@@ -155,7 +171,7 @@ class DFlashConfig:
             (not ints or 0 <= min(ids) and max(ids) < self.num_target_layers,
              f"target_layer_ids {ids} out of range: the target has {self.num_target_layers} decoder layers (valid "
              f"ids 0..{self.num_target_layers - 1}); e.g. --target_layer_ids "
-             f"{','.join(map(str, sorted(set(default_target_layer_ids(self.num_target_layers, n)))))}"),
+             f"{','.join(map(str, valid_target_layer_ids(self.num_target_layers, n)))}"),
             (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
              f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
             (not isinstance(types, list) or len(types) == n,
@@ -191,33 +207,45 @@ class DFlashConfig:
         return causal, self.sliding_window if sliding else None
 
     def to_json(self):
-        """The z-lab config.json layout: Qwen3-style fields plus the DFlash ones."""
+        """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
+        every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
+        Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
         d = asdict(self)
         d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
         if not self.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
             d.pop("rope_scaling")
-        if self.is_causal is None:
-            d.pop("is_causal")
-        d["dflash_config"] = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids")}
+        kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
+        causal = {c for c, _ in kinds}
+        # one causality for all layers: said outright (both engines read is_causal, older vLLM dflash_config.causal);
+        # mixed: causal iff sliding, the rule both engines apply to layer_types when is_causal is absent
+        d.pop("is_causal")
+        said = {"is_causal": causal.pop()} if len(causal) == 1 else {}
+        sliding = any(w is not None for _, w in kinds)
+        dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
+              "num_target_layers": self.num_target_layers, "block_size": self.block_size, "use_swa": False,
+              "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
+              **({"swa_window_size": self.sliding_window} if sliding else {})}
         return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-                "tie_word_embeddings": False, "use_sliding_window": "sliding_attention" in self.layer_types,
-                "attention_dropout": 0.0, **d}
+                "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
+                "eagle_aux_hidden_state_layer_ids": [t + 1 for t in self.target_layer_ids], "dflash_config": dc}
 
     @classmethod
     def from_json(cls, d, where="config.json"):
-        """Read a z-lab or our config.json. The DFlash fields come from dflash_config first, then the top level;
+        """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
+        level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
         RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
-        missing: the default spread. What the drafter cannot run is refused, never ignored."""
+        missing: the default spread. A key this drafter does not implement, or one the two engines would serve
+        differently, is refused (one line each), never ignored."""
         need(isinstance(d, dict), f"{where}: expected a JSON object")
         dc = d.get("dflash_config") or {}
+        need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
         get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
         rope = d.get("rope_parameters") or {}
         need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
              f"{where}: per-layer-type rope_parameters are not supported")
+        bad = not_implemented(d, dc, rope)
         scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
         if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            need(scaling.get("partial_rotary_factor", 1.0) == 1.0, f"{where}: partial_rotary_factor != 1 is not "
-                 f"supported by the drafter (plain RoPE over the full head_dim)")
             scaling = None
         num_target, ids = get("num_target_layers"), get("target_layer_ids")
         need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
@@ -225,6 +253,19 @@ class DFlashConfig:
         need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
         try:
             n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+            layer_types, window, is_causal, differ = read_attention(d, dc, n)
+            ids = ids if isinstance(ids, list) else ids or []
+            if ids == [] and is_int(num_target) and is_int(n) and n > 0:
+                ids = default_target_layer_ids(num_target, n)
+            for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
+                               [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
+                               if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
+                if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
+                    differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
+                                  f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
+            if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
+                bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
+                           f"is not implemented by this drafter; refusing it rather than ignoring it")
             kw = dict(
                 hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
                 num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
@@ -233,20 +274,77 @@ class DFlashConfig:
                 rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
                 max_position_embeddings=d.get("max_position_embeddings", 32768),
                 attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-                mask_token_id=get("mask_token_id"), num_target_layers=num_target,
-                target_layer_ids=ids if isinstance(ids, list) else ids or [],
-                layer_types=list(d.get("layer_types") or ["full_attention"] * n),
-                sliding_window=d.get("sliding_window"), is_causal=d.get("is_causal"))
-            if kw["target_layer_ids"] == [] and is_int(num_target) and is_int(n) and n > 0:
-                kw["target_layer_ids"] = default_target_layer_ids(num_target, n)
-            return cls(**kw)
+                mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
+                layer_types=layer_types, sliding_window=window, is_causal=is_causal)
         except KeyError as e:
             raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
         except (TypeError, ValueError) as e:
             raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
+        need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
+        try:
+            return cls(**kw)
         except DFlashError as e:
             raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
                 from None
+
+# Keys of DFlash's relatives that change the drafter's math, with the values that leave it plain DFlash. Any other
+# value is refused: this drafter does not implement it, and ignoring it would train or measure another model.
+NOT_IMPLEMENTED = {
+    "conv_kernel_size": ((0, None), "DFlash2's grouped convolution over the block"),
+    "conv_group_size": ((0, None), "DFlash2's grouped convolution over the block"),
+    "selector_rank": ((0, None), "DFlash2's low-rank selector"),
+    "selector_top_k": ((0, None), "DFlash2's top-k selector"),
+    "input_embedding_scale": ((1, None), "a scale on the block embeddings"),
+    "output_multiplier": ((1, None), "a scale on the drafter's output"),
+    "final_logit_softcapping": ((0, None), "tanh soft-capping of the logits"),
+    "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
+    "add_swa_attention_sink_bias": ((False, None), "a learned per-head attention sink"),
+    "attention_value_scale": ((1, None), "a scale on the attention values"),
+    "projector_type": ((None,), "another context projector (Domino's GRU correction head)"),
+    "shift_label": ((False, None), "Domino's shifted labels"),
+    "gru_hidden_dim": ((None,), "Domino's GRU correction head"),
+    "sample_from_anchor": ((False, None), "the anchor's own output predicts the next token, as in DSpark and Domino; "
+                                          "DFlash predicts token a+i at block offset i"),
+    "use_aux_hidden_state": ((True, None), "false: no fc projection of the target's layer features"),
+    "is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
+    "rope_is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
+    "partial_rotary_factor": ((1, None), "RoPE over part of head_dim; this drafter rotates all of it (often copied "
+                                         "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
+}
+
+def not_implemented(d, dc, rope):
+    """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
+    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
+    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
+            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
+            if isinstance(src, dict) and k in src and src[k] not in plain]
+
+def read_attention(d, dc, n):
+    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
+    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
+    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
+    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
+    the two engines would serve different masks, and that is a problem."""
+    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
+    if types is None:
+        types = ["full_attention"] * n if is_int(n) else []
+        if causal:
+            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
+                            "bidirectionally and vLLM causally; list layer_types")
+    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
+    if dc.get("use_swa") and not any(sliding):
+        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
+                        "layers in layer_types instead")
+    window = dc.get("swa_window_size", d.get("sliding_window"))
+    if any(sliding) and d.get("sliding_window") not in (None, window):
+        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
+                        f"{d['sliding_window']} (SGLang); make them equal")
+    if causal is None and dc.get("causal") is not None:
+        if any(s != bool(dc["causal"]) for s in sliding):
+            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
+                            f"iff it is sliding); state it as the top-level is_causal, which both read")
+        causal = dc["causal"]
+    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
 
 
 # -----------------------------------------------------------------------------
@@ -653,12 +751,34 @@ def resolve_drafter(path, flag="--drafter"):
     except ImportError:
         raise DFlashError(f"{flag} {path!r} is not a local directory; downloading it as a hub id needs "
                           f"huggingface_hub (pip install huggingface_hub)") from None
+    patterns = ["*.json", "*.safetensors"]
+    fix = f"download it elsewhere (huggingface-cli download {path} --local-dir DIR) and pass DIR"
+    try:  # already in the cache: no network at all
+        return snapshot_download(path, allow_patterns=patterns, local_files_only=True)
+    except Exception:
+        pass
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    need(os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"), f"{flag} {path!r} is not a "
+         f"local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set; {fix}")
+    need(hub_reachable(endpoint), f"{flag} {path!r} is not a local directory nor in the Hugging Face cache, and "
+         f"{endpoint} cannot be reached (offline?); {fix}")
     try:
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
-    except Exception as e:  # offline, no such repository, gated, ...
+        return snapshot_download(path, allow_patterns=patterns)
+    except Exception as e:  # no such repository, gated, ...
         raise DFlashError(f"{flag} {path!r} is not a local directory, and downloading it from the hub failed "
-                          f"({first_line(e)}); when offline, download it elsewhere (huggingface-cli download {path} "
-                          f"--local-dir DIR) and pass DIR") from None
+                          f"({first_line(e)}); when offline, {fix}") from None
+
+def hub_reachable(endpoint, timeout=3.0):
+    """Whether a TCP connection to the hub (or the https proxy) opens within `timeout` seconds: offline,
+    huggingface_hub retries for about 30 s before it fails."""
+    import socket
+    from urllib.parse import urlsplit
+    u = urlsplit(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or endpoint)
+    try:
+        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 TRAIN_STATE_KEYS = {"step", "optimizer", "args", "global_batch", "bad_steps"}
 
@@ -836,6 +956,16 @@ def target_load_error(name, e):
             return DFlashError(f"cannot load target {name!r}: {path} is truncated or garbage ({first_line(bad)})")
     return DFlashError(f"cannot load target {name!r}: {first_line(e)}")
 
+def kernel_note(config):
+    """transformers says flash-linear-attention "is not installed" when a hybrid target's linear-attention layers
+    cannot import it; with torch's CPU wheel it is installed but needs triton, which that wheel lacks: say so."""
+    import importlib.util
+    if "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or []) and \
+            importlib.util.find_spec("fla") and not importlib.util.find_spec("triton"):
+        print("note: flash-linear-attention is installed but needs triton, which this torch build lacks (the CPU "
+              "wheel): the linear-attention layers run transformers' PyTorch reference, correct but slower",
+              file=sys.stderr)
+
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
     """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise.
     device "meta": built from config.json alone (no weights read), for the memory plan. shard (--shard_target under
@@ -853,6 +983,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
+            kernel_note(model.config)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         raise target_load_error(name, e) from None
     model.eval().requires_grad_(False)
@@ -904,7 +1035,9 @@ def check_compatible(cfg, target, where="drafter"):
 @contextmanager
 def capture_hidden(target, layer_ids):
     """Forward hooks on decoder layers `layer_ids` (their outputs h[t]) and on the final norm (its output f, what
-    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual."""
+    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual.
+    Target layer t means what vLLM serves, the residual stream after decoder layer t, before the final norm, also
+    for t = L-1 (not Hugging Face's hidden_states[L], which is after it; SGLang captures only layers 0..L-2)."""
     store = {}
     hook = lambda key: lambda m, i, out: store.__setitem__(key, out[0] if isinstance(out, tuple) else out)  # noqa
     handles = [target.layers[t].register_forward_hook(hook(t)) for t in layer_ids]
@@ -1124,11 +1257,15 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
         log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
 
+EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
+
+def held_out_count(n, eval_fraction):
+    """eval_fraction of n samples, at least EVAL_FLOOR, but never more than half of them (training keeps the rest)."""
+    return min(max(int(n * eval_fraction), EVAL_FLOOR), n // 2) if eval_fraction > 0 else 0
+
 def split_eval(samples, eval_fraction, seed):
-    """A deterministic held-out split (the same on every rank): (train, eval)."""
-    n_eval = int(len(samples) * eval_fraction)
-    if eval_fraction > 0 and n_eval == 0 and len(samples) > 1:
-        n_eval = 1
+    """A deterministic held-out split (the same on every rank) of held_out_count samples: (train, eval)."""
+    n_eval = held_out_count(len(samples), eval_fraction)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
 
@@ -1517,32 +1654,53 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
+def mask_token_hint(target):
+    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row."""
+    used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
+    rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
+        if used is not None and used < V else "pick an id your data never uses"
+    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}; z-lab uses 248070 for " \
+           f"Qwen3.5/3.6 targets, 151669 for Qwen3)"
+
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
-                       sliding_window=2048, layer_types=None, num_heads=32, num_kv_heads=8, head_dim=128,
+                       sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None):
-    """A new drafter shaped like z-lab's: hidden/intermediate/vocab/eps/rope_theta from the target, plain RoPE over
-    the full head, n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise."""
+    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps/rope_theta from the target, and unless
+    given its attention geometry (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP
+    width; plain RoPE over the full head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types
+    says otherwise. Every problem of these flags with this target is raised at once, each with a value that works."""
     tc = target.model.config.get_text_config()
     rope = getattr(tc, "rope_parameters", None)
     rope_theta = (rope or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)) if isinstance(rope, dict | None) \
         else 1e4
-    n = num_draft_layers
+    n, L, problems = num_draft_layers, target.num_layers, []
+    heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
-    need(mask_token_id is not None, "no mask token: the target's tokenizer defines none; pass --mask_token_id "
-         "(248070 for Qwen3.5/3.6, 151669 for Qwen3)")
+    if mask_token_id is None:
+        problems.append(mask_token_hint(target))
+    ids = target_layer_ids or default_target_layer_ids(L, n)
+    if not target_layer_ids and len(set(ids)) < len(ids):
+        good = valid_target_layer_ids(L, n)
+        problems.append(f"the default target_layer_ids {ids} for a {L}-layer target and {n} drafter layers repeat a "
+                        f"layer; pass --target_layer_ids {','.join(map(str, good))}")
+        ids = good
     layer_types = layer_types or ["sliding_attention" if sliding_window and i < n - 1 else "full_attention"
                                   for i in range(n)]
-    ids = target_layer_ids or default_target_layer_ids(target.num_layers, n)
-    need(target_layer_ids or len(set(ids)) == len(ids), f"the default target_layer_ids {ids} for a "
-         f"{target.num_layers}-layer target and {n} drafter layers repeat a layer; pass --target_layer_ids explicitly")
-    return DFlashConfig(
-        hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
-        num_hidden_layers=n, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
-        max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
-        mask_token_id=mask_token_id, target_layer_ids=list(ids), num_target_layers=target.num_layers,
-        layer_types=layer_types, sliding_window=sliding_window or None)
+    try:
+        cfg = DFlashConfig(
+            hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+            num_hidden_layers=n, num_attention_heads=heads,
+            num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
+            mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
+            num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
+    except DFlashError as e:
+        problems += str(e).splitlines()
+    need(not problems, "\n".join(problems))
+    return cfg
 
 def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw):
     """Forward and backward over one optimizer step's micro-batches; returns the step's stats summed over ranks.
@@ -1739,8 +1897,19 @@ def train(args):
     data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
     resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
-    if args.plan or device.type == "cuda":
-        memory_plan(args, init_from, world, device)  # from the configs alone, before any weights load
+    if args.plan:
+        import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
+    if not args.show_data:  # (which looks at the data alone)
+        # the drafter config from the target's config.json and tokenizer alone: every problem of the flags with this
+        # target is reported (all at once) before any weights load
+        meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+        cfg = read_drafter_config(init_from) if init_from else \
+            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+        check_compatible(cfg, meta)
+        if args.plan or device.type == "cuda":
+            memory_plan(args, cfg, meta, world, device)
+        if device.type == "cpu" and master:
+            cpu_step_hint(args, cfg, meta)
 
     if args.shard_target and world == 1:
         print0("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
@@ -1752,9 +1921,6 @@ def train(args):
     samples = load_samples(args.data, tok, args.max_len, **data_kw)
     if args.show_data:  # look at the loss masks before spending anything on training
         return show_data(samples, tok, args.show_data) if master else None
-    cfg = read_drafter_config(init_from) if init_from else \
-        new_drafter_config(target, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, target)
     if args.eval_data:
         train_samples, eval_samples = samples, load_samples(args.eval_data, tok, args.max_len, **data_kw)
     else:
@@ -1793,11 +1959,12 @@ def train(args):
                    pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
+    held = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
     print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
            f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
-           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} eval "
-           f"samples; {total_steps} steps of {batches.global_batch} samples; attention {attention}, compile "
-           f"{compile_}, {world} rank(s) on {device.type}")
+           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} "
+           f"held-out samples{held}; {total_steps} steps of {batches.global_batch} samples; attention {attention}, "
+           f"compile {compile_}, {world} rank(s) on {device.type}")
 
     def log(record):
         if master:
@@ -1896,17 +2063,35 @@ def train(args):
         dist.destroy_process_group()
     return drafter, cfg, target
 
-def memory_plan(args, init_from, world, device):
-    """The memory plan (dflash_tools/plan.py): --plan prints it and exits; a CUDA run prints it and stops early if
-    it cannot fit. The plan is an optional extra: a CUDA run without dflash_tools/ goes on without it."""
+def memory_plan(args, cfg, meta, world, device):
+    """The memory plan (dflash_tools/plan.py) from the configs alone (meta: the target on the meta device): --plan
+    prints it and exits; a CUDA run prints it and stops early if it cannot fit. The plan is an optional extra: a CUDA
+    run without dflash_tools/ goes on without it."""
     if not args.plan and not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools",
                                                          "plan.py")):
         return
     plan = import_tool("plan", "--plan")
-    meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
-    cfg = read_drafter_config(init_from) if init_from else \
-        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
     plan.memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
+
+CPU_FLOPS = 5e10  # what a few CPU cores sustain in fp32 matmuls, roughly (FLOP/s)
+
+def first_step_flops(args, cfg, target_params):
+    """A rough cost of one optimizer step on one rank, from the shapes alone: 2 FLOPs per parameter per token for
+    the target's forward over max_len tokens, 6 per drafter parameter (and per lm_head weight) per drafted token
+    (forward + backward over num_anchors * block_size tokens), times batch_size * grad_accum. Attention is left out."""
+    drafter = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
+    drafted = args.num_anchors * cfg.block_size
+    per_sample = 2 * target_params * args.max_len + 6 * (drafter + cfg.vocab_size * cfg.hidden_size) * drafted
+    return per_sample * args.batch_size * args.grad_accum
+
+def cpu_step_hint(args, cfg, meta):
+    """A CPU run whose first step would take over a minute says which flags make it small (it still runs)."""
+    seconds = first_step_flops(args, cfg, sum(p.numel() for p in meta.model.parameters())) / CPU_FLOPS
+    if seconds > 60:
+        print(f"note: the first step will take ~{seconds:.0f} s on this CPU (2 FLOPs per target parameter per token "
+              f"over --max_len {args.max_len}, 6 per drafter parameter per drafted token, at ~{CPU_FLOPS / 1e9:.0f} "
+              f"GFLOP/s); for a small first run: --num_draft_layers 2 --num_anchors 32 --max_len 256 --grad_accum 1",
+              file=sys.stderr)
 
 def import_tool(name, flag):
     """An optional extra from dflash_tools/ (the tools import this file as `dflash`), or one error line without it."""
@@ -1957,12 +2142,14 @@ def layer_type_list(s):
     return types
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each flag's default after its help, unless the help already says it or there is none."""
+    """Each flag's default after its help, unless there is none or the help already says it ("default", or the
+    value explained as in "auto: ...")."""
 
     def _get_help_string(self, action):
-        h = action.help or ""
-        if action.default not in (None, False, argparse.SUPPRESS) and "default" not in h and action.option_strings:
-            h += f" (default: {action.default})"
+        h, v = action.help or "", action.default
+        if v not in (None, False, [], argparse.SUPPRESS) and "default" not in h and f"{v}:" not in h and \
+                action.option_strings:
+            h += f" (default: {v})"
         return h
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -2007,9 +2194,10 @@ def get_parser():
     p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)")
     g.add_argument("--layer_types", type=layer_type_list, default=None,
                    help="comma-separated sliding|full per layer (default: all sliding but the last)")
-    p.add(g, "--num_heads", int, 32, "attention heads", lo=1)
-    p.add(g, "--num_kv_heads", int, 8, "key/value heads (GQA)", lo=1)
-    p.add(g, "--head_dim", int, 128, "head dimension (even: RoPE rotates pairs)", lo=2)
+    p.add(g, "--num_heads", int, None, "attention heads (default: the target's; a hybrid's full-attention layers')",
+          lo=1)
+    p.add(g, "--num_kv_heads", int, None, "key/value heads (GQA; default: the target's)", lo=1)
+    p.add(g, "--head_dim", int, None, "head dimension (even: RoPE rotates pairs; default: the target's)", lo=2)
     p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1)
     g = p.add_argument_group("data and loss")
     p.add(g, "--max_len", int, 3072, "truncate samples to this many tokens", lo=2)
@@ -2017,7 +2205,8 @@ def get_parser():
                    help="passed to the chat template if it reads enable_thinking, as eval.py does (default: its own)")
     p.add(g, "--show_data", int, 0, "print the first N encoded samples with their loss spans in [[...]], then exit "
           "(0: train)")
-    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data (0: no held-out evaluation)", hi=0.5)
+    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data, at least 16 samples, at most half (0: no "
+          "held-out evaluation)", hi=0.5)
     a("--eval_data", default=None, help="held-out JSONL (instead of --eval_fraction)")
     p.add(g, "--num_anchors", int, 512, "anchors (blocks) per sequence", lo=1)
     p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", open_lo=True)

@@ -181,6 +181,11 @@ def machine_bytes(device):
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# what is left when no flag fits: the rows above say which term is too big
+NOTHING_FITS = ("the target's bf16 weights (every rank holds a whole target) or the drafter's fp32 weights, grads and "
+                "AdamW take the GPU; try more ranks with --zero, a smaller drafter (--num_draft_layers, "
+                "--intermediate_size), --max_len 1024, or GPUs with more memory")
+
 def memory_plan(args, cfg, shapes, meta_target, world, device):
     """Print the plan for the run's flags (rank 0), and the options that would fit; --plan: exit after.
     A CUDA run that cannot fit stops here with one error naming the flags that would. args: vars(args)."""
@@ -208,7 +213,7 @@ def memory_plan(args, cfg, shapes, meta_target, world, device):
     fit = fitting_flags(t, d, run, gpu_bytes)
     fits = rows[-1][1] <= gpu_bytes
     say(f"  verdict: {'fits' if fits else 'does not fit'}"
-        + ("" if fits else f"; fits with {' '.join(fit)}" if fit else "; nothing fits: see the README, Will it fit?"))
+        + ("" if fits else f"; fits with {' '.join(fit)}" if fit else f"; nothing fits: {NOTHING_FITS}"))
     if world > 1 and (run["shard_target"] or "--shard_target" in (fit or []) and not fits):
         gathered, nvlink, pcie, compute = shard_traffic(t, run)
         say(f"  --shard_target: each target forward all-gathers {gathered / GB:.1f} GB per rank: {nvlink:.2f} s over "
@@ -221,7 +226,7 @@ def memory_plan(args, cfg, shapes, meta_target, world, device):
         raise SystemExit(0)
     if device.type == "cuda" and not fits:
         hint = f"add {' '.join(fit)}" if fit else f"even {' '.join(options(world)[-1])} --num_anchors 32 does " \
-            "not fit; use more ranks, or serve the target from an inference engine (README: Will it fit?)"
+            f"not fit: {NOTHING_FITS}"
         raise dflash.DFlashError(f"the memory plan needs {rows[-1][1] / GB:.1f} GB per GPU, this device has "
                     f"{gpu_bytes / GB:.1f} GB: {hint} (or check with --plan)")
     return rows

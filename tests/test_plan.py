@@ -53,7 +53,8 @@ def plan_lines(capsys, argv):
 def test_plan_qwen36_27b_on_8x80gb(q36, capsys, tmp_path):
     """--plan from a directory holding only config.json: no weights, no --data; the terms and the verdicts."""
     rows = plan_lines(capsys, ["--target", q36, "--plan", "--mask_token_id", "248070", "--plan_world_size", "8",
-                               "--plan_gpu_gb", "80", "--out", str(tmp_path / "out")])
+                               "--plan_gpu_gb", "80", "--out", str(tmp_path / "out"), "--num_heads", "32",
+                               "--num_kv_heads", "8", "--head_dim", "128"])  # z-lab's geometry, not the target's
     assert 53 <= float(rows["target weights"].split("GB")[0].split()[-1]) <= 55, rows["target weights"]
     params = float(rows["drafter weights"].split("GB")[1].split("B params")[0])
     assert 1.70 <= params <= 1.76, rows["drafter weights"]

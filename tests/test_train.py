@@ -212,7 +212,8 @@ def test_default_config_matches_zlab_qwen36_27b():
                            rms_norm_eps=1e-6, max_position_embeddings=262144)
     fake = dflash.Target(model=SimpleNamespace(config=tc), backbone=SimpleNamespace(layers=[None] * 64), embed=None,
                          lm_head=torch.nn.Linear(5120, 248320, bias=False, device="meta"), tokenizer=None, name="fake")
-    args = dflash.get_parser().parse_args(["--mask_token_id", "248070"])
+    args = dflash.get_parser().parse_args(["--mask_token_id", "248070", "--num_heads", "32", "--num_kv_heads", "8",
+                                           "--head_dim", "128"])  # z-lab's geometry, not the target's (24 x 256)
     cfg = dflash.new_drafter_config(fake, **{k: getattr(args, k) for k in dflash.DRAFTER_FLAGS})
     assert cfg == dflash.DFlashConfig()  # the dataclass defaults are z-lab's published drafter
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
@@ -227,7 +228,8 @@ def test_default_config_matches_zlab_qwen36_27b():
     assert 1.70e9 < n < 1.76e9
     j = cfg.to_json()
     assert j["architectures"] == ["DFlashDraftModel"] and j["block_size"] == 16 and j["num_target_layers"] == 64
-    assert j["dflash_config"] == {"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}
+    assert j["dflash_config"]["mask_token_id"] == 248070 and j["dflash_config"]["target_layer_ids"] == [1, 16, 31, 46, 61]
+    assert "partial_rotary_factor" not in json.dumps(j)  # the target's 0.25 never reaches the drafter's config
     assert j["layer_types"] == cfg.layer_types and j["sliding_window"] == 2048
 
 
