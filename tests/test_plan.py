@@ -42,6 +42,9 @@ def q36(tmp_path_factory):
     return str(d)
 
 
+ZLAB_HEADS = ["--num_heads", "32", "--num_kv_heads", "8", "--head_dim", "128"]  # z-lab's drafter geometry
+
+
 def plan_lines(capsys, argv):
     with pytest.raises(SystemExit) as e:
         dflash.main(argv)
@@ -84,7 +87,7 @@ def test_plan_shard_target(q36, tmp_path_factory, capsys, tmp_path):
     """--shard_target in the plan: Qwen3.6-27B on 8 x 48 GB fits only with it (with --zero), and the all-gather line
     says 42.6 GB per forward (7/8 of the bf16 decoder), hidden on NVLink, not on PCIe; a 122B MoE target fits 8 x 80
     GB with it alone, and its gathers are not hidden even on NVLink (a token runs through 8 of 256 experts)."""
-    out = ["--out", str(tmp_path / "out"), "--plan_world_size", "8"]
+    out = ["--out", str(tmp_path / "out"), "--plan_world_size", "8", *ZLAB_HEADS]
     rows = plan_lines(capsys, ["--target", q36, "--plan", "--mask_token_id", "248070", "--plan_gpu_gb", "48", *out])
     assert "fits with --zero --shard_target" in rows["verdict: does not fit; fits with --zero --shard_target"]
     assert rows["--zero --grad_checkpoint"].endswith("does not fit") and rows["--zero --shard_target"].endswith("fits")
