@@ -766,10 +766,12 @@ TWO_RANKS = ["--max_steps", "8", "--batch_size", "2", "--grad_accum", "1", "--ze
 
 
 def test_torchrun_restart_after_a_lost_rank_resumes_by_itself(w, reference, tmp_path):
-    """torchrun --max_restarts=1: rank 1 SIGKILLed after a checkpoint; torchrun restarts both workers, which resume
+    """torchrun --max_restarts: rank 1 SIGKILLed after a checkpoint; torchrun restarts both workers, which resume
     from latest by themselves (TORCHELASTIC_RESTART_COUNT); the job finishes with the uninterrupted run's weights."""
     out = str(tmp_path / "elastic")
-    p = torchrun(w["base"] + TWO_RANKS + ["--out", out, "--save_every", "2"], "--max_restarts=1")
+    # more than one restart allowed: on CPU, gloo's re-rendezvous after a kill sometimes fails once (connection
+    # refused between the new workers), and torchrun then simply restarts again, as it would on a cluster
+    p = torchrun(w["base"] + TWO_RANKS + ["--out", out, "--save_every", "2"], "--max_restarts=3")
     wait_for(lambda: os.path.exists(os.path.join(out, "latest")), "the first checkpoint")
     reached = max(logged_steps(out), default=0)
     os.kill(workers(p)[1], signal.SIGKILL)
