@@ -874,17 +874,23 @@ def keep_metrics(out, step):
             f.writelines(kept)
         os.replace(path + ".tmp", path)
 
-def save_checkpoint(out, step, drafter, optimizer, save_dtype, state):
-    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically; then <out>/latest
-    is switched to it (atomically too), so latest never names a partial checkpoint."""
-    try:
-        path = save_drafter(drafter, os.path.join(out, f"step_{step}"), save_dtype, extra_files={
-            "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
-        write_latest(out, os.path.basename(path))
-    except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
-        raise DFlashError(f"cannot write checkpoint {os.path.join(out, f'step_{step}')} ({e.strerror}); "
-                          f"{last_complete(out)}") from None
-    return path
+def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print):
+    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically by rank 0; then
+    <out>/latest is switched to it (atomically too), so latest never names a partial checkpoint. Called on every
+    rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write."""
+    if world > 1:
+        getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        d = os.path.join(out, f"step_{step}")
+        try:
+            save_drafter(drafter, d, save_dtype, extra_files={
+                "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
+            write_latest(out, os.path.basename(d))
+        except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
+            raise DFlashError(f"cannot write checkpoint {d} ({e.strerror}); {last_complete(out)}") from None
+        say(f"saved {d}")
+    if world > 1:
+        dist.barrier()
 
 def last_complete(out):
     """The sentence naming what a run that stops now leaves behind: the checkpoint <out>/latest names."""
@@ -1242,8 +1248,10 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
     samples, skipped, lines = [], 0, 0
     for where, rec in read_jsonl(path, "data", "; pass --data with a JSONL file"):
         lines += 1
-        ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)
-        ids, mask = check_ids(ids[:max_len], vocab_size, where), mask[:max_len]  # tokenizer output too
+        ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)  # checks input_ids
+        if "input_ids" not in rec:  # a tokenizer may have more tokens than the target's embedding rows
+            check_ids(ids, vocab_size, where)
+        ids, mask = ids[:max_len], mask[:max_len]
         if any(mask[j] and mask[j + 1] for j in range(len(ids) - 1)):  # at least one anchor (see sample_anchors)
             samples.append((ids, mask))
         else:
@@ -1702,8 +1710,10 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     need(not problems, "\n".join(problems))
     return cfg
 
-def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw):
-    """Forward and backward over one optimizer step's micro-batches; returns the step's stats summed over ranks.
+def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, **loss_kw):
+    """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
+    step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
+    skips it: grads are all-reduced and the loss summed, so every rank skips together).
     The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
     the sum of weights over the whole global batch: sum(w * CE) / sum(w), whatever the split."""
     device = target.lm_head.weight.device
@@ -1719,7 +1729,15 @@ def train_step(model, target, cfg, micro_batches, num_anchors, world, **loss_kw)
             loss, stats = dflash_loss(model, target, mb, a, v, weight_total=w_total, **loss_kw)
             loss.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
-    return all_reduce_sum(total, world)
+    total = all_reduce_sum(total, world)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    ok = bool(torch.isfinite(total["ce_w"] / total["w"].clamp(min=1e-9)) and torch.isfinite(grad_norm))
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm, ok
 
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, **loss_kw):
@@ -1787,7 +1805,22 @@ def setup_distributed(device_flag):
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = pick_device(device_flag, int(os.environ.get("LOCAL_RANK", 0)))
     if world > 1 and not dist.is_initialized():  # the demo may have started it
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        backend, env = "nccl" if device.type == "cuda" else "gloo", os.environ.get
+        # torchrun keeps one store across the restarts of --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+        # with the c10d rendezvous): the dead workers' addresses in it make a restart's init fail or hang. On one
+        # node every worker has the same restart count, so a restart gets keys of its own
+        shared, restart = env("TORCHELASTIC_USE_AGENT_STORE") == "True", int(env("TORCHELASTIC_RESTART_COUNT") or 0)
+        if shared and restart and env("GROUP_WORLD_SIZE") == "1":
+            store = dist.TCPStore(env("MASTER_ADDR"), int(env("MASTER_PORT")), world, is_master=False)
+            dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
+                                    world_size=world)
+        else:
+            several_nodes = env("GROUP_WORLD_SIZE", "1") != "1"
+            if shared and several_nodes and rank == 0 and int(env("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+                print("note: torchrun --max_restarts over several nodes: start it with --rdzv_backend=c10d and "
+                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a restart can hang in init_process_group",
+                      file=sys.stderr)
+            dist.init_process_group(backend)
     return rank, world, device
 
 def peak_memory_mb(device):
@@ -1882,15 +1915,13 @@ def resume_point(args, data_digest):
          f"restore the file, or pass --allow_data_change to continue on the new data")
     return d, state
 
-def train(args):
-    """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
-    log, held-out eval, save, stop on SIGTERM), the end (final eval and checkpoint). Returns drafter, cfg, target."""
-    # --- set-up: everything that can be checked without loading weights is checked first
+def check_run(args, world, device, master):
+    """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
+    resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
+    device), with every problem of the flags with this target reported at once; then the memory plan. Returns
+    (cfg, resume_dir, train state, data digest, init_from); cfg is None for --show_data (it looks at the data alone)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
-    rank, world, device = setup_distributed(args.device)
-    master = rank == 0
-    print0 = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
@@ -1899,156 +1930,185 @@ def train(args):
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
-    if not args.show_data:  # (which looks at the data alone)
-        # the drafter config from the target's config.json and tokenizer alone: every problem of the flags with this
-        # target is reported (all at once) before any weights load
-        meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
-        cfg = read_drafter_config(init_from) if init_from else \
-            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-        check_compatible(cfg, meta)
-        if args.plan or device.type == "cuda":
-            memory_plan(args, cfg, meta, world, device)
-        if device.type == "cpu" and master:
-            cpu_step_hint(args, cfg, meta)
+    if args.show_data:
+        return None, None, None, None, None
+    meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+    cfg = read_drafter_config(init_from) if init_from else \
+        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+    check_compatible(cfg, meta)
+    if args.plan or device.type == "cuda":
+        memory_plan(args, cfg, meta, world, device)
+    if device.type == "cpu" and master:
+        cpu_step_hint(args, cfg, meta)
+    if args.shard_target and world == 1 and master:
+        print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
+    return cfg, resume_dir, state, data_digest, init_from
 
-    if args.shard_target and world == 1:
-        print0("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
-                         shard=args.shard_target and world > 1)
-    tok = target.tokenizer
-    data_kw = dict(log=print0, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
-                   vocab_size=target.vocab_size)
-    samples = load_samples(args.data, tok, args.max_len, **data_kw)
-    if args.show_data:  # look at the loss masks before spending anything on training
-        return show_data(samples, tok, args.show_data) if master else None
+def check_resume(out, resume_dir, state, cfg, global_batch, master):
+    """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
+    Then rank 0 cuts metrics.jsonl back to the checkpoint's step (all of it on a fresh start): what is logged again."""
+    if master:
+        keep_metrics(out, state["step"] if state else -1)
+    if not state:
+        return
+    saved = read_drafter_config(resume_dir)
+    for k, v in asdict(cfg).items():
+        need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
+             f"this run has {v}; use the original target and flags, or a new --out")
+    need(state["global_batch"] == global_batch, f"cannot resume {resume_dir}: global batch was "
+         f"{state['global_batch']}, now {global_batch}; keep batch_size x grad_accum x ranks the same")
+
+def read_data(args, target, log):
+    """(train samples, held-out samples): --eval_data's, or split off --data (split_eval). With --show_data the
+    held-out set is None and the samples are --data's in file order."""
+    kw = dict(log=log, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
+    samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
+    if args.show_data:
+        return samples, None
     if args.eval_data:
-        train_samples, eval_samples = samples, load_samples(args.eval_data, tok, args.max_len, **data_kw)
+        train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
     else:
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
-    pad_id = getattr(tok, "pad_token_id", None) or 0
-    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed, pad_id)
-    total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
-    if state:  # the checkpoint must be this run's: same drafter, same global batch (the data order depends on it)
-        saved = read_drafter_config(resume_dir)
-        for k, v in asdict(cfg).items():
-            need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
-                 f"this run has {v}; use the original target and flags, or a new --out")
-        need(state["global_batch"] == batches.global_batch, f"cannot resume {resume_dir}: global batch was "
-             f"{state['global_batch']}, now {batches.global_batch}; keep batch_size x grad_accum x ranks the same")
+    held = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
+    log(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{held}")
+    return train_samples, eval_samples
 
+def build_drafter(args, cfg, resume_dir, init_from, state, world, device, say=print):
+    """The drafter (new, --init_from's, or the checkpoint's), its AdamW (with --zero under torchrun its moments are
+    split over the ranks), the model the loop calls (compiled with --compile, wrapped in DDP under torchrun), and the
+    loss's keyword arguments (flex and compiled runs pad every batch to one of a few lengths: fewer recompilations)."""
     attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     drafter = load_drafter(resume_dir or init_from, device, attention=attention) if resume_dir or init_from else \
         DFlashDrafter(cfg, attention).to(device)
     drafter.grad_checkpoint = args.grad_checkpoint
-    opt_kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
-    if args.zero and world > 1:  # --zero: AdamW's moments split over the ranks
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
+    if args.zero and world > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **opt_kw)
+        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **kw)
     else:
-        optimizer = torch.optim.AdamW(drafter.parameters(), **opt_kw)
+        optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
     if state:
         optimizer.load_state_dict(state["optimizer"])
-        print0(f"resumed from {resume_dir} at step {state['step']}")
+        say(f"resumed from {resume_dir} at step {state['step']}")
+    drafter.train()
     model = torch.compile(drafter) if compile_ else drafter
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
+        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
+        f"{attention}, compile {compile_}")
     loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels,
                    pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    return drafter, model, optimizer, loss_kw
+
+def append_metrics(out, record):
+    try:
+        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
+
+def step_record(step, total, lr, grad_norm, tokens_per_s, device):
+    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats)."""
+    m, mem = summarize(total), peak_memory_mb(device)
+    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
+    return line, {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
+                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
+
+def any_rank(flag, world, device):
+    """True on every rank when flag is true on any (a stop request reaches one rank's handler, or all)."""
+    t = torch.tensor(float(flag), device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log):
+    """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau (walk_tau) and, with
+    --eval_walk_tree_budget, the tree's; said (the console) and logged (metrics.jsonl). Nothing without eval_samples."""
+    if not eval_samples:
+        return
+    drafter.eval()
+    m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank, world,
+                 **loss_kw)
+    wt, wtt = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
+    drafter.train()
+    say(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+        + (f"  walked tau {wt:.3f}" if wt is not None else "")
+        + (f"  tree ({args.eval_walk_tree_budget} nodes) {wtt:.3f}" if wtt is not None else ""))
+    log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"], "eval_walk_tau": wt,
+         **({"eval_walk_tree_tau": wtt} if args.eval_walk_tree_budget else {})})
+
+def train(args):
+    """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
+    log, held-out eval, save, stop on SIGTERM), the end (final eval and checkpoint). Returns drafter, cfg, target."""
+    # --- set-up: everything that can be checked without loading weights is checked first
+    rank, world, device = setup_distributed(args.device)
+    master = rank == 0
+    print0 = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
+    cfg, resume_dir, state, data_digest, init_from = check_run(args, world, device, master)
+    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
+                         shard=args.shard_target and world > 1)
+    train_samples, eval_samples = read_data(args, target, print0)
+    if args.show_data:  # look at the loss masks before spending anything on training
+        return show_data(train_samples, target.tokenizer, args.show_data) if master else None
+    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
+                      getattr(target.tokenizer, "pad_token_id", None) or 0)
+    total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
+    check_resume(args.out, resume_dir, state, cfg, batches.global_batch, master)
+    drafter, model, optimizer, loss_kw = build_drafter(args, cfg, resume_dir, init_from, state, world, device, print0)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
-    held = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
-    print0(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} "
-           f"layers, block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; "
-           f"target {args.target} ({target.num_layers} layers); {len(train_samples)} train / {len(eval_samples)} "
-           f"held-out samples{held}; {total_steps} steps of {batches.global_batch} samples; attention {attention}, "
-           f"compile {compile_}, {world} rank(s) on {device.type}")
-
-    def log(record):
-        if master:
-            try:
-                with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            except OSError as e:
-                raise DFlashError(f"cannot append to {args.out}/metrics.jsonl ({e.strerror}); "
-                                  f"{last_complete(args.out)}") from None
+    print0(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
+           f"{batches.global_batch} samples, {world} rank(s) on {device.type}")
+    log = (lambda record: append_metrics(args.out, record)) if master else (lambda record: None)
 
     def held_out(step):
-        if not eval_samples:
-            return
-        drafter.eval()
-        m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank,
-                     world, **loss_kw)
-        wt, wtt = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
-        drafter.train()
-        print0(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-               + (f"  walked tau {wt:.3f}" if wt is not None else "")
-               + (f"  tree ({args.eval_walk_tree_budget} nodes) {wtt:.3f}" if wtt is not None else ""))
-        log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"], "eval_walk_tau": wt,
-             **({"eval_walk_tree_tau": wtt} if args.eval_walk_tree_budget else {})})
+        held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, print0,
+                      log)
 
     def save(step):
-        if world > 1:  # --zero: the whole optimizer state gathered on rank 0
-            getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
-        if master:
-            p = save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype],
-                                {"args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps,
-                                 "data": data_digest})
-            print0(f"saved {p}")
-        if world > 1:
-            dist.barrier()
+        save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
+            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": data_digest},
+            world, print0)
 
     # --- the loop
     step = start = state["step"] if state else 0
     bad_steps = state["bad_steps"] if state else 0  # consecutive non-finite steps
-    if master:
-        keep_metrics(args.out, start if state else -1)  # a restart's log picks up where its checkpoint left off
-    stopped = False
-    drafter.train()
     if step == 0:
         held_out(0)
-    t_last, tokens = time.time(), 0
+    stopped, t_last, tokens = False, time.time(), 0
     with StopFlag(args.out, print0) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
-                                  dynamic_ncols=True) as bar:
+                                                  dynamic_ncols=True) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total = train_step(model, target, cfg, micro, args.num_anchors, world, **loss_kw)
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip)
-            loss = total["ce_w"] / total["w"].clamp(min=1e-9)
-            if torch.isfinite(loss) and torch.isfinite(grad_norm):
-                bad_steps = 0
-                optimizer.step()
-            else:  # grads are all-reduced and the loss summed, so every rank takes this branch together
-                bad_steps += 1
-                print0(f"step {step + 1}: non-finite loss {loss.item()} / grad norm {grad_norm.item()}, skipped the "
-                       f"update ({bad_steps} in a row)")
+            total, grad_norm, ok = train_step(model, optimizer, target, cfg, micro, lr, args.num_anchors,
+                                              args.grad_clip, world, **loss_kw)
+            bad_steps = 0 if ok else bad_steps + 1
+            if not ok:
+                print0(f"step {step + 1}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, "
+                       f"skipped the update ({bad_steps} in a row)")
                 need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step "
                      f"{step + 1}); lower --lr or check the data; the last good checkpoint is in {args.out}")
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
             tokens += total["tokens"].item()  # all ranks' tokens, exactly
             if step == start + 1:
                 print0(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
-                m, tok_s, mem = summarize(total), tokens / max(time.time() - t_last, 1e-9), peak_memory_mb(device)
-                print0(f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-                       f"grad {grad_norm.item():.2f}  {tok_s:,.0f} tok/s  peak {mem:,.0f} MB")
-                log({"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                     "grad_norm": grad_norm.item(), "tokens_per_s": tok_s, "peak_mb": mem})
-                bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
+                line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
+                                           device)
+                print0(line)
+                log(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
                 t_last, tokens = time.time(), 0
             if args.eval_every and step % args.eval_every == 0 and step != total_steps:
                 held_out(step)
-            flag = torch.tensor(float(stop.requested), device=device)
-            if world > 1:  # all ranks agree to stop after the same step
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            stopped = bool(flag.item())
+            stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
                 save(step)
 
@@ -2223,6 +2283,11 @@ def get_parser():
     p.add(g, "--grad_clip", float, 1.0, "gradient norm clip", open_lo=True)
     p.add(g, "--weight_decay", float, 0.0, "AdamW weight decay")
     p.add(g, "--max_bad_steps", int, 10, "stop after this many consecutive non-finite steps", lo=1)
+    add_system_flags(p)
+    return p
+
+def add_system_flags(p):
+    """get_parser's last two groups: how the run executes, logs, evaluates and saves; and what saves memory."""
     g = p.add_argument_group("system")
     g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
                    help="torch.compile the drafter (auto: on for CUDA, off on CPU)")
@@ -2255,7 +2320,6 @@ def get_parser():
                    "drafter's configs (no weights), then exit (needs dflash_tools/)")
     p.add(g, "--plan_world_size", int, None, "ranks to plan for (default: this run's)", lo=1)
     p.add(g, "--plan_gpu_gb", float, None, "memory per GPU in GB to plan for (default: this machine's)", open_lo=True)
-    return p
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
