@@ -1922,6 +1922,10 @@ def check_run(args, world, device, master):
     (cfg, resume_dir, train state, data digest, init_from); cfg is None for --show_data (it looks at the data alone)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
+    # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
+    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL file" for path, flag in
+                ((args.data, "--data"), (args.eval_data, "--eval_data")) if path and not args.plan and
+                not os.path.isfile(path)]
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
@@ -1931,11 +1935,16 @@ def check_run(args, world, device, master):
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
     if args.show_data:
+        need(not problems, "\n".join(problems))
         return None, None, None, None, None
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
-    cfg = read_drafter_config(init_from) if init_from else \
-        new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
-    check_compatible(cfg, meta)
+    try:
+        cfg = read_drafter_config(init_from) if init_from else \
+            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+        check_compatible(cfg, meta)
+    except DFlashError as e:
+        problems += str(e).splitlines()
+    need(not problems, "\n".join(problems))
     if args.plan or device.type == "cuda":
         memory_plan(args, cfg, meta, world, device)
     if device.type == "cpu" and master:

@@ -49,8 +49,8 @@ def test_default_drafter_geometry_follows_the_target(tmp_path, qwen3_8b):
 
 def test_every_config_problem_at_once_with_the_value_to_use(tmp_path, capsys, monkeypatch):
     """A 4-layer target whose tokenizer has 18 tokens, no mask token, 96 embedding rows; 5 drafter layers (the default
-    spread repeats a layer) and 3 kv heads for 4 heads: three error lines, each with a value that works, before any
-    weights or data load (the data file does not exist; the target loads on the meta device only)."""
+    spread repeats a layer) and 3 kv heads for 4 heads, and a data file that does not exist: four error lines, each
+    with what to do, before any weights or data load (the target loads on the meta device only)."""
     target = tiny_qwen3(tmp_path / "t")
     tiny_tokenizer().save_pretrained(target)
     devices = []
@@ -62,8 +62,9 @@ def test_every_config_problem_at_once_with_the_value_to_use(tmp_path, capsys, mo
                      "--num_kv_heads", "3", "--device", "cpu"])
     assert e.value.code == 2 and devices == ["meta"]
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 3, lines
-    mask, ids, kv = lines
+    assert len(lines) == 4, lines
+    data, mask, ids, kv = lines
+    assert "missing.jsonl" in data and "does not exist" in data and "--data" in data
     assert "no mask token" in mask and "embedding rows 18..95" in mask and "--mask_token_id 18" in mask
     assert "248070 for Qwen3.5/3.6" in mask and "151669 for Qwen3" in mask
     assert "repeat a layer" in ids and "--target_layer_ids 1,2" in ids
