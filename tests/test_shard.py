@@ -2,6 +2,8 @@
 features, labels, walk, losses, metrics and weights, also resumed, with an eval set and walk prompts that do not
 split evenly over the ranks and greedy continuations that end (eos) at different lengths: nothing hangs.
 
+And plain DDP: 2 ranks equal one process with the same global batch (rows per rank, or gradient accumulation).
+
 One torchrun launch runs every case in sequence (a Python and torch start-up costs more than a tiny run)."""
 import json
 import os
@@ -123,6 +125,9 @@ def runs(tmp_path_factory):
         for name, extra in (("plain", []), ("shard", ["--shard_target"]), ("resumed", ["--shard_target", "--resume"])):
             cases.append({"kind": "resume" if name == "resumed" else "train", "out": str(d / f"{k}_{name}"),
                           "argv": argv + ["--out", str(d / f"{k}_{name}"), *extra], "from": str(d / f"{k}_shard")})
+    cases.append({"kind": "train", "out": str(d / "dense_rows"),  # 2 rows per rank, no accumulation
+                  "argv": ["--target", targets["dense"], *common, "--batch_size", "2", "--grad_accum", "1", "--out",
+                           str(d / "dense_rows")]})
     cases.append({"kind": "train", "out": str(d / "no_decoder"),
                   "argv": ["--target", gpt2(d / "gpt2"), "--shard_target", *common, "--out", str(d / "no_decoder")]})
     (d / "worker.py").write_text(WORKER)
@@ -130,7 +135,7 @@ def runs(tmp_path_factory):
            str(29500 + random.randrange(1000)), str(d / "worker.py"), ROOT, json.dumps(cases)]
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    return d, eos
+    return d, eos, common
 
 
 def gpt2(path):
@@ -146,7 +151,7 @@ def test_sharded_target_gives_the_same_features_labels_and_walk(runs, kind):
     """On each rank: the captured context features, the final hidden state f, the greedy labels and the walk's
     greedy continuations (synced_gpus: one rank stops at eos before the other) equal the whole target's, bitwise.
     The decoder weights are sharded (DTensor); the embedding and lm_head are whole (and still tied if they were)."""
-    d, eos = runs
+    d, eos, _ = runs
     for rank in (0, 1):
         with open(d / f"{kind}_features.{rank}.json") as f:
             r = json.load(f)
@@ -163,7 +168,7 @@ def test_sharded_training_equals_unsharded(runs, kind):
     """6 steps (grad_accum 2) with evals at steps 0, 3, 6 (5 held-out samples, 3 walk prompts: uneven over 2
     ranks; eos ends the walk at different lengths): metrics.jsonl (loss, tau estimate, walked tau) and the final
     weights equal the unsharded run's; resumed from step 3, the sharded run reaches the same weights and metrics."""
-    d, eos = runs
+    d, eos, _ = runs
     assert eos[kind][1][0] != eos[kind][1][1]  # the premise: generation stops at different steps on the two ranks
     plain, shard, resumed = (d / f"{kind}_{x}" for x in ("plain", "shard", "resumed"))
     for out in (plain, shard, resumed):
@@ -180,10 +185,31 @@ def test_sharded_training_equals_unsharded(runs, kind):
     assert records(resumed) == rs  # steps 4-6 and the final eval appended to the step-3 records
 
 
+def test_two_ranks_equal_one_process(runs, tmp_path):
+    """DDP over 2 gloo ranks, global batch 4: 1 row x grad_accum 2 per rank (no gradient all-reduce on the first
+    micro-step), or 2 rows per rank, equal one process with 2 rows x grad_accum 2: the same training losses,
+    held-out figures and final weights."""
+    d, _, common = runs
+    one = tmp_path / "one"
+    with torch_threads(1):
+        dflash.main(["--target", str(d / "q3"), *common, "--batch_size", "2", "--grad_accum", "2", "--out", str(one)])
+    mine = records(one)
+    assert len([r for r in mine if "loss" in r]) == 6 and mine[1]["loss"] != mine[-2]["loss"]  # it trained
+    for ddp in (d / "dense_plain", d / "dense_rows"):
+        theirs = records(ddp)
+        assert [sorted(r) for r in theirs] == [sorted(r) for r in mine]
+        for a, b in zip(theirs, mine):
+            for k in ("loss", "eval_loss", "tau", "eval_tau", "eval_walk_tau"):
+                if k in a:
+                    assert a[k] == pytest.approx(b[k], abs=1e-5), (ddp.name, a["step"], k)
+        w, wo = final_weights(ddp), final_weights(one)
+        assert max((w[k] - wo[k]).abs().max().item() for k in w) < 1e-5
+
+
 def test_shard_target_bad_input(runs, tmp_path, capsys):
     """A target whose decoder layers cannot be found: one error line on each rank, no hang. One process: a note,
     and the run goes on with the whole target."""
-    d, _ = runs
+    d, _, _ = runs
     for rank in (0, 1):
         code, *err = (d / f"no_decoder.{rank}.log").read_text().splitlines()
         assert code == "2" and len([x for x in err if x.strip()]) == 1, err

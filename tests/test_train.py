@@ -1,7 +1,7 @@
-"""The training loop: DDP equivalence, interrupt/resume, learning, config derivation, checkpoints."""
+"""The training loop: a kill during a save, learning, config derivation, checkpoints (DDP equivalence: test_shard;
+SIGTERM and --resume: test_standalone)."""
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -32,42 +32,11 @@ def final_weights(out):
         return load_file(os.path.join(out, f.read().strip(), "model.safetensors"))
 
 
-def run_cli(args, nproc=1, check=True, **kw):
-    """dflash.py's command line: one process runs in this one (1 thread, like the OMP_NUM_THREADS=1 subprocesses:
-    the same numbers, without another interpreter start-up); several ranks through torchrun."""
-    if nproc == 1:
-        with torch_threads(1):
-            dflash.main(args)
-        return None
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-           str(29500 + random.randrange(1000)), os.path.join(ROOT, "dflash.py")]
-    p = subprocess.run(cmd + args, env=env, capture_output=True, text=True, **kw)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
-
-
-def test_ddp_two_ranks_equals_one_process(workdir):
-    """torchrun --nproc_per_node=2 (gloo) with batch 2/rank, or batch 1/rank x grad_accum 2, == one process with
-    batch 2 x grad_accum 2: the same global batch gives the same losses and weights."""
-    d = workdir["dir"]
-    common = ["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "4", *SMALL]
-    run_cli(common + ["--out", str(d / "ddp"), "--batch_size", "2", "--grad_accum", "1"], nproc=2)
-    run_cli(common + ["--out", str(d / "one"), "--batch_size", "2", "--grad_accum", "2"])
-    la, lb = losses(d / "ddp"), losses(d / "one")
-    assert len(la) == len(lb) == 4
-    assert max(abs(a - b) for a, b in zip(la, lb)) < 1e-5, (la, lb)
-    wa, wb = final_weights(d / "ddp"), final_weights(d / "one")
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
-    assert la[0] != la[-1]  # it did train
-    # (--zero on 2 ranks, SIGTERM and --resume: test_standalone; a --zero checkpoint resumed without it:
-    # test_hostile's test_resume_onto_other_ranks_with_zero_then_sigterm)
-    # gradient accumulation under DDP (no_sync on the first micro-step) gives the same run again
-    run_cli(common + ["--out", str(d / "ddp_accum"), "--batch_size", "1", "--grad_accum", "2"], nproc=2)
-    lc, wc = losses(d / "ddp_accum"), final_weights(d / "ddp_accum")
-    assert max(abs(a - b) for a, b in zip(lc, lb)) < 1e-5, (lc, lb)
-    assert max((wc[k] - wb[k]).abs().max().item() for k in wc) < 1e-5
+def run_cli(args):
+    """dflash.py's command line in this process, on 1 thread (like the OMP_NUM_THREADS=1 subprocesses: the same
+    numbers, without another interpreter start-up). Two ranks: tests/test_shard.py, tests/test_standalone.py."""
+    with torch_threads(1):
+        dflash.main(args)
 
 
 def test_killed_during_save_keeps_latest_complete(workdir, tmp_path):
