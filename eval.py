@@ -80,10 +80,8 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     if not isinstance(rec, dict):
         raise DFlashError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     if "input_ids" in rec:
-        ids = rec["input_ids"]
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-            raise DFlashError(f"{where}: input_ids must be a non-empty list of integers")
-        return dflash.check_ids(ids, vocab_size, where)
+        dflash.need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
+        return dflash.check_ids(rec["input_ids"], vocab_size, where)
     if not any(k in rec for k in ("prompt", "messages", "text")):
         raise DFlashError(f"{where}: none of the known fields (prompt | messages | text | input_ids); "
                           f"got keys {sorted(rec)}")

@@ -246,6 +246,9 @@ def test_prompts_jsonl_formats_and_errors(tmp_path):
     bad.write_text(json.dumps({"input_ids": [1, "x"]}) + "\n")
     with pytest.raises(DFlashError, match=r"bad\.jsonl:1: input_ids"):
         ev.load_prompts(str(bad), tokenizer)
+    bad.write_text(json.dumps({"input_ids": []}) + "\n")
+    with pytest.raises(DFlashError, match=r"bad\.jsonl:1: input_ids is empty"):
+        ev.load_prompts(str(bad), tokenizer)
     bad.write_text(json.dumps({"question": "hi"}) + "\n")
     with pytest.raises(DFlashError, match=r"bad\.jsonl:1: none of the known fields"):
         ev.load_prompts(str(bad), tokenizer)

@@ -31,7 +31,7 @@ dist.init_process_group("gloo")
 dist.destroy_process_group = lambda *a, **k: None
 for case in json.loads(sys.argv[2]):
     kind, out, argv = case["kind"], case["out"], case.get("argv")
-    if kind == "resume" and rank == 0:  # a copy of the sharded run as it was after its step-3 checkpoint
+    if kind == "resume" and rank == 0:  # a copy of a run as it was after its step-3 checkpoint
         shutil.copytree(case["from"], out, ignore=shutil.ignore_patterns("step_6"))
         with open(os.path.join(out, "latest"), "w") as f:
             f.write("step_3")
@@ -124,7 +124,7 @@ def runs(tmp_path_factory):
         argv = ["--target", targets[k], *common]
         for name, extra in (("plain", []), ("shard", ["--shard_target"]), ("resumed", ["--shard_target", "--resume"])):
             cases.append({"kind": "resume" if name == "resumed" else "train", "out": str(d / f"{k}_{name}"),
-                          "argv": argv + ["--out", str(d / f"{k}_{name}"), *extra], "from": str(d / f"{k}_shard")})
+                          "argv": argv + ["--out", str(d / f"{k}_{name}"), *extra], "from": str(d / f"{k}_plain")})
     cases.append({"kind": "train", "out": str(d / "dense_rows"),  # 2 rows per rank, no accumulation
                   "argv": ["--target", targets["dense"], *common, "--batch_size", "2", "--grad_accum", "1", "--out",
                            str(d / "dense_rows")]})
@@ -167,7 +167,8 @@ def test_sharded_target_gives_the_same_features_labels_and_walk(runs, kind):
 def test_sharded_training_equals_unsharded(runs, kind):
     """6 steps (grad_accum 2) with evals at steps 0, 3, 6 (5 held-out samples, 3 walk prompts: uneven over 2
     ranks; eos ends the walk at different lengths): metrics.jsonl (loss, tau estimate, walked tau) and the final
-    weights equal the unsharded run's; resumed from step 3, the sharded run reaches the same weights and metrics."""
+    weights equal the unsharded run's; the unsharded run's step-3 checkpoint resumed with --shard_target (the flag
+    toggled on resume) reaches the same weights and metrics."""
     d, eos, _ = runs
     assert eos[kind][1][0] != eos[kind][1][1]  # the premise: generation stops at different steps on the two ranks
     plain, shard, resumed = (d / f"{kind}_{x}" for x in ("plain", "shard", "resumed"))
