@@ -409,10 +409,17 @@ def context_spans(ctx_visible):
 
 
 # flex_attention runs fused only when compiled (eager flex materialises the full score matrix), and it compiles
-# one kernel per shape. So both are compiled once, here, outside any traced region, and every flex input is padded
-# to padded_length(): training pads to padded_length(max_len) (one shape per run), eval.py to a power of two.
-compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-compiled_create_block_mask = torch.compile(create_block_mask)
+# one kernel per shape. So both are compiled once, outside any traced region: when a flex drafter is built (not at
+# import: loading the compiler costs every start ~4 s, also the CPU runs that never use flex), and every flex input
+# is padded to padded_length(): training pads to padded_length(max_len) (one shape per run), eval.py to a power of 2.
+compiled_flex_attention = compiled_create_block_mask = None
+
+def compile_flex():
+    global compiled_flex_attention, compiled_create_block_mask
+    if compiled_flex_attention is None:
+        compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    if compiled_create_block_mask is None:
+        compiled_create_block_mask = torch.compile(create_block_mask)
 
 def padded_length(S):
     """The one padding rule for flex shapes: the next power of two, at least 128 (flex's tile size)."""
@@ -426,6 +433,7 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
         mod = make_mask_mod(anchors, anchor_valid, S, B, *kind)
         if attention == "flex":
+            compile_flex()  # (a no-op once a flex drafter was built; here for one switched to flex later)
             make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
             masks[kind] = make(mod, b, None, N * B, S + N * B, device=anchors.device)
         else:
@@ -587,6 +595,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg, attention="dense"):
         super().__init__()
         self.cfg, self.attention, self.grad_checkpoint = cfg, attention, False
+        if attention == "flex":
+            compile_flex()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))

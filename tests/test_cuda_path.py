@@ -58,8 +58,8 @@ def test_evaluation_compiles_flex_once(setup):
 
 def test_compiled_flex_survives_a_compiled_model_and_is_what_evaluation_runs(setup, monkeypatch):
     """The compiled model traces flex inside its own graph; afterwards the module still holds the one compiled flex
-    (created at import, not a lazily assigned raw flex_attention), and held-out evaluation calls it, once per layer
-    of its one batch (a watcher around it counts; with the evaluation skipped it counts none)."""
+    (made when the flex drafter was built, not a raw flex_attention assigned later), and held-out evaluation calls
+    it, once per layer of its one batch (a watcher around it counts; with the evaluation skipped it counts none)."""
     compiled_before = dflash.compiled_flex_attention
     d, cfg = setup["drafter"], setup["cfg"]
     ctx = torch.randn(2, 128, len(cfg.target_layer_ids) * cfg.hidden_size)
