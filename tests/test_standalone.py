@@ -108,6 +108,15 @@ def test_optional_extras_say_what_is_missing(alone):
         assert needle in err[0] and "dflash_tools" in err[0], err[0]
 
 
+def test_import_leaves_the_compiler_alone(alone):
+    """Importing dflash.py loads neither torch's compiler nor inductor (seconds at every start, and in every torchrun
+    worker): flex is compiled when a flex drafter is built, which a CPU run never does."""
+    probe = "import sys, dflash; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    p = subprocess.run([sys.executable, "-c", probe], cwd=os.path.dirname(alone["script"]), env=env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr[-2000:])
+
+
 def test_demo_path_at_reduced_size(tmp_path, monkeypatch, capsys):
     """`python dflash.py` as main() runs it: build the tiny target, regenerate its data, train, measure tau and
     write the report, at a size of seconds (few pretraining steps, samples, prompts and tokens)."""
