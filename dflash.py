@@ -1965,17 +1965,17 @@ def check_run(args, world, device, master):
 
 def check_resume(out, resume_dir, state, cfg, global_batch, master):
     """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
-    Then rank 0 cuts metrics.jsonl back to the checkpoint's step (all of it on a fresh start): what is logged again."""
+    Then (a refused resume changes nothing) rank 0 cuts metrics.jsonl back to the checkpoint's step (all of it on a
+    fresh start): what is logged again."""
+    if state:
+        saved = read_drafter_config(resume_dir)
+        for k, v in asdict(cfg).items():
+            need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
+                 f"this run has {v}; use the original target and flags, or a new --out")
+        need(state["global_batch"] == global_batch, f"cannot resume {resume_dir}: global batch was "
+             f"{state['global_batch']}, now {global_batch}; keep batch_size x grad_accum x ranks the same")
     if master:
         keep_metrics(out, state["step"] if state else -1)
-    if not state:
-        return
-    saved = read_drafter_config(resume_dir)
-    for k, v in asdict(cfg).items():
-        need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
-             f"this run has {v}; use the original target and flags, or a new --out")
-    need(state["global_batch"] == global_batch, f"cannot resume {resume_dir}: global batch was "
-         f"{state['global_batch']}, now {global_batch}; keep batch_size x grad_accum x ranks the same")
 
 def read_data(args, target, log):
     """(train samples, held-out samples): --eval_data's, or split off --data (split_eval). With --show_data the

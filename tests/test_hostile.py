@@ -563,7 +563,9 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
         dflash.file_digest(data)
     with open(data, "a") as f:
         f.write(json.dumps({"input_ids": [1, 2, 3, 4, 5]}) + "\n")
-    before = listing(out)
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # logged after the last checkpoint (then killed)
+        f.write(json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    before = listing(out)  # a refused resume leaves all of it, the log too
     resume = replace(replace(w["base"], "--data", data), "--target", str(tmp_path / "no_target")) + \
         ["--out", out, "--resume"]
     one_error(capsys, dflash.main, resume, "cannot resume", "step_2", data, "changed", "--allow_data_change")
