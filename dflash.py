@@ -1741,7 +1741,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     total = all_reduce_sum(total, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    ok = bool(torch.isfinite(total["ce_w"] / total["w"].clamp(min=1e-9)) and torch.isfinite(grad_norm))
+    ok = math.isfinite(summarize(total)["loss"]) and math.isfinite(grad_norm.item())
     for g in optimizer.param_groups:
         g["lr"] = lr
     if ok:
@@ -1810,6 +1810,10 @@ def pick_device(flag, local_rank=0):
         torch.cuda.set_device(device)
     return device
 
+def restart_count():
+    """How often torchrun (--max_restarts) has restarted this worker group: 0 for a first start or without torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
 def setup_distributed(device_flag):
     """The same script under `python` (one process) and `torchrun` (DDP: gloo on CPU, nccl on CUDA)."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -1819,7 +1823,7 @@ def setup_distributed(device_flag):
         # torchrun keeps one store across the restarts of --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
         # with the c10d rendezvous): the dead workers' addresses in it make a restart's init fail or hang. On one
         # node every worker has the same restart count, so a restart gets keys of its own
-        shared, restart = env("TORCHELASTIC_USE_AGENT_STORE") == "True", int(env("TORCHELASTIC_RESTART_COUNT") or 0)
+        shared, restart = env("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count()
         if shared and restart and env("GROUP_WORLD_SIZE") == "1":
             store = dist.TCPStore(env("MASTER_ADDR"), int(env("MASTER_PORT")), world, is_master=False)
             dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
@@ -1885,7 +1889,7 @@ def run_in(out):
 def resume_mode(args):
     """--resume must | auto | None; a worker that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) resumes
     automatically: the restarted command continues from <out>/latest instead of starting over."""
-    if args.resume is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+    if args.resume is None and restart_count() > 0:
         return "auto"
     return args.resume
 
