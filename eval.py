@@ -30,6 +30,7 @@ prompt's mean acceptance length (what z-lab's benchmark prints as "Average Accep
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -148,6 +149,81 @@ def acceptance_stats(lengths, block_size):
     per_offset = [sum(n > k for n in lengths) / steps if steps else 0.0 for k in range(1, block_size)]
     return {"tau": sum(lengths) / steps if steps else None, "steps": steps, "histogram": histogram,
             "per_offset_acceptance": per_offset}
+
+
+# -----------------------------------------------------------------------------
+# How a tau was measured: two tau are comparable only when all of these agree
+
+
+def short_hash(text):
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def generation_prompt(tokenizer, kw):
+    """What the chat template appends after a user turn to start the assistant's (add_generation_prompt=True),
+    under the template keyword arguments kw; None without a template or where it cannot render a probe turn."""
+    turn = [{"role": "user", "content": "hi"}]
+    try:
+        base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
+                      for g in (False, True))
+    except Exception:  # a template that refuses the probe turn: its text alone is hashed
+        return None
+    return full[len(base):] if full.startswith(base) else full
+
+
+def thinking_mode(tokenizer, enable_thinking):
+    """on | off (what the template renders: its default resolved by comparing generation prompts) | "n/a" for a
+    template without enable_thinking (or none)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if "enable_thinking" not in template:
+        return "n/a"
+    if enable_thinking is not None:
+        return "on" if enable_thinking else "off"
+    default = generation_prompt(tokenizer, {})
+    for value in (True, False):
+        if default == generation_prompt(tokenizer, {"enable_thinking": value}):
+            return "on" if value else "off"
+    return "template default"
+
+
+def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
+    """The settings a tau depends on besides the drafter (eval.py's reports and training's eval_walk_tau records
+    carry them): thinking on/off, max_new_tokens, the serving mode (greedy, or the target's sampling), a short
+    hash of the chat template with the generation prompt it renders ("none" without a template), and with prompts
+    (token-id lists) a short hash of them."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if template:
+        kw = dflash.template_kwargs(tokenizer, enable_thinking)
+        template = short_hash(template + "\n--- generation prompt ---\n" + str(generation_prompt(tokenizer, kw)))
+    s = sampling if sampling is not None and sampling.temperature > 0 else None
+    m = {"thinking": thinking_mode(tokenizer, enable_thinking), "max_new_tokens": max_new_tokens,
+         "serving": f"sampled T={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k}" if s else "greedy",
+         "template": template or "none"}
+    if prompts is not None:
+        m["prompts"] = short_hash(json.dumps([list(map(int, p)) for p in prompts]))
+    return m
+
+
+def measured_line(m):
+    """The settings as the table's one line."""
+    return "measured: " + ", ".join(f"{k} {v}" for k, v in m.items())
+
+
+def check_same_measurement(reports):
+    """{name: report} -> the shared settings; refuses (one error line per difference) tau measured differently."""
+    (first, m0), *rest = ((n, r.get("measured")) for n, r in reports.items())
+    problems = []
+    for name, m in rest:
+        if m is None or m0 is None:
+            problems.append(f"{first if m0 is None else name} has no measurement settings (made by an older eval.py); "
+                            f"measure both again")
+            continue
+        for k in sorted(set(m0) | set(m)):
+            if m0.get(k) != m.get(k):
+                problems.append(f"{name} was measured with {k} {m.get(k)}, {first} with {m0.get(k)}: their tau are not "
+                                f"comparable; measure them under the same settings (one eval.py call)")
+    dflash.need(not problems, "\n".join(problems))
+    return m0
 
 
 # -----------------------------------------------------------------------------
@@ -417,7 +493,7 @@ def check_modes(mode, sampled, tree_budgets, given_continuations):
 
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
-                      progress=True, continuations=None, sampling=None, tree_budgets=()):
+                      progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None):
     """tau of each drafter on the same prompts and the same target continuations.
 
     drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
@@ -425,7 +501,9 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     continuations: the target's greedy continuations if already known (else generated here, once per prompt, shared
     by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
     walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
-    walk tree verification with each number of draft nodes (greedy, neural drafters). Returns the JSON-shaped report."""
+    walk tree verification with each number of draft nodes (greedy, neural drafters). enable_thinking: what the prompts
+    were rendered with (recorded in the report's "measured" settings, see measurement). Returns the JSON-shaped
+    report."""
     from tqdm import tqdm
     if not drafters:
         raise DFlashError("no drafters to evaluate")
@@ -467,8 +545,9 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                                  samples if sampled else None) for name, (_, B) in drafters.items()]
     return {"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
             "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets), "timing": timing,
-            "results": results}
+            **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
+            "measured": measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling, prompts),
+            "timing": timing, "results": results}
 
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
@@ -589,19 +668,22 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     for name, samples in bench.items():
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
         r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
-                              continuations=continuations, tree_budgets=tree_budgets)
+                              continuations=continuations, tree_budgets=tree_budgets,
+                              enable_thinking=bool(enable_thinking))
         reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
     average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
                    for k in ("tau", "tau_per_prompt")} for d in names}
-    return {"benchmarks": reports, "average": average}
+    measured = measurement(target.tokenizer, bool(enable_thinking), max_new_tokens)
+    return {"measured": {**measured, "benchmarks": ",".join(bench)}, "benchmarks": reports, "average": average}
 
 
 def print_bench(result, file=None):
     """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
     file = file or sys.stdout
     reports = result["benchmarks"]
+    print(measured_line(result["measured"]), file=file)
     for name, rep in reports.items():
         print(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns", file=file)
         print_report(rep, file)
@@ -631,6 +713,8 @@ def print_report(report, file=None):
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
         f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
         + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
+    if report.get("measured"):
+        out(measured_line(report["measured"]))
     w = max(16, *(len(r["drafter"]) for r in results))
     loop = report["mode"] == "loop"
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
@@ -691,6 +775,29 @@ def check_output_file(path, flag):
     if os.path.isdir(path) or path.endswith(os.sep):
         raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
+
+
+def compare_reports(paths):
+    """--compare: saved --json reports -> one report holding all their drafters (named FILE:drafter when two share
+    a name), refused unless every report was measured on the same target under the same settings."""
+    reports = {}
+    for path in paths:
+        r = dflash.read_json(path, "eval.py report")
+        dflash.need(isinstance(r, dict) and isinstance(r.get("results"), list),
+                    f"{path}: not an eval.py --json report of drafters (a --bench report: measure the drafters in "
+                    f"one --bench run)")
+        reports[path] = r
+    measured = check_same_measurement(reports)
+    for key in ("target", "mode", "tree_budgets"):  # the table's columns, or what was measured, would differ
+        seen = {json.dumps(r.get(key)) for r in reports.values()}
+        dflash.need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); table "
+                    f"reports of one target, mode and --tree_budget")
+    names = [res["drafter"] for r in reports.values() for res in r["results"]]
+    results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
+               for path, r in reports.items() for res in r["results"]]
+    timing = {k: sum(r["timing"][k] for r in reports.values()) for k in ("generate_s", "features_s")}
+    return {**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
+            "compared": list(paths)}
 
 
 def write_json(report, path):
@@ -755,7 +862,8 @@ def get_parser():
     p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
                                           "their target.")
     a = p.add_argument
-    a("--target", required=True, help="target model: a local directory or a hub id (loaded as dflash.py does)")
+    a("--target", help="target model: a local directory or a hub id (loaded as dflash.py does); required unless "
+      "--compare")
     a("--drafter", action="append", default=[],
       help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id (owner/name, "
            "downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison")
@@ -789,6 +897,12 @@ def get_parser():
       help="passed to the chat template when it reads enable_thinking (default: the template's own default)")
     a("--json", default=None, help="write the full report (continuations, acceptance lengths per prompt) here")
     a("--dump_drafts", action="store_true", help="also write every verification step's drafted tokens to --json")
+    a("--plot", default=None, metavar="FILE.png", help="draw each drafter's acceptance-length histogram (share of "
+      "verification steps at each length 0..B, as z-lab's benchmark prints it) side by side (needs matplotlib)")
+    a("--compare", action="append", default=[], metavar="REPORT.json",
+      help="no measuring: print the drafters of saved --json reports in one table (repeat it); refused unless all "
+           "were measured on the same target with the same thinking mode, max_new_tokens, serving mode, chat "
+           "template and prompts")
     a("--attention", choices=["auto", "flex", "dense"], default="auto",
       help="drafter attention path for the exact method (auto: flex on CUDA, dense elsewhere)")
     a("--dtype", choices=list(dflash.DTYPES), default="auto",
@@ -801,6 +915,16 @@ def get_parser():
 
 
 def run(args):
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+        dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads
+    if args.compare:
+        given = next((f"--{k}" for k in ("target", "drafter", "prompts", "bench") if getattr(args, k)), None)
+        dflash.need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
+        report = compare_reports(args.compare)
+        print_report(report)
+        return finish(report, args)
+    dflash.need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
     device = dflash.pick_device(args.device)
     sampling = sampling_args(args)
     if args.tree_budget and PROMPT_LOOKUP in args.drafter:
@@ -834,10 +958,17 @@ def run(args):
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
                                    args.dump_drafts, progress=not args.no_progress, sampling=sampling,
-                                   tree_budgets=args.tree_budget)
+                                   tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking)
         print_report(report)
+    return finish(report, args)
+
+
+def finish(report, args):
+    """The report to --json and its histograms to --plot, as asked."""
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
+    if args.plot:
+        print(f"wrote {dflash.import_tool('plot', '--plot').plot_histograms(report, args.plot)}")
     return report
 
 
