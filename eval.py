@@ -20,13 +20,18 @@ speculative decoding loop instead (KV-cache targets only) and checks it reproduc
     # a real speculative decoding loop (dense targets: Qwen3, Llama): tokens/s against plain greedy decoding
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000 --mode loop
 
+    # saved reports in one table (refused unless measured alike), and the acceptance-length histograms drawn
+    python eval.py --compare a.json --compare b.json --plot hist.png
+
 As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
 PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json`
 saves.
 
 Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is
 pooled (all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each
-prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length").
+prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length"). Every report
+also says how its tau was measured ("measured": thinking mode, max_new_tokens, serving mode, a hash of the chat
+template with its generation prompt, a hash of the prompts): tau measured differently are never put in one table.
 """
 
 import argparse

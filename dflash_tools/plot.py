@@ -78,13 +78,13 @@ def draw_run(records, title=""):
     """The figure of a run's records: loss, tau, accuracy by block offset, lr (axes in that order)."""
     plt = pyplot()
     fig, ((ax_loss, ax_tau), (ax_acc, ax_lr)) = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, curves, title in ((ax_loss, LOSS_CURVES, "loss (weighted CE)"),
-                              (ax_tau, TAU_CURVES, "tau: tokens per verification step")):
+    for ax, curves, name in ((ax_loss, LOSS_CURVES, "loss (weighted CE)"),
+                             (ax_tau, TAU_CURVES, "tau: tokens per verification step")):
         for key, label in curves:
             steps, values = curve(records, key)
             if steps:
                 ax.plot(steps, values, "-" if key in ("loss", "tau") else "o-", label=label, ms=3)
-        ax.set(title=title, xlabel="step")
+        ax.set(title=name, xlabel="step")
         if ax.lines:
             ax.legend(fontsize=8)
     offsets = last_offsets(records)
