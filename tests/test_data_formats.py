@@ -53,7 +53,7 @@ def save_to_disk(path, records, split=None):
 
 
 def load(path, tok):
-    return dflash.load_samples(path, tok, 4096, log=lambda *a: None, eos_ids=EOS, vocab_size=64)
+    return dflash.load_samples(path, tok, 4096, say=lambda *a: None, eos_ids=EOS, vocab_size=64)
 
 
 def test_every_format_gives_the_same_ids_and_masks(tmp_path):

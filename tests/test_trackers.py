@@ -80,12 +80,12 @@ def wandb_runs(out):
             if kind == "run":
                 run_id = r.run.run_id
                 config.update({u.key: json.loads(u.value_json) for u in r.run.config.update})
-            elif kind == "history":
-                row = {i.key: json.loads(i.value_json) for i in r.history.item}
+            elif kind == "history":  # one row per step: its values under their names (_step, _runtime: W&B's)
+                row = {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                 for k, v in row.items():
                     if not k.startswith("_"):
-                        assert row["_step"] not in curves.setdefault(k, {})
-                        curves[k][row["_step"]] = v
+                        assert r.history.step.num not in curves.setdefault(k, {})
+                        curves[k][r.history.step.num] = v
         runs.append((run_id, config, curves))
     return runs
 
