@@ -35,7 +35,6 @@ template with its generation prompt, a hash of the prompts): tau measured differ
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -83,6 +82,7 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     through the chat template (raw text when the tokenizer has none); {"messages": [...]} goes through the chat
     template, trailing assistant turns dropped (the target writes its own); {"text": str} is raw text;
     {"input_ids": [...]} is used as is. Every id is checked against vocab_size when given (the target's vocabulary)."""
+    rec = dflash.chat_record(rec, where)  # ShareGPT's conversations: messages
     kind = dflash.record_kind(rec, where, tokenizer, ("input_ids", "messages", "prompt", "text"))
     if kind == "input_ids":
         dflash.need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
@@ -103,8 +103,8 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
 
 
 def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
-    """A JSONL file (or None: the built-in coding prompts) -> list of prompt token-id lists, each id checked
-    against vocab_size when given."""
+    """A data file in any format dflash.py reads (read_records; or None: the built-in coding prompts) -> list of
+    prompt token-id lists, each id checked against vocab_size when given."""
     kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
         if tokenizer is None:
@@ -113,7 +113,7 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
         return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw, vocab_size)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
     prompts = [encode_prompt(rec, tokenizer, where, kw, vocab_size)
-               for where, rec in dflash.read_jsonl(path, "prompts")]
+               for where, rec in dflash.read_records(path, "prompts")]
     if not prompts:
         raise DFlashError(f"{path}: no prompts")
     return prompts
@@ -137,56 +137,7 @@ def acceptance_stats(lengths, block_size):
 
 
 # -----------------------------------------------------------------------------
-# How a tau was measured: two tau are comparable only when all of these agree
-
-
-def short_hash(text):
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-
-
-def generation_prompt(tokenizer, kw):
-    """What the chat template appends after a user turn to start the assistant's (add_generation_prompt=True),
-    under the template keyword arguments kw; None without a template or where it cannot render a probe turn."""
-    turn = [{"role": "user", "content": "hi"}]
-    try:
-        base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
-                      for g in (False, True))
-    except Exception:  # a template that refuses the probe turn: its text alone is hashed
-        return None
-    return full[len(base):] if full.startswith(base) else full
-
-
-def thinking_mode(tokenizer, enable_thinking):
-    """on | off (what the template renders: its default resolved by comparing generation prompts) | "n/a" for a
-    template without enable_thinking (or none)."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if "enable_thinking" not in template:
-        return "n/a"
-    if enable_thinking is not None:
-        return "on" if enable_thinking else "off"
-    default = generation_prompt(tokenizer, {})
-    for value in (True, False):
-        if default == generation_prompt(tokenizer, {"enable_thinking": value}):
-            return "on" if value else "off"
-    return "template default"
-
-
-def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """The settings a tau depends on besides the drafter (eval.py's reports and training's eval_walk_tau records
-    carry them): thinking on/off, max_new_tokens, the serving mode (greedy, or the target's sampling), a short
-    hash of the chat template with the generation prompt it renders ("none" without a template), and with prompts
-    (token-id lists) a short hash of them."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if template:
-        kw = dflash.template_kwargs(tokenizer, enable_thinking)
-        template = short_hash(template + "\n--- generation prompt ---\n" + str(generation_prompt(tokenizer, kw)))
-    s = sampling if sampling is not None and sampling.temperature > 0 else None
-    m = {"thinking": thinking_mode(tokenizer, enable_thinking), "max_new_tokens": max_new_tokens,
-         "serving": f"sampled T={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k}" if s else "greedy",
-         "template": template or "none"}
-    if prompts is not None:
-        m["prompts"] = short_hash(json.dumps([list(map(int, p)) for p in prompts]))
-    return m
+# How a tau was measured (dflash.measurement): two tau are comparable only when all of its settings agree
 
 
 def measured_line(m):
@@ -487,7 +438,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
     walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
     walk tree verification with each number of draft nodes (greedy, neural drafters). enable_thinking: what the prompts
-    were rendered with (recorded in the report's "measured" settings, see measurement). Returns the JSON-shaped
+    were rendered with (recorded in the report's "measured" settings, see dflash.measurement). Returns the JSON-shaped
     report."""
     from tqdm import tqdm
     if not drafters:
@@ -531,7 +482,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     return {"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
             "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
             **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
-            "measured": measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling, prompts),
+            "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling, prompts),
             "timing": timing, "results": results}
 
 
@@ -660,7 +611,7 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
     average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
                    for k in ("tau", "tau_per_prompt")} for d in names}
-    measured = measurement(target.tokenizer, bool(enable_thinking), max_new_tokens)
+    measured = dflash.measurement(target.tokenizer, bool(enable_thinking), max_new_tokens)
     return {"measured": {**measured, "benchmarks": ",".join(bench)}, "benchmarks": reports, "average": average}
 
 
@@ -853,8 +804,8 @@ def get_parser():
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
     flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
          action="store_true")
-    flag(p, "--prompts", None, "JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in "
-         "coding prompts)")
+    flag(p, "--prompts", None, "{prompt} | {messages} | {conversations} (ShareGPT) | {text} | {input_ids} records "
+         "in JSONL, a JSON array, Parquet or a datasets.save_to_disk directory (default: 8 built-in coding prompts)")
     flag(p, "--limit", 0, "use only the first N prompts (0: all)", int)
     flag(p, "--max_new_tokens", None, "greedy continuation length per prompt (stops early at eos); default 256, or "
          "2048 with --bench (z-lab's)", int, lo=1)

@@ -124,3 +124,21 @@ def test_missing_package_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)
     assert errors(p) == f"data file {p!r} is Parquet: reading it needs the pyarrow package: pip install pyarrow"
     assert errors(d).endswith("needs the datasets package: pip install datasets")
+
+
+def test_eval_prompts_and_regenerate_read_the_same_formats(tmp_path):
+    import eval as ev
+    from dflash_tools import regenerate
+    tok = tiny_tokenizer()
+    jsonl = write_jsonl(tmp_path / "m.jsonl", [as_messages(c) for c in CONVERSATIONS])
+    others = [write_jsonl(tmp_path / "s.jsonl", [as_sharegpt(c) for c in CONVERSATIONS]),
+              write_parquet(tmp_path / "s.parquet", [as_sharegpt(c) for c in CONVERSATIONS]),
+              save_to_disk(tmp_path / "ds", [as_sharegpt(c) for c in CONVERSATIONS])]
+    prompts = ev.load_prompts(jsonl, tok)
+    assert tok.decode(prompts[1]) == "<|user|> hello <|end|> <|assistant|>"  # up to the last assistant turn
+    turns = regenerate.read_input(jsonl)
+    assert [n for n, _ in turns] == [1, 2, 3] and turns[1][1][-1] == {"role": "assistant", "content": "sure thing ok"}
+    for path in others:
+        assert ev.load_prompts(path, tok) == prompts, path
+        assert [t for _, t in regenerate.read_input(path)] == [t for _, t in turns], path
+    assert [n for n, _ in regenerate.read_input(others[1])] == [0, 1, 2]  # a table's rows

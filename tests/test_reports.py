@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import dflash
 import eval as ev
 from conftest import tiny_qwen3, tiny_tokenizer
 from dflash import DFlashError
@@ -34,21 +35,21 @@ def target(tmp_path_factory):
 
 def test_measurement_settings():
     tok, plain, none = tiny_tokenizer(THINKING), tiny_tokenizer(), tiny_tokenizer(False)
-    m = ev.measurement(tok, None, 64)
+    m = dflash.measurement(tok, None, 64)
     assert m["thinking"] == "on"  # the template's default, resolved: it renders as enable_thinking=True
-    assert m == ev.measurement(tok, True, 64) != ev.measurement(tok, False, 64)
-    off = ev.measurement(tok, False, 64)
+    assert m == dflash.measurement(tok, True, 64) != dflash.measurement(tok, False, 64)
+    off = dflash.measurement(tok, False, 64)
     assert off["thinking"] == "off" and off["template"] != m["template"]  # the generation prompt differs
-    assert ev.generation_prompt(tok, {"enable_thinking": False}) == "<|assistant|> a b "
-    assert ev.measurement(plain, None, 64)["thinking"] == "n/a" and ev.measurement(none, None, 64)["template"] == "none"
-    assert ev.measurement(plain, None, 64)["template"] not in (m["template"], "none")  # another template
-    assert ev.measurement(tok, None, 64)["max_new_tokens"] == 64 and m["serving"] == "greedy"
+    assert dflash.generation_prompt(tok, {"enable_thinking": False}) == "<|assistant|> a b "
+    assert dflash.measurement(plain, None, 64)["thinking"] == "n/a" and dflash.measurement(none, None, 64)["template"] == "none"
+    assert dflash.measurement(plain, None, 64)["template"] not in (m["template"], "none")  # another template
+    assert dflash.measurement(tok, None, 64)["max_new_tokens"] == 64 and m["serving"] == "greedy"
     s = ev.Sampling(0.7, top_p=0.9, top_k=20, samples=3)
-    assert ev.measurement(tok, None, 64, s)["serving"] == "sampled T=0.7 top_p=0.9 top_k=20"
-    a, b = (ev.measurement(tok, None, 64, prompts=p)["prompts"] for p in ([[1, 2], [3]], [[1, 2], [4]]))
-    assert a != b and a == ev.measurement(tok, None, 64, prompts=[[1, 2], [3]])["prompts"]
+    assert dflash.measurement(tok, None, 64, s)["serving"] == "sampled T=0.7 top_p=0.9 top_k=20"
+    a, b = (dflash.measurement(tok, None, 64, prompts=p)["prompts"] for p in ([[1, 2], [3]], [[1, 2], [4]]))
+    assert a != b and a == dflash.measurement(tok, None, 64, prompts=[[1, 2], [3]])["prompts"]
     with pytest.raises(DFlashError, match="measured with max_new_tokens 32, a with 64"):
-        ev.check_same_measurement({"a": {"measured": m}, "b": {"measured": ev.measurement(tok, None, 32)}})
+        ev.check_same_measurement({"a": {"measured": m}, "b": {"measured": dflash.measurement(tok, None, 32)}})
     with pytest.raises(DFlashError, match="thinking off, a with on"):
         ev.check_same_measurement({"a": {"measured": m}, "b": {"measured": off}})
 
@@ -70,7 +71,7 @@ def test_eval_reports_settings_compare_and_plot(target, tmp_path, capsys):
     printed = capsys.readouterr().out
     report = json.loads(a.read_text())
     m = report["measured"]
-    assert m == ev.measurement(tiny_tokenizer(THINKING), False, 12, prompts=ev.load_prompts(
+    assert m == dflash.measurement(tiny_tokenizer(THINKING), False, 12, prompts=ev.load_prompts(
         str(tmp_path / "prompts.jsonl"), tiny_tokenizer(THINKING), False))
     assert m["thinking"] == "off" and m["max_new_tokens"] == 12 and m["serving"] == "greedy"
     assert ev.measured_line(m) in printed  # the table says it too
