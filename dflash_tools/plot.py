@@ -6,8 +6,8 @@ Pictures of a training run and of a tau measurement (matplotlib, optional: `pip 
 
 A run's picture is drawn from <out>/metrics.jsonl alone (what dflash.py logs at every --log_every step and every
 held-out evaluation): training and held-out loss; the tau estimate (training and held out) beside the walked tau
-(the exact walk eval.py does) and the tree's; the accuracy at each block offset at the last held-out evaluation
-(the last training step's when there was none); the learning rate. eval.py --plot FILE.png draws each drafter's
+(the exact walk eval.py does) and the tree's; acceptance by block offset at the last held-out evaluation (the
+walk's P(draft k accepted), beside the estimate's accuracy at each offset); the learning rate. eval.py --plot FILE.png draws each drafter's
 acceptance-length histogram side by side (plot_histograms).
 """
 import json
@@ -55,12 +55,15 @@ def curve(records, key):
 
 
 def last_offsets(records):
-    """(which, step, per-offset accuracies) at the last held-out evaluation, else at the last logged step; None if
-    neither logged any."""
-    for key, which in (("eval_acc", "held out"), ("acc", "training")):
-        steps, accs = curve(records, key)
+    """The last held-out evaluation's figures by block offset: (step, {label: values}) with the walk's acceptance
+    P(draft k accepted) (exact, as eval.py reports it) and the estimate's accuracy at each offset; the last training
+    step's accuracy when there was no held-out evaluation; None if nothing was logged."""
+    for keys in ((("eval_walk_acceptance", "acceptance (walk, exact)"), ("eval_acc", "accuracy at offset k (estimate)")),
+                 (("acc", "accuracy at offset k (training)"),)):
+        steps, _ = curve(records, keys[-1][0])
         if steps:
-            return which, steps[-1], accs[-1]
+            at = next(r for r in reversed(records) if r.get("step") == steps[-1] and r.get(keys[-1][0]) is not None)
+            return steps[-1], {label: at[k] for k, label in keys if at.get(k) is not None}
     return None
 
 
@@ -89,10 +92,15 @@ def draw_run(records, title=""):
             ax.legend(fontsize=8)
     offsets = last_offsets(records)
     if offsets:
-        which, step, acc = offsets
-        ax_acc.bar(range(1, len(acc) + 1), acc, color="tab:green")
-        ax_acc.set(title=f"accuracy by block offset ({which}, step {step})", xlabel="offset k", ylim=(0, 1),
-                   xticks=range(1, len(acc) + 1))
+        step, figures = offsets
+        for i, (label, values) in enumerate(figures.items()):
+            k = range(1, len(values) + 1)
+            if i == 0:
+                ax_acc.bar(k, values, color="tab:green", label=label)
+            else:
+                ax_acc.plot(k, values, "o", color="black", label=label)
+        ax_acc.set(title=f"by block offset k (step {step})", xlabel="offset k", ylim=(0, 1), xticks=k)
+        ax_acc.legend(fontsize=8)
     steps, lr = curve(records, "lr")
     ax_lr.plot(steps, lr, color="tab:purple")
     ax_lr.set(title="learning rate", xlabel="step")

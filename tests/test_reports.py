@@ -114,7 +114,7 @@ RECORDS = [  # the keys dflash.py logs: training steps, then held-out evaluation
     {"step": 1, "loss": 3.2, "tau": 1.05, "acc": [0.05, 0.0, 0.0], "lr": 1e-3, "tokens_per_s": 10.0, "peak_mb": 1.0},
     {"step": 2, "loss": 2.5, "tau": 1.4, "acc": [0.3, 0.1, 0.0], "lr": 2e-3, "tokens_per_s": 10.0, "peak_mb": 1.0},
     {"step": 2, "eval_loss": 2.4, "eval_tau": 1.5, "eval_acc": [0.4, 0.2, 0.1], "eval_walk_tau": 1.3,
-     "eval_walk_tree_tau": 1.6},
+     "eval_walk_tree_tau": 1.6, "eval_walk_acceptance": [0.3, 0.05, 0.0], "measured": {"thinking": "n/a"}},
     {"step": 3, "loss": 2.0, "tau": 1.7, "acc": [0.5, 0.3, 0.1], "lr": 1.5e-3, "tokens_per_s": 10.0, "peak_mb": 1.0},
     {"step": 3, "loss": 1.9, "tau": 1.8, "acc": [0.6, 0.3, 0.1], "lr": 1.5e-3, "tokens_per_s": 9.0, "peak_mb": 1.0},
 ]
@@ -131,9 +131,11 @@ def test_run_picture(tmp_path, capsys):
     assert lines["training loss"] == ([1, 2, 3], [3.2, 2.5, 1.9]) and lines["held-out loss"] == ([0, 2], [3.0, 2.4])
     assert lines["walked tau (held out, exact)"] == ([0, 2], [1.0, 1.3]) and lines["tree tau (held out)"] == ([2], [1.6])
     assert lines["training tau estimate"][1] == [1.05, 1.4, 1.8]
-    assert [p.get_height() for p in ax_acc.patches] == [0.4, 0.2, 0.1] and "step 2" in ax_acc.get_title()
+    assert [p.get_height() for p in ax_acc.patches] == [0.3, 0.05, 0.0] and "step 2" in ax_acc.get_title()
+    assert list(ax_acc.lines[0].get_ydata()) == [0.4, 0.2, 0.1]  # the estimate's accuracy beside the walk's
     assert list(ax_lr.lines[0].get_ydata()) == [1e-3, 2e-3, 1.5e-3]
     plot.pyplot().close(fig)
+    assert plot.last_offsets(RECORDS[1:3]) == (2, {"accuracy at offset k (training)": [0.3, 0.1, 0.0]})
 
     out = tmp_path / "run"
     out.mkdir()
