@@ -1717,8 +1717,11 @@ def data_package(path):
     standard library)."""
     if os.path.isdir(path):
         return "datasets", "datasets", "a datasets.save_to_disk directory"
-    with open(path, "rb") as f:
-        return ("pyarrow.parquet", "pyarrow", "Parquet") if f.read(4) == b"PAR1" else None
+    try:
+        with open(path, "rb") as f:
+            return ("pyarrow.parquet", "pyarrow", "Parquet") if f.read(4) == b"PAR1" else None
+    except OSError:  # unreadable: read_jsonl says so
+        return None
 
 def read_records(path, what, hint=""):
     """Yield (where, record) for each record of a data file, every problem one error naming the file and the line
@@ -1733,8 +1736,11 @@ def read_records(path, what, hint=""):
     if data_package(path):
         yield from read_parquet(path, what)
         return
-    with open(path, "rb") as f:
-        array = f.read(4096).lstrip()[:1] == b"["
+    try:
+        with open(path, "rb") as f:
+            array = f.read(4096).lstrip()[:1] == b"["
+    except OSError:  # unreadable: read_jsonl says so
+        array = False
     if not array:
         yield from read_jsonl(path, what, hint)
         return
@@ -2435,7 +2441,7 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
 # -----------------------------------------------------------------------------
 # Trackers (--report_to): every metrics.jsonl record also goes to TensorBoard and/or Weights & Biases, from rank 0
 
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report_to name -> the package it needs
+TRACKERS = ("tensorboard", "wandb")  # --report_to names, each the package it needs
 
 def tracker_list(s):
     """--report_to: a comma list of none | tensorboard | wandb (repeatable)."""
@@ -2455,8 +2461,7 @@ def check_trackers(names):
         try:
             importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else "wandb")
         except ImportError:
-            raise DFlashError(f"--report_to {name} needs the {TRACKERS[name]} package: pip install "
-                              f"{TRACKERS[name]}") from None
+            raise DFlashError(f"--report_to {name} needs the {name} package: pip install {name}") from None
 
 def scalars(record):
     """A metrics record -> {name: number}: lists become name/k per block offset k = 1.. (acc/1 is acc[0]), and what
