@@ -15,7 +15,7 @@ from conftest import SMALL, tiny_qwen3, torch_threads, write_data
 
 # a tiny run with held-out evaluations (the walked tau included) every 2 steps
 FLAGS = [*SMALL[:-6], "--eval_every", "2", "--save_every", "0", "--eval_fraction", "0.2", "--eval_walk_prompts", "4",
-         "--eval_walk_tokens", "8", "--batch_size", "4", "--grad_accum", "1"]
+         "--eval_walk_tokens", "8", "--eval_walk_tree_budget", "4", "--batch_size", "4", "--grad_accum", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,8 @@ def test_tensorboard_and_wandb_get_every_record_and_resume_continues(workdir, tm
     train(workdir, out, "--max_steps", "8", "--report_to", "tensorboard", "--report_to", "wandb", "--resume")
     want = metrics(out)
     assert set(want["loss"]) == set(range(1, 9)) and set(want["eval_walk_tau"]) == {0, 2, 4, 6, 8}
-    assert {"tau", "lr", "tokens_per_s", "peak_mb", "acc/1", "acc/3", "eval_loss", "eval_tau", "eval_acc/1"} <= set(want)
+    assert {"tau", "lr", "tokens_per_s", "peak_mb", "acc/1", "acc/3", "eval_loss", "eval_tau", "eval_acc/1",
+            "eval_walk_tree_tau", "eval_walk_acceptance/3"} <= set(want)
 
     tb = tensorboard_curves(out)
     assert set(tb) == set(want)
