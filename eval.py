@@ -657,11 +657,11 @@ def print_report(report, file=None):
         print_trees(results, report["tree_budgets"], w, out)
     out()
     out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
-    cw = 18
-    out(f"{'L':>3}  " + "  ".join(f"{r['drafter'][-cw:]:>{cw}}" for r in results))
+    cws = [max(18, len(r["drafter"])) for r in results]  # a column as wide as its drafter's whole name
+    out(f"{'L':>3}  " + "  ".join(f"{r['drafter']:>{cw}}" for r, cw in zip(results, cws)))
     for L in range(1, max(r["block_size"] for r in results) + 1):
         cells = []
-        for r in results:
+        for r, cw in zip(results, cws):
             if L > r["block_size"]:
                 cells.append(" " * cw)
                 continue
@@ -795,7 +795,7 @@ def get_parser():
       help="target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)")
     a("--device", default=None, help="device (default: cuda if available, else cpu)")
     a("--trust_remote_code", action="store_true", help="allow the target's custom code")
-    a("--no_progress", action="store_true", help="no progress bar")
+    a("--no_progress", action="store_true", help="no progress bar (there is none unless stderr is a terminal)")
     a("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
     return p
 
@@ -824,16 +824,17 @@ def run(args):
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
+    progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=not args.no_progress, tree_budgets=args.tree_budget)
+                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget)
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
         if args.limit:
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
-                                   args.dump_drafts, progress=not args.no_progress, sampling=sampling,
+                                   args.dump_drafts, progress=progress, sampling=sampling,
                                    tree_budgets=args.tree_budget)
         print_report(report)
     if args.json:
