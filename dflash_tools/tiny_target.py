@@ -306,8 +306,9 @@ def make_regenerated_data(target_path: str, out_jsonl: str, num_samples: int = 5
 # ----------------------------------------------------------------------------- demo
 
 if __name__ == "__main__":
-    import dflash  # its ArgumentParser: exact flags, the closest one suggested for a typo
-    ap = dflash.ArgumentParser(description="Build the tiny Qwen3.5 target and its drafter data.")
+    import argparse
+    ap = argparse.ArgumentParser(description="Build the tiny Qwen3.5 target and its drafter data.",
+                                 allow_abbrev=False)  # exact flags: a prefix is never taken for a flag
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
     ap.add_argument("--cache_dir", default=os.path.join(root, ".cache"))
     ap.add_argument("--train_steps", type=int, default=300, help="pretraining steps of 16 x 256 tokens")
