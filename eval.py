@@ -713,16 +713,19 @@ def write_json(report, path):
 # Command line
 
 
-def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
+def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", allow_other_target=False):
     """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
-    weights are read; the prompt-lookup baseline is included unless prompt_lookup is False."""
-    drafters = {}
+    weights are read (its shape, and the target it records it was trained against: another one is refused unless
+    allow_other_target); the prompt-lookup baseline is included unless prompt_lookup is False."""
+    drafters, record = {}, None
     for name in names:
         if name == PROMPT_LOOKUP:
             drafters[name] = PromptLookupDrafter()
             continue
         path = dflash.resolve_drafter(name)  # a local directory, or a hub id downloaded once
         dflash.check_compatible(dflash.read_drafter_config(path), target, where=f"drafter {name}")
+        record = record or dflash.target_record(target)
+        dflash.check_trained_against(path, record, f"drafter {name}", allow_other_target)
         drafters[name] = NeuralDrafter(dflash.load_drafter(path, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
@@ -759,6 +762,8 @@ def get_parser():
     a("--drafter", action="append", default=[],
       help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id (owner/name, "
            "downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison")
+    a("--allow_other_target", action="store_true", help="measure a drafter although it records another target than "
+      "--target as the one it was trained against (refused otherwise)")
     a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
     a("--prompts", default=None,
       help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
@@ -823,7 +828,8 @@ def run(args):
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
-    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
+    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention,
+                             args.allow_other_target)
     progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,

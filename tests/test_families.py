@@ -234,14 +234,16 @@ def test_checkpoint_records_its_target(two_targets):
     assert dflash.target_fingerprint(dflash.load_target(a, dtype=torch.bfloat16)) == rec["fingerprint"]
 
 
-def test_eval_refuses_a_drafter_of_another_target_unless_told(two_targets, capsys):
+def test_eval_refuses_a_drafter_of_another_target_unless_told(two_targets, tmp_path, capsys):
     a, b, ckpt = two_targets
-    argv = ["--target", b, "--drafter", ckpt, "--max_new_tokens", "4", "--limit", "1", "--no_progress"]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [5, 9, 14, 3]}) + "\n")
+    argv = ["--target", b, "--drafter", ckpt, "--prompts", str(prompts), "--max_new_tokens", "4", "--no_progress"]
     one_error(capsys, ev.main, argv, "trained against", a, "--allow_other_target")
     report = ev.main(argv + ["--allow_other_target"])
     assert report["results"][0]["drafter"] == ckpt
     assert "trained against" in capsys.readouterr().err  # still said, once, as a note
-    ev.main(["--target", a, "--drafter", ckpt, "--max_new_tokens", "4", "--limit", "1", "--no_progress"])
+    ev.main(["--target", a] + argv[2:])
     assert "trained against" not in capsys.readouterr().err
 
 
@@ -302,7 +304,7 @@ def test_flags_are_exact_with_the_closest_suggested(capsys, main, argv, typo, fl
 @pytest.mark.parametrize("tool,argv,typo,flag", [
     ("bench", [], "--jsn", "--json"),
     ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--endpont", "--endpoint"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d"], "--ou", "--out"),
+    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--modle", "--model"),
 ])
 def test_tool_parsers_are_exact_too(capsys, tool, argv, typo, flag):
     import importlib
@@ -322,7 +324,7 @@ def first_run_commands():
     text = open(os.path.join(ROOT, "README.md")).read()
     para = text[text.index("**A first run on your own model.**"):]
     para = para[:para.index("\n\n")]
-    return [" ".join(c.split()) for c in re.findall(r"`((?:python )?\S+\.py [^`]+)`", para)]
+    return [" ".join(c.split()) for c in re.findall(r"`((?:python\s)?\S+\.py\s[^`]+)`", para)]
 
 
 def test_readme_first_run_commands_run_as_printed(tmp_path, monkeypatch, capsys):
