@@ -2167,14 +2167,18 @@ def free_ids(samples, target, n=3):
     return list(itertools.islice(itertools.chain(spare, rest), n))
 
 def check_mask_unused(samples, mask_token_id, target, where):
-    """The mask token must be no token of the data: a block [tok[a], M, ..., M] whose anchor is M looks like one with
-    nothing given, and the target's own uses of M become drafts of the mask. Counted once the samples are encoded."""
+    """The mask token must be no token of the data: its embedding is the drafter's only sign that an offset is to be
+    drafted, and a data token of that id (an anchor, a label) would carry the same sign. Counted once the samples
+    are encoded; a refusal names ids the data never uses."""
     n = sum(ids.count(mask_token_id) for ids, _ in samples)
+    if n == 0:
+        return
     free = free_ids(samples, target)
-    need(n == 0, f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be one the data "
-         f"never uses; pass one of {', '.join(map(str, free))} (never in the data), e.g. --mask_token_id {free[0]}"
-         if free else f"--mask_token_id {mask_token_id} occurs {n} times in {where} and every id of the "
-         f"vocabulary occurs too; the drafter needs a mask id the data never uses")
+    raise DFlashError(f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be one the "
+                      f"data never uses; pass one of {', '.join(map(str, free))} (never in the data), e.g. "
+                      f"--mask_token_id {free[0]}" if free else f"--mask_token_id {mask_token_id} occurs {n} times "
+                      f"in {where}, and so does every other id of the vocabulary; the mask needs an id the data never "
+                      f"uses")
 
 def target_rope(tc):
     """(rope_theta, note) of the target's full-attention layers, whose geometry a new drafter takes: rope_parameters
