@@ -365,6 +365,14 @@ def test_redirected_training_log_has_no_progress_bar(tmp_path, data, capsys):
         ["step 1", "step 2", "step 3"]
 
 
+def test_plan_of_a_small_model_counts_its_parameters_in_thousands(fam, capsys):
+    path, _ = fam("llama_tied")
+    with pytest.raises(SystemExit):  # --plan prints and exits
+        dflash.main(["--target", path, "--plan", "--plan_gpu_gb", "80", *SMALL])
+    out = capsys.readouterr().out
+    assert re.search(r"drafter weights .* [0-9.]+K params", out) and "0.000B" not in out, out
+
+
 def test_plan_counts_parameters_in_a_unit_that_fits():
     from dflash_tools.plan import params_text
     assert params_text(1_730_000_000) == "1.73B" and params_text(8_190_000) == "8.19M"
