@@ -257,6 +257,13 @@ def test_init_from_a_drafter_of_another_target_is_refused_unless_told(two_target
     assert os.path.isdir(tmp_path / "o2" / "step_1")
 
 
+def test_resume_against_another_target_is_refused(two_targets, data, capsys):
+    _, b, ckpt = two_targets
+    one_error(capsys, dflash.main, ["--target", b, "--data", data, "--out", os.path.dirname(ckpt), *SMALL,
+                                    "--max_steps", "2", "--batch_size", "2", "--grad_accum", "1", "--resume",
+                                    "--no_progress"], f"checkpoint {ckpt}", "trained against", "--allow_other_target")
+
+
 # -----------------------------------------------------------------------------
 # 4. RoPE from the target's layers of the kind the drafter mirrors
 
