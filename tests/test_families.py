@@ -152,6 +152,7 @@ def test_fresh_drafter_gives_the_mask_token_no_lead_on_a_tied_target(fam):
     """At a masked offset the fresh drafter's logit of the mask token is about zero, not the largest (Gemma3: tied
     and sqrt(D)-scaled); the untouched init (final norm 1) makes it the argmax of every masked offset."""
     _, target = fam("gemma3")
+    row = target.embed.weight[VOCAB - 1].clone()
     with torch.no_grad():
         target.embed.weight[VOCAB - 1] *= 20  # a mask row of trained scale
     try:
@@ -174,7 +175,7 @@ def test_fresh_drafter_gives_the_mask_token_no_lead_on_a_tied_target(fam):
                 assert logits[..., VOCAB - 1].abs().max() < logits.std()
     finally:
         with torch.no_grad():
-            target.embed.weight[VOCAB - 1] /= 20
+            target.embed.weight[VOCAB - 1] = row
 
 
 # -----------------------------------------------------------------------------
