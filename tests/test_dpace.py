@@ -228,3 +228,62 @@ def test_a_training_step_split_into_micro_steps_equals_one_batch(setup):
         for k, g in delta.items():
             err = ((g.double() - ref_grads[k]).norm() / ref_grads[k].norm()).item()
             assert err < 1e-4, (k, err)
+
+
+# -----------------------------------------------------------------------------
+# The run's record: the logs and the checkpoint say which loss trained it; a resume with another is refused
+
+
+def one_error(capsys, argv, *needles):
+    """dflash.main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle."""
+    with pytest.raises(SystemExit) as e, torch_threads(1):
+        dflash.main(argv)
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    for n in needles:
+        assert n in err[0], (n, err[0])
+
+
+def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys):
+    d = tmp_path
+    model_dir = d / "q3"
+    build_qwen3().save_pretrained(model_dir)
+    data = write_data(d / "data.jsonl", 24)
+    out = str(d / "run")
+    base = ["--target", str(model_dir), "--data", data, *SMALL[:-2], "--eval_fraction", "0.25",
+            "--eval_walk_prompts", "2", "--eval_walk_tokens", "8", "--batch_size", "2", "--grad_accum", "1"]
+    run = base + ["--out", out, "--loss", "dpace", "--dpace_alpha", "0.25"]
+    with torch_threads(1):
+        dflash.main(run + ["--max_steps", "2"])
+    printed = capsys.readouterr().out
+    assert "loss dpace (alpha 0.25)" in printed and "eval loss" in printed and "(dpace)" in printed
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 2] and len(records) == 4
+    assert all(r["loss_type"] == "dpace" for r in records)
+    state = torch.load(os.path.join(out, "step_2", "train_state.pt"), weights_only=False)
+    assert (state["loss"], state["dpace_alpha"]) == ("dpace", 0.25)
+    for flags, needles in ((["--loss", "ce"], ("--loss dpace", "--loss ce")),
+                           (["--loss", "dpace-prefix"], ("--loss dpace", "--loss dpace-prefix")),
+                           (["--dpace_alpha", "0.5"], ("--dpace_alpha 0.25", "--dpace_alpha 0.5"))):
+        one_error(capsys, run + flags + ["--max_steps", "3", "--resume"], "cannot resume", "step_2", *needles)
+    with torch_threads(1):  # the same loss: it continues
+        dflash.main(run + ["--max_steps", "3", "--resume"])
+    assert "resumed from" in capsys.readouterr().out
+    # a checkpoint from before --loss existed (no "loss" in its train_state) was trained with the CE
+    del state["loss"], state["dpace_alpha"]
+    torch.save(state, os.path.join(out, "step_3", "train_state.pt"))
+    one_error(capsys, run + ["--max_steps", "4", "--resume"], "cannot resume", "--loss ce", "--loss dpace")
+    with torch_threads(1):
+        dflash.main(base + ["--out", out, "--max_steps", "4", "--resume", "--dpace_alpha", "0.9"])  # alpha: unused
+    assert "resumed from" in capsys.readouterr().out
+
+
+def test_loss_flags_are_checked_where_they_are_parsed(capsys):
+    p = dflash.get_parser()
+    assert (p.parse_args([]).loss, p.parse_args([]).dpace_alpha) == ("ce", 0.5)
+    for bad in (["--loss", "kl"], ["--dpace_alpha", "1.5"], ["--dpace_alpha", "-0.1"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+        err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(err) == 1 and err[0].startswith("error: ") and bad[0] in err[0], err
