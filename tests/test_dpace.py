@@ -287,3 +287,21 @@ def test_loss_flags_are_checked_where_they_are_parsed(capsys):
             p.parse_args(bad)
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(err) == 1 and err[0].startswith("error: ") and bad[0] in err[0], err
+
+
+def test_held_out_loss_counts_real_sequences_only(setup):
+    """evaluate fills a short last batch with empty rows (one shape for every batch): they are not sequences, so
+    the held-out D-PACE loss is the same whatever the batch size, and its tau estimate is the CE run's."""
+    batch = setup["batch"]
+    samples = [(batch["input_ids"][r, :n].tolist(), batch["loss_mask"][r, :n].tolist()) for r, n in ((0, 20), (1, 12))]
+    samples.append(samples[0])
+    args = (setup["target"], samples)
+    kw = dict(num_anchors=5, pad_id=0, seed=0, rank=0, world=1, gamma=4.0, noise_std=0.0, labels="target",
+              dpace_alpha=0.5)
+    setup["drafter"].eval()
+    m = {(bs, loss): dflash.evaluate(setup["drafter"], *args, bs, loss=loss, **kw)
+         for bs in (1, 2) for loss in ("ce", "dpace")}
+    setup["drafter"].train()
+    assert m[2, "dpace"]["loss"] == pytest.approx(m[1, "dpace"]["loss"], rel=1e-6)  # 3 sequences, not 4
+    assert m[1, "dpace"]["loss"] != pytest.approx(m[1, "ce"]["loss"], rel=1e-3)
+    assert m[2, "dpace"]["tau"] == m[2, "ce"]["tau"] and m[2, "dpace"]["acc"] == m[2, "ce"]["acc"]
