@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash
-from conftest import SMALL, VOCAB, build_qwen3, tiny_cfg, torch_threads, write_data
-from dflash import DFlashError
+from conftest import SMALL, VOCAB, build_qwen3, one_error, tiny_cfg, torch_threads, write_data
 
 DPACE = ("dpace", "dpace-prefix", "dpace-continuation")
 B = 6  # block size: offsets 1..5 are drafted
@@ -107,7 +106,8 @@ def ours(setup, loss, alpha=0.5, drafter=None):
     """dflash_loss's loss, stats and drafter gradients (fp32)."""
     d = drafter or setup["drafter"]
     d.zero_grad(set_to_none=True)
-    out, stats = dflash.dflash_loss(d, setup["target"], setup["batch"], setup["anchors"], setup["valid"], gamma=4.0,
+    w = dflash.loss_weights(setup["anchors"], setup["valid"], setup["batch"]["loss_mask"], B, 4.0)
+    out, stats = dflash.dflash_loss(d, d.cfg, setup["target"], setup["batch"], setup["anchors"], setup["valid"], w,
                                     noise_std=0.0, loss=loss, dpace_alpha=alpha)
     out.backward()
     return out.item(), stats, {k: p.grad.clone() for k, p in d.named_parameters()}
@@ -131,8 +131,9 @@ def reference(setup, loss, alpha=0.5, detach=True):
 def test_the_batch_has_every_kind_of_invalid_position(setup):
     """The premise of the comparisons below: padding anchors, a hole inside a block, blocks past the sequence end
     and past the end of a shorter row, and a block whose every offset is valid."""
-    _, weights = reference_loss(torch.zeros(2, 7, B, 4, dtype=torch.float64), torch.zeros(VOCAB, 4, dtype=torch.float64),
-                                setup["labels_all"], setup["batch"]["loss_mask"], setup["anchors"], setup["valid"], "ce")
+    zeros = torch.zeros(2, 7, B, 4, dtype=torch.float64), torch.zeros(VOCAB, 4, dtype=torch.float64)
+    _, weights = reference_loss(*zeros, setup["labels_all"], setup["batch"]["loss_mask"], setup["anchors"],
+                                setup["valid"], "ce")
     valid = [[w > 0 for w in blk] for blk in weights]
     assert valid[1] == [False, True, False, False, True, True]    # a=8: the hole at 10, 11
     assert valid[5] == [False, True] + [False] * 4                # a=18: 20.. outside the sequence
@@ -234,16 +235,6 @@ def test_a_training_step_split_into_micro_steps_equals_one_batch(setup):
 # The run's record: the logs and the checkpoint say which loss trained it; a resume with another is refused
 
 
-def one_error(capsys, argv, *needles):
-    """dflash.main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle."""
-    with pytest.raises(SystemExit) as e, torch_threads(1):
-        dflash.main(argv)
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    for n in needles:
-        assert n in err[0], (n, err[0])
-
-
 def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys):
     d = tmp_path
     model_dir = d / "q3"
@@ -253,8 +244,7 @@ def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys
     base = ["--target", str(model_dir), "--data", data, *SMALL[:-2], "--eval_fraction", "0.25",
             "--eval_walk_prompts", "2", "--eval_walk_tokens", "8", "--batch_size", "2", "--grad_accum", "1"]
     run = base + ["--out", out, "--loss", "dpace", "--dpace_alpha", "0.25"]
-    with torch_threads(1):
-        dflash.main(run + ["--max_steps", "2"])
+    dflash.main(run + ["--max_steps", "2"])
     printed = capsys.readouterr().out
     assert "loss dpace (alpha 0.25)" in printed and "eval loss" in printed and "(dpace)" in printed
     with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -266,16 +256,16 @@ def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys
     for flags, needles in ((["--loss", "ce"], ("--loss dpace", "--loss ce")),
                            (["--loss", "dpace-prefix"], ("--loss dpace", "--loss dpace-prefix")),
                            (["--dpace_alpha", "0.5"], ("--dpace_alpha 0.25", "--dpace_alpha 0.5"))):
-        one_error(capsys, run + flags + ["--max_steps", "3", "--resume"], "cannot resume", "step_2", *needles)
-    with torch_threads(1):  # the same loss: it continues
-        dflash.main(run + ["--max_steps", "3", "--resume"])
+        one_error(capsys, dflash.main, run + flags + ["--max_steps", "3", "--resume"], "cannot resume", "step_2",
+                  *needles)
+    dflash.main(run + ["--max_steps", "3", "--resume"])  # the same loss: it continues
     assert "resumed from" in capsys.readouterr().out
     # a checkpoint from before --loss existed (no "loss" in its train_state) was trained with the CE
     del state["loss"], state["dpace_alpha"]
     torch.save(state, os.path.join(out, "step_3", "train_state.pt"))
-    one_error(capsys, run + ["--max_steps", "4", "--resume"], "cannot resume", "--loss ce", "--loss dpace")
-    with torch_threads(1):
-        dflash.main(base + ["--out", out, "--max_steps", "4", "--resume", "--dpace_alpha", "0.9"])  # alpha: unused
+    one_error(capsys, dflash.main, run + ["--max_steps", "4", "--resume"], "cannot resume", "--loss ce",
+              "--loss dpace")
+    dflash.main(base + ["--out", out, "--max_steps", "4", "--resume", "--dpace_alpha", "0.9"])  # ce: alpha unused
     assert "resumed from" in capsys.readouterr().out
 
 
