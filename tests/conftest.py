@@ -24,7 +24,7 @@ CYCLE = [7, 23, 41, 60, 88]
 
 # dflash.py command-line flags for a small drafter over tiny_qwen3()'s default geometry
 SMALL = ["--mask_token_id", str(VOCAB - 1), "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "8",
-         "--num_draft_layers", "2", "--target_layer_ids", "1,3", "--block_size", "4", "--sliding_window", "8",
+         "--num_draft_layers", "2", "--target_layer_ids", "1,2", "--block_size", "4", "--sliding_window", "8",
          "--num_anchors", "6", "--lr", "3e-3", "--warmup_ratio", "0.1", "--log_every", "1", "--eval_every", "0",
          "--save_every", "0", "--eval_fraction", "0"]
 
