@@ -249,7 +249,7 @@ class NeuralDrafter:
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
         anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
-        x = t.embed(ids).to(self.drafter.fc.weight.dtype)
+        x = dflash.embed_blocks(t, ids).to(self.drafter.fc.weight.dtype)
         h = self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv, self.length)
         return t.lm_head(h[0, 0, 1:].to(t.lm_head.weight.dtype))
 
