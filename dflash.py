@@ -1193,10 +1193,11 @@ def transformers_config(d, where):
 def vllm_aux_ids(c, dc, ec):
     """(key, its ids, the aux hidden states vLLM captures: target id + 1) from the first of these keys that is set, as
     vLLM reads them; (None, None, None) when none is (vLLM then takes the target model's own default layers)."""
-    for key, ids, plus in (("eagle_aux_hidden_state_layer_ids", getattr(c, "eagle_aux_hidden_state_layer_ids", None), 0),
+    top = lambda k: getattr(c, k, None)  # noqa: E731
+    for key, ids, plus in (("eagle_aux_hidden_state_layer_ids", top("eagle_aux_hidden_state_layer_ids"), 0),
                            ("dflash_config.target_layer_ids", dc.get("target_layer_ids"), 1),
-                           ("dspark_target_layer_ids", getattr(c, "dspark_target_layer_ids", None), 1),
-                           ("target_layer_ids", getattr(c, "target_layer_ids", None), 1),
+                           ("dspark_target_layer_ids", top("dspark_target_layer_ids"), 1),
+                           ("target_layer_ids", top("target_layer_ids"), 1),
                            ("dflash_config.layer_ids", dc.get("layer_ids"), 0),
                            ("eagle_config.layer_ids", ec.get("layer_ids"), 0)):
         if ids:
@@ -1205,8 +1206,8 @@ def vllm_aux_ids(c, dc, ec):
 
 def engines_differ(d, c, dc, ec, ids, num_target):
     """One line per key of transformers' config object c that vLLM and SGLang would serve differently (or that both
-    refuse), saying what each does and what to write instead. ids: the target layers as SGLang reads them (dflash_config,
-    then the top level; None when neither has them)."""
+    refuse), saying what each does and what to write instead. ids: the target layers as SGLang reads them
+    (dflash_config, then the top level; None when neither has them)."""
     out, D = [], c.hidden_size
     act, width, scale = getattr(c, "hidden_act", "silu"), getattr(c, "target_hidden_size", None), \
         getattr(c, "logit_scale", None)
@@ -1243,7 +1244,7 @@ def attention_differs(d, c, dc):
     sliding_window and the top-level is_causal (absent: a layer is causal iff it is sliding); vLLM alone also reads
     dflash_config.causal (below is_causal), use_swa (every layer sliding when layer_types lists none) and
     swa_window_size (over sliding_window)."""
-    types, W, out = c.layer_types or [], c.sliding_window, []
+    types, W, out = getattr(c, "layer_types", None) or [], getattr(c, "sliding_window", None), []
     sliding = [t == "sliding_attention" for t in types]
     given = d.get("sliding_window") or dc.get("swa_window_size")
     if any(sliding) and W is None:
@@ -1274,8 +1275,8 @@ def engine_problems(cfg):
     both_sides = [i for i in range(n) if cfg.layer_kind(i) == (False, W) and W is not None]
     if both_sides and B > W:
         out.append(f"layers {both_sides} are bidirectional sliding layers (is_causal false) with block_size {B} > "
-                   f"sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left only (later "
-                   f"block tokens would be visible there); pass --block_size {W} or --sliding_window {B}")
+                   f"sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left only "
+                   f"(later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}")
     if ids[-1] == L - 1:
         fixed = sorted({min(t, L - 2) for t in ids})
         out.append(f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang cannot "
@@ -1314,7 +1315,7 @@ def config_from_json(d, where="config.json"):
     top level). A key this drafter does not implement (not_implemented) or that the engines serve differently
     (engines_differ, engine_problems) is refused, one line each, never ignored."""
     c = transformers_config(d, where)
-    dc, ec = (getattr(c, k, None) or {} for k in ("dflash_config", "eagle_config"))
+    n, dc, ec = c.num_hidden_layers, *(getattr(c, k, None) or {} for k in ("dflash_config", "eagle_config"))
     need(isinstance(dc, dict) and isinstance(ec, dict), f"{where}: dflash_config and eagle_config must be JSON objects")
     get = lambda k, default=None: dc[k] if k in dc else getattr(c, k, default)  # noqa: E731
     rope = dict(c.rope_parameters or {})
@@ -1327,17 +1328,19 @@ def config_from_json(d, where="config.json"):
     bad += not_implemented(d, dc, ec, rope) + engines_differ(d, c, dc, ec, ids, num_target)
     need(not bad, "\n".join(f"{where}: {p}" for p in bad))
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    try:
+    try:  # a config class of another model_type may lack a field Qwen3's has
         cfg = DFlashConfig(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=n,
             num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // max(c.num_attention_heads, 1),
             vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"],
             rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None,
             max_position_embeddings=c.max_position_embeddings, attention_bias=getattr(c, "attention_bias", False),
             block_size=get("block_size", 16), mask_token_id=get("mask_token_id"), num_target_layers=num_target,
-            target_layer_ids=ids, layer_types=c.layer_types or ["full_attention"] * c.num_hidden_layers,
-            sliding_window=c.sliding_window, is_causal=getattr(c, "is_causal", None))
+            target_layer_ids=ids, layer_types=getattr(c, "layer_types", None) or ["full_attention"] * n,
+            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None))
+    except AttributeError as e:
+        raise DFlashError(f"{where}: required field {e.name!r} is missing") from None
     except DFlashError as e:
         raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) from None
     bad = engine_problems(cfg)

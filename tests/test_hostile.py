@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 PARSERS = {"dflash": (dflash.get_parser, []), "eval": (ev.get_parser, ["--target", "t"])}
 HOSTILE = ["0", "-1", "nan", "inf", "-inf", "1e30", str(10**30), "-1e30", "1.5", "0x10", ""]
-Z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 2])  # a z-lab drafter geometry that fits tiny_qwen3() (not its last layer)
+Z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 2])  # a z-lab geometry over tiny_qwen3(), not its last layer
 
 
 @pytest.fixture(scope="module")
