@@ -322,6 +322,20 @@ def test_mask_embedding_file_is_refused(tmp_path):
         assert "mask_embedding.pt" in str(e.value) and "vLLM" in str(e.value) and "\n" not in str(e.value)
 
 
+def test_eval_refuses_what_dflash_refuses(tmp_path, capsys):
+    """eval.py measures only drafters both engines serve alike: the same refusal, one error line."""
+    import eval as ev
+    from conftest import VOCAB
+    z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 2])  # fits tiny_qwen3()
+    target = tiny_qwen3(tmp_path / "q3")
+    d = write_zlab_dir(str(tmp_path / "z"), zlab_config(z, hidden_act="gelu"), zlab_tensors(z))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--target", target, "--drafter", d, "--no_progress"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert e.value.code == 2 and len(err) == 1 and "hidden_act='gelu'" in err[0] and "silu" in err[0], err
+
+
 def test_block_embeddings_are_the_raw_table(tmp_path):
     """A target whose embedding module scales its output (Gemma's sqrt(D)): the engines' DFlash paths embed the block
     tokens with the raw table, and so does training here (no scale to record in the checkpoint)."""
