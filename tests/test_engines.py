@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dflash
-from conftest import ZL, tiny_cfg, tiny_qwen3, write_zlab_dir, zlab_config, zlab_tensors
+from conftest import ZL, one_error, tiny_cfg, tiny_qwen3, write_zlab_dir, zlab_config, zlab_tensors
 from dflash import DFlashError
 
 SLIDING = "sliding_attention"
@@ -330,10 +330,7 @@ def test_eval_refuses_what_dflash_refuses(tmp_path, capsys):
     target = tiny_qwen3(tmp_path / "q3")
     d = write_zlab_dir(str(tmp_path / "z"), zlab_config(z, hidden_act="gelu"), zlab_tensors(z))
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        ev.main(["--target", target, "--drafter", d, "--no_progress"])
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert e.value.code == 2 and len(err) == 1 and "hidden_act='gelu'" in err[0] and "silu" in err[0], err
+    one_error(capsys, ev.main, ["--target", target, "--drafter", d, "--no_progress"], "hidden_act='gelu'", "silu")
 
 
 def test_block_embeddings_are_the_raw_table(tmp_path):
@@ -437,11 +434,7 @@ def test_training_refuses_them_before_any_weights_load(tmp_path, capsys):
     argv = [*SMALL, "--target", target, "--data", write_data(tmp_path / "d.jsonl", 4), "--out", str(tmp_path / "o")]
     argv[argv.index("--target_layer_ids") + 1] = "1,3"  # tiny_qwen3 has 4 layers: 3 is the last
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        dflash.main(argv)
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
-    assert "--target_layer_ids" in err[0] and "last layer" in err[0] and "SGLang" in err[0], err
+    one_error(capsys, dflash.main, argv, "--target_layer_ids 1,2", "last layer", "SGLang")
 
 
 # -----------------------------------------------------------------------------
