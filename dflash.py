@@ -343,7 +343,7 @@ def start_off_mask(drafter, target):
     W_M . (g * rmsnorm(e_M)), is 0 and the others are as random as under an untied lm_head. Nothing else changes:
     the drafter, the loss and what an engine serves are the same."""
     M = drafter.cfg.mask_token_id
-    e = target.embed(torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), scaled as served
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
     u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
     if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
         g = torch.ones_like(u)
