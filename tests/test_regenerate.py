@@ -222,7 +222,9 @@ def test_every_turn_is_the_targets_greedy_answer(served, regenerated, thinking):
     cut by --max_tokens dropped and counted."""
     run = regenerated["runs"][thinking]
     expected = expected_lines(served, INPUT, thinking)
-    assert read_lines(run["out"]) == expected
+    lines = read_lines(run["out"])
+    assert [{k: v for k, v in r.items() if k != "key"} for r in lines] == expected
+    assert len({r["key"] for r in lines}) == len(lines)  # the key resume goes by: one per sample
     s = run["summary"]
     assert (s["written"], s["truncated"], s["failed"], s["skipped_done"]) == (len(expected), len(INPUT) - len(expected),
                                                                              0, 0)
@@ -276,14 +278,14 @@ def test_resume_refuses_another_thinking_mode(served, regenerated, capsys):
 def test_a_refused_sample_goes_to_failed_jsonl_and_the_run_goes_on(served, regenerated, tmp_path, monkeypatch):
     """A 4xx for one sample (here the real server's 422, provoked by an unexpected field in that one request) is
     written to OUT.failed.jsonl with the error; the others are written as usual."""
-    real = urllib.request.urlopen
+    real = rg.exchange
 
-    def urlopen(req, timeout):
-        if req.data and b"print('hi')" in req.data:
-            req.data = json.dumps({**json.loads(req.data), "not_a_field": 1}).encode()
-        return real(req, timeout=timeout)
+    def exchange(url, data, timeout):
+        if data and b"print('hi')" in data:
+            data = json.dumps({**json.loads(data), "not_a_field": 1}).encode()
+        return real(url, data, timeout)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "exchange", exchange)
     out = tmp_path / "out.jsonl"
     s = regen(served, regenerated["data"], out, "--no-enable_thinking")
     failed = read_lines(str(out) + ".failed.jsonl")
@@ -296,17 +298,17 @@ def test_a_refused_sample_goes_to_failed_jsonl_and_the_run_goes_on(served, regen
 def test_connection_errors_and_5xx_are_retried(served, regenerated, tmp_path, monkeypatch):
     """A reset connection and a 503 on the first requests are retried (with backoff) and lose nothing. Every request
     says temperature 0 and max_tokens (a server would otherwise apply the model's sampling generation_config)."""
-    real, calls = urllib.request.urlopen, []
+    real, calls = rg.exchange, []
 
-    def urlopen(req, timeout):
-        calls.append(json.loads(req.data))
+    def exchange(url, data, timeout):
+        calls.append(json.loads(data))
         if len(calls) == 2:
             raise ConnectionResetError(104, "Connection reset by peer")
         if len(calls) == 3:
-            raise urllib.error.HTTPError(req.full_url, 503, "Service Unavailable", {}, None)
-        return real(req, timeout=timeout)
+            return 503, {}, b"Service Unavailable"
+        return real(url, data, timeout)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "exchange", exchange)
     monkeypatch.setattr(rg, "BACKOFF_S", 0.01)
     out = tmp_path / "out.jsonl"
     regen(served, regenerated["data"], out, "--no-enable_thinking", "--concurrency", "1")
@@ -450,13 +452,13 @@ def test_a_template_bos_is_not_sent_twice():
 
 def test_sampling_flags_are_sent(served, tmp_path, monkeypatch):
     """--temperature / --top_p for sampled data reach every request."""
-    real, sent = urllib.request.urlopen, []
+    real, sent = rg.exchange, []
 
-    def urlopen(req, timeout):
-        sent.append(json.loads(req.data))
-        return real(req, timeout=timeout)
+    def exchange(url, data, timeout):
+        sent.append(json.loads(data))
+        return real(url, data, timeout)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "exchange", exchange)
     data = write_input(tmp_path / "one.jsonl", INPUT[:1])
     regen(served, data, tmp_path / "out.jsonl", "--temperature", "0.7", "--top_p", "0.9", "--keep_truncated")
     assert len(sent) == 2 and all(c["temperature"] == 0.7 and c["top_p"] == 0.9 for c in sent)
