@@ -293,10 +293,10 @@ def read_choice(r, endpoint):
     is missing or of the wrong type (a null text is not an empty answer)."""
     choices = r.get("choices")
     if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)):
-        said = f"it says: {error_reason(json.dumps(r))}" if "error" in r or "detail" in r else \
-            f"its keys: {sorted(r)}"
+        said = f"; it says: {error_reason(json.dumps(r))}" if "error" in r or "detail" in r else \
+            f"; its keys: {sorted(r)}" if "choices" not in r else ""
         got = "none" if choices is None else "an empty list" if choices == [] else what(choices)
-        raise BadReply(f"the reply has no choices ({got}; {said})")
+        raise BadReply(f"the reply has no choices ({got}{said})")
     choice = choices[0]
     if endpoint == "completions":
         text = choice.get("text")

@@ -463,3 +463,82 @@ def test_sampling_flags_are_sent(served, tmp_path, monkeypatch):
     regen(served, data, tmp_path / "out.jsonl", "--temperature", "0.7", "--top_p", "0.9", "--keep_truncated")
     assert len(sent) == 2 and all(c["temperature"] == 0.7 and c["top_p"] == 0.9 for c in sent)
     assert len(read_lines(tmp_path / "out.jsonl")) == 1
+
+
+# -----------------------------------------------------------------------------
+# The same server behind a proxy that spoils some replies, and reruns after the input changed
+
+
+def proxy(served, spoil):
+    """A local proxy (tests/test_regenerate_hostile.py's bounded server) in front of transformers serve: each reply
+    passed through spoil(request, reply json) -> Reply, or None to pass it on as it is."""
+    from test_regenerate_hostile import Hostile, Reply
+
+    def answer(req, n):
+        status, _, body = rg.exchange(served["url"] + "/completions", json.dumps(req).encode(), 60)
+        spoilt = spoil(req, json.loads(body)) if status == 200 else None
+        return spoilt or Reply(body, status=status)
+
+    return Hostile(answer)
+
+
+def test_spoilt_replies_of_a_real_server_fail_only_their_samples(served, regenerated, tmp_path, capsys):
+    """Behind the proxy, one sample's text becomes null and another's reply loses its choices: those two are in
+    OUT.failed.jsonl with the reason, every other line is the real server's; with every reply spoilt the run is
+    one error line naming what came back."""
+    from test_regenerate_hostile import Reply
+
+    def spoil(req, r):
+        if "print('hi')" in req["prompt"]:
+            r["choices"][0]["text"] = None
+            return Reply(r)
+        if "x = [1, 2]" in req["prompt"]:
+            return Reply({k: v for k, v in r.items() if k != "choices"})
+
+    p = proxy(served, spoil)
+    try:
+        out = tmp_path / "out.jsonl"
+        s = rg.main(["--server", p.url, "--model", served["target"], "--data", regenerated["data"], "--out", str(out),
+                     "--max_tokens", str(MAX_TOKENS), "--no-enable_thinking"])
+        failed = {f["source_line"]: f["error"] for f in read_lines(str(out) + ".failed.jsonl")}
+        assert failed.keys() == {5, 6} and "text is null" in failed[5] and "no choices" in failed[6]
+        assert read_lines(out) == [r for r in read_lines(regenerated["runs"][False]["out"])
+                                   if r["source_line"] not in (5, 6)] and s["failed"] == 2
+    finally:
+        p.close()
+    p = proxy(served, lambda req, r: Reply({"choices": []}) if req["max_tokens"] > 1 else None)
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            rg.main(["--server", p.url, "--model", served["target"], "--data", regenerated["data"], "--out",
+                     str(tmp_path / "all.jsonl"), "--max_tokens", str(MAX_TOKENS)])
+        err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+        assert e.value.code == 2 and len(err) == 1 and "every one of the 8 samples sent failed" in err[0]
+        assert "no choices (an empty list)" in err[0]
+    finally:
+        p.close()
+
+
+def test_resume_by_key_on_a_real_server(served, regenerated, tmp_path):
+    """The input reordered, one line removed, one inserted: the rerun writes exactly the new prompt's sample, whose
+    answer is the target's own; the truncated samples come back with a larger --max_tokens."""
+    run = regenerated["runs"][False]
+    out = tmp_path / "out.jsonl"
+    shutil.copy(run["out"], out)
+    shutil.copy(str(run["out"]) + ".truncated.jsonl", str(out) + ".truncated.jsonl")
+    new = {"prompt": "y = 3"}
+    changed = [INPUT[4], new, *INPUT[5:], *INPUT[:3]]  # INPUT[3] removed, the rest moved
+    data = write_input(tmp_path / "in.jsonl", changed)
+    s = regen(served, data, out, "--no-enable_thinking")
+    added = read_lines(out)[len(read_lines(run["out"])):]
+    assert s["skipped_done"] == len(changed) - 1 and s["written"] + s["truncated"] == 1
+    if added:
+        assert added[0]["source_line"] == 2 and added[0]["messages"] == expected_lines(served, [new], False)[0][
+            "messages"]
+    keys = {k for _, k, _ in rg.keyed(rg.read_input(data), data)}
+    cut = [r["key"] for r in read_lines(str(out) + ".truncated.jsonl") if r["key"] in keys]
+    assert cut  # some samples of this input were cut at MAX_TOKENS
+    s = regen(served, data, out, "--no-enable_thinking", "--max_tokens", str(4 * MAX_TOKENS))
+    assert s["written"] + s["truncated"] == len(cut) and s["skipped_done"] == len(changed) - len(cut)
+    lines = read_lines(out)
+    assert len({r["key"] for r in lines}) == len(lines) and {r["key"] for r in lines[len(lines) - s["written"]:]} <= set(cut)
