@@ -297,6 +297,9 @@ def select_layers(features, union, layer_ids):
 # at T is tau_walk over sampled continuations, averaged over several per prompt.
 
 
+MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
+
+
 @dataclass
 class Sampling:
     """How the target samples: temperature (> 0), top_p (1: off), top_k (0: off); samples continuations per
@@ -311,15 +314,18 @@ class Sampling:
 def sampling_probs(logits, s):
     """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
     to the smallest set of most likely tokens that holds top_p of the mass, renormalised (the order vLLM and
-    transformers apply them in)."""
-    z = logits.float() / s.temperature
+    transformers apply them in). In float64 from the largest logit down, so every temperature and top_p the flags
+    accept works: the top logit stays 0 however small the temperature (the others go to -inf, not inf - inf), and
+    neither rounds to 0 as it would in float32 (below ~1e-45)."""
+    logits = logits.double()
+    z = (logits - logits.max(-1, keepdim=True).values) / s.temperature
     if 0 < s.top_k < z.shape[-1]:
         z = z.masked_fill(z < z.topk(s.top_k).values[..., -1:], -math.inf)
     if s.top_p < 1:
         p, order = z.softmax(-1).sort(-1, descending=True)
         drop = p.cumsum(-1) - p >= s.top_p  # the more likely tokens already hold top_p
         z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return z.softmax(-1)
+    return z.softmax(-1).float()
 
 
 @torch.no_grad()
@@ -780,7 +786,8 @@ def get_parser():
           "default and SGLang's DFlash): the walk along continuations sampled from the target (0: greedy)")
     p.add(p, "--top_p", float, None, "with --temperature: nucleus sampling (default: 1, off)", open_lo=True, hi=1)
     p.add(p, "--top_k", int, None, "with --temperature: sample among the k most likely tokens (0: off, the default)")
-    p.add(p, "--samples", int, None, "with --temperature: sampled continuations per prompt (default: 5)", lo=1)
+    p.add(p, "--samples", int, None, "with --temperature: sampled continuations per prompt (default: 5)", lo=1,
+          hi=MAX_SAMPLES)
     p.add(p, "--seed", int, 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)")
     a("--tree_budget", type=budget_list, default=(),
       help="also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, comma-separated N "
