@@ -1466,7 +1466,8 @@ def fallback_hint(out, corrupt=None):
     if prev:
         return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
                f"{latest}) and resume"
-    return f"there is no earlier complete checkpoint in {out}: drop --resume (or use a new --out) to start anew"
+    return f"there is no earlier complete checkpoint in {out}: --resume auto starts anew in it (nothing there can " \
+           f"be continued), or give a new --out"
 
 def latest_checkpoint(out):
     """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
@@ -2044,7 +2045,7 @@ def file_digest(path):
 
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
-def resume_point(args, data_digest):
+def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
     Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
     data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
@@ -2053,13 +2054,20 @@ def resume_point(args, data_digest):
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        raise DFlashError(f"--resume: {e}") from None
+        if mode != "auto" or previous_checkpoint(out) is not None:
+            raise DFlashError(f"--resume: {e}") from None
+        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
+        if master:
+            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
     if d is None:
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
-             f"to start")
-        earlier = None if mode else earlier_run(out)
-        need(not earlier, f"--out {out!r} already holds a run ({earlier}); pass --resume to continue it, or give a new "
-             f"--out (a run is never started over in place)")
+        earlier = earlier_run(out)
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); " + (
+            f"it holds {earlier}: --resume auto starts anew in it, or give a new --out" if earlier else
+            "drop --resume to start"))
+        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
+            "pass --resume to continue it" if previous_checkpoint(out) else "it has no complete checkpoint to "
+            "continue: pass --resume auto to start anew in it") + ", or give a new --out (a run is never started "
+             "over in place without --resume)")
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
@@ -2131,6 +2139,15 @@ class RunSetup:
     data_digest: dict | None = None
     init_from: str | None = None
 
+def flag_problems(args):
+    """Flags that each pass their own check but not together: what is wrong, and which to change."""
+    problems = []
+    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
+                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or "
+                        f"--eval_walk_tree_budget")
+    return problems
+
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
@@ -2139,14 +2156,15 @@ def check_run(args, world, device, master):
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL file" for path, flag in
-                ((args.data, "--data"), (args.eval_data, "--eval_data")) if path and not args.plan and
-                not os.path.isfile(path)]
+    problems = [f"{flag} {path!r} is a directory, not a data file; pass {flag} with a JSONL file (.jsonl or "
+                f".jsonl.gz)" if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a "
+                f"JSONL file" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
+                if path and not args.plan and not os.path.isfile(path)] + flag_problems(args)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
     data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
-    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
+    resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
