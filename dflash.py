@@ -1092,7 +1092,7 @@ def config_problems(cfg):
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
          f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
          f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
-         f"{[k for k in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % k == 0]}"),
+         f"{[k for k in range(1, min(cfg.num_attention_heads, 1024) + 1) if cfg.num_attention_heads % k == 0]}"),
         (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
          f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
          f"--mask_token_id with an id the target's embedding has"),
@@ -1885,7 +1885,8 @@ class Batches:
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
             raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size")
+                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
+                              f"--grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
@@ -2160,6 +2161,8 @@ def check_run(args, world, device, master):
                 f".jsonl.gz)" if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a "
                 f"JSONL file" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
                 if path and not args.plan and not os.path.isfile(path)] + flag_problems(args)
+    # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
+    args.num_anchors = min(args.num_anchors, args.max_len - 1)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
@@ -2368,6 +2371,8 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
     group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
+                        # of a bigger tree grows past any run's patience
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -2389,8 +2394,10 @@ def get_parser():
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1)
-    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2)
+    # the geometry's upper bounds are far above any drafter's (a few layers, B 8-16) and keep a mistyped value from
+    # allocating without end
+    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
+    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
@@ -2398,10 +2405,10 @@ def get_parser():
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
-         lo=1)
-    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1)
-    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2)
-    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1)
+         lo=1, hi=256)
+    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
+    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
+    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -2447,7 +2454,7 @@ def add_system_flags(p):
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
     flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-         "(DDTree's rule) with this many draft nodes per step (0: off)", int)
+         "(DDTree's rule) with this many draft nodes per step (0: off)", int, hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")

@@ -716,13 +716,14 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
 
 
 def budget_list(s):
-    """--tree_budget: comma-separated node counts, each >= 1."""
+    """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
     try:
         budgets = tuple(int(x) for x in s.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
-    if min(budgets) < 1:
-        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 draft node")
+    if min(budgets) < 1 or max(budgets) > dflash.TREE_BUDGET_MAX:
+        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most "
+                                         f"{dflash.TREE_BUDGET_MAX} draft nodes")
     return budgets
 
 
