@@ -80,19 +80,23 @@ class Unreachable(Exception):
 # HTTP: one JSON POST, bounded as a whole, retried with backoff on what a busy or restarting server does
 
 
-def server_url(s):
-    """--server: an http(s) URL with a host (its port, when given, a number); anything else is one error line."""
-    u = urllib.parse.urlsplit(s.strip())
+def is_url(s):
+    """An http(s) URL with a host, and a port (when given) that is a number in range."""
+    u = urllib.parse.urlsplit(s)
     try:
         u.port  # noqa: B018  (raises on a port that is not a number or out of range)
-        ok = u.scheme in ("http", "https") and bool(u.hostname)
     except ValueError:
-        ok = False
-    if not ok:
-        guess = "http://" + s.strip().split("://")[-1].lstrip("/")
-        raise argparse.ArgumentTypeError(f"{s!r} is not an http(s) URL; give the server's OpenAI base URL, e.g. "
-                                         f"{guess if urllib.parse.urlsplit(guess).hostname else 'http://127.0.0.1:8000/v1'}")
-    return s.strip()
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname)
+
+
+def server_url(s):
+    """--server: an http(s) URL with a host; anything else is one error line, with the URL it may have meant."""
+    if is_url(s.strip()):
+        return s.strip()
+    guess = "http://" + s.strip().split("://")[-1].lstrip("/")
+    raise argparse.ArgumentTypeError(f"{s!r} is not an http(s) URL; give the server's OpenAI base URL, e.g. "
+                                     f"{guess if is_url(guess) else 'http://127.0.0.1:8000/v1'}")
 
 
 def exchange(url, data, timeout):

@@ -541,4 +541,38 @@ def test_resume_by_key_on_a_real_server(served, regenerated, tmp_path):
     s = regen(served, data, out, "--no-enable_thinking", "--max_tokens", str(4 * MAX_TOKENS))
     assert s["written"] + s["truncated"] == len(cut) and s["skipped_done"] == len(changed) - len(cut)
     lines = read_lines(out)
-    assert len({r["key"] for r in lines}) == len(lines) and {r["key"] for r in lines[len(lines) - s["written"]:]} <= set(cut)
+    assert len({r["key"] for r in lines}) == len(lines)
+    assert {r["key"] for r in lines[len(lines) - s["written"]:]} <= set(cut)
+
+
+def test_retry_after_lock_and_timeout_on_a_real_server(served, regenerated, tmp_path, capsys, monkeypatch):
+    """Behind the proxy the first sample request gets a 503 with Retry-After: 1; the retry comes after it and the
+    file equals the direct run's. While another run holds OUT.lock, a run is refused naming its pid (and touches
+    nothing); once it is released the same command runs. (A --timeout shorter than its answers: see
+    test_bad_input_is_one_error_line.)"""
+    from test_regenerate_hostile import Reply
+    monkeypatch.setattr(rg, "BACKOFF_S", 0.01)
+    times = []
+
+    def spoil(req, r):
+        if req["max_tokens"] > 1:
+            times.append(time.monotonic())
+            if len(times) == 1:
+                return Reply(b"busy", status=503, headers={"Retry-After": "1"})
+
+    p = proxy(served, spoil)
+    try:
+        out = tmp_path / "out.jsonl"
+        argv = ["--server", p.url, "--model", served["target"], "--data", regenerated["data"], "--out", str(out),
+                "--max_tokens", str(MAX_TOKENS), "--no-enable_thinking", "--concurrency", "1"]
+        held = rg.OutLock(str(out))  # as another run would hold it
+        try:
+            with pytest.raises(SystemExit):
+                rg.main(argv)
+            assert f"pid {os.getpid()}" in capsys.readouterr().err and not out.exists()
+        finally:
+            held.release()
+        rg.main(argv)
+        assert times[1] - times[0] >= 0.95 and out.read_bytes() == regenerated["runs"][False]["out"].read_bytes()
+    finally:
+        p.close()
