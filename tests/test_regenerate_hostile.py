@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import ROOT, flag_edges, tiny_tokenizer
+from conftest import flag_edges, tiny_tokenizer
 from dflash_tools import regenerate as rg
 
 MAX_REQUESTS = 400
@@ -341,28 +341,35 @@ def test_failed_list_that_is_a_directory(server, tokenizer_dir, tmp_path, capsys
     check_answers(out, PROMPTS)
 
 
+HOLDER = """import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
 def test_one_run_at_a_time(server, tokenizer_dir, tmp_path, capsys):
-    """A second run on the same --out while the first is running is refused naming the first's pid; once the first
-    has finished (here: stopped by SIGTERM), the same command runs. A lock left by a killed run does not block."""
-    srv = server(lambda req, n: completion("ok") if is_check(req) else Reply(echo(req).body, delay=0.3))
-    data, out = write_prompts(tmp_path / "in.jsonl", PROMPTS * 8), tmp_path / "out.jsonl"
-    first = subprocess.Popen([sys.executable, "-m", "dflash_tools.regenerate", *argv(srv, tokenizer_dir, data, out,
-                                                                                     "--concurrency", "1")],
-                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """While another process holds OUT.lock as a run does (flock, its pid inside; a small stand-in, since a second
+    regenerate would take seconds to import), a run on the same --out is refused naming that pid and touches nothing;
+    once it has finished, the same command runs. A lock file left by a killed run (no flock on it) does not block."""
+    srv = server(lambda req, n: echo(req))
+    data, out = write_prompts(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(out) + ".lock"], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 60
-        while not srv.samples():  # the first run holds the lock before it sends anything
-            assert first.poll() is None and time.time() < deadline
-            time.sleep(0.05)
+        assert first.stdout.readline().strip() == "held"
         refused(capsys, argv(srv, tokenizer_dir, data, out), f"pid {first.pid}", "wait for it to finish")
+        assert srv.requests == [] and not out.exists()
     finally:
-        first.terminate()
-        first.wait(timeout=60)
-    rg.main(argv(srv, tokenizer_dir, data, out))  # the same command, the first run done
-    assert len(lines(out)) == len(PROMPTS) * 8 and not os.path.exists(str(out) + ".lock")
+        first.kill()
+        first.wait(timeout=30)
+    rg.main(argv(srv, tokenizer_dir, data, out))  # the same command, the first one gone
+    check_answers(out, PROMPTS)
+    assert not os.path.exists(str(out) + ".lock")
     (tmp_path / "out2.jsonl.lock").write_text("999999999\n")  # a killed run's lock: no flock held on it
     rg.main(argv(srv, tokenizer_dir, data, tmp_path / "out2.jsonl"))
-    assert len(lines(tmp_path / "out2.jsonl")) == len(PROMPTS) * 8
+    check_answers(tmp_path / "out2.jsonl", PROMPTS)
 
 
 # -----------------------------------------------------------------------------
