@@ -37,6 +37,7 @@ The method in ten lines
 """
 
 import argparse
+import difflib
 import gzip
 import hashlib
 import heapq
@@ -331,6 +332,26 @@ class DFlashDrafter(nn.Module):
             x = checkpoint(layer, *a, use_reentrant=False) \
                 if self.grad_checkpoint and self.training else layer(*a)
         return self.norm(x)
+
+
+@torch.no_grad()
+def start_off_mask(drafter, target):
+    """A tied target's lm_head scores every token by its own input embedding, so a fresh drafter, whose output at a
+    masked offset is mostly its input e_M (its layers start small), would draft the mask token everywhere, a token
+    the target never emits: a first loss near 3 ln V and tau 1 for the first tens of steps. Its final norm's weight
+    g starts instead at 1 - (1.u / u.u) u, u = W_M * rmsnorm(e_M), so that the mask token's logit of that output,
+    W_M . (g * rmsnorm(e_M)), is 0 and the others are as random as under an untied lm_head. Nothing else changes:
+    the drafter, the loss and what an engine serves are the same."""
+    M = drafter.cfg.mask_token_id
+    e = target.embed(torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), scaled as served
+    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
+    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
+        g = torch.ones_like(u)
+        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
+
+def tied(target):
+    """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
+    return target.lm_head.weight is target.embed.weight
 
 
 # -----------------------------------------------------------------------------
@@ -802,14 +823,21 @@ def train(args):
     run = check_run(args, world, device, master)  # the drafter config, where to resume from, the data's digest
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
                          shard=args.shard_target and world > 1)
+    trained_for = target_record(target)  # what each checkpoint records, and what a drafter to go on must match
+    for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
+        if d:
+            check_trained_against(d, trained_for, what, args.allow_other_target)
     train_samples, eval_samples = read_data(args, target, say)
+    if not args.show_data:
+        check_mask_unused(train_samples + eval_samples, run.cfg.mask_token_id, target,
+                          "--data" + (" and --eval_data" if args.eval_data else ""))
     if args.show_data:  # look at the loss masks before spending anything on training
         return show_data(train_samples, target.tokenizer, args.show_data) if master else None
     batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
                       getattr(target.tokenizer, "pad_token_id", None) or 0)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
     check_resume(args.out, run, batches.global_batch, master)
-    drafter, model, optimizer, loss_kw = build_drafter(args, run, world, device, say)
+    drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
     say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
@@ -823,7 +851,7 @@ def train(args):
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest},
-            world, say)
+            world, say, trained_for)
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
@@ -831,7 +859,8 @@ def train(args):
     if step == 0:
         held_out(0)
     stopped, t_last, tokens = False, time.time(), 0
-    with StopFlag(args.out, say) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
+    bar_off = not master or args.no_progress or not sys.stderr.isatty()  # redirected: the log lines alone
+    with StopFlag(args.out, say) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=bar_off,
                                                   dynamic_ncols=True) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
@@ -1372,7 +1401,8 @@ def atomic_dir(path):
     shutil.rmtree(old, ignore_errors=True)
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """Write config.json + model.safetensors (bf16 or fp32) and any {name: torch object} extra files, atomically."""
+    """Write config.json + model.safetensors (bf16 or fp32) and any {name: object} extra files (name.json: as JSON,
+    else torch.save), atomically."""
     from safetensors.torch import save_file
     with atomic_dir(path) as tmp:
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -1380,8 +1410,40 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
         for name, obj in (extra_files or {}).items():
-            torch.save(obj, os.path.join(tmp, name))
+            if name.endswith(".json"):
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(obj, f, indent=2)
+            else:
+                torch.save(obj, os.path.join(tmp, name))
     return path
+
+TARGET_RECORD = "target.json"  # in our checkpoints: {"target": name, "fingerprint": target_fingerprint}
+
+def target_fingerprint(target):
+    """12 hex digits of sha256 over the target's family and sizes and 256 rows of its embedding table (in bf16): the
+    same target in any dtype or directory gives the same, another target of the same shape another."""
+    from safetensors.torch import save
+    tc, V = target.model.config.get_text_config(), target.vocab_size
+    rows = target.embed.weight[torch.linspace(0, V - 1, min(256, V)).long().to(target.embed.weight.device)]
+    h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
+    h.update(save({"rows": rows.detach().to("cpu", torch.bfloat16).contiguous()}))
+    return h.hexdigest()[:12]
+
+def target_record(target):
+    return {"target": target.name, "fingerprint": target_fingerprint(target)}
+
+def check_trained_against(path, record, what, allow=False):
+    """A drafter of ours names the target it was trained against (TARGET_RECORD; z-lab's name none): one for another
+    target, even of the same shape, drafts for the wrong model (tau ~1 without a word), so it is refused unless
+    allow, and then said on stderr."""
+    f = os.path.join(path, TARGET_RECORD)
+    saved = read_json(f, "target record") if os.path.isfile(f) else {}
+    if saved.get("fingerprint") in (None, record["fingerprint"]):
+        return
+    msg = f"{what} was trained against {saved.get('target')!r} (fingerprint {saved['fingerprint']}), not " \
+          f"{record['target']!r} ({record['fingerprint']})"
+    need(allow, f"{msg}; pass --allow_other_target to use it anyway")
+    print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
 def resolve_drafter(path, flag="--drafter"):
     """A drafter directory, or a hub id (owner/name) downloaded once into the Hugging Face cache."""
@@ -1518,17 +1580,19 @@ def keep_metrics(out, step):
             f.writelines(kept)
         os.replace(path + ".tmp", path)
 
-def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print):
+def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
     """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically by rank 0; then
     <out>/latest is switched to it (atomically too), so latest never names a partial checkpoint. Called on every
-    rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write."""
+    rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write.
+    record: the target it is trained against (target_record), written as TARGET_RECORD."""
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
     if not dist.is_initialized() or dist.get_rank() == 0:
         d = os.path.join(out, f"step_{step}")
         try:
             save_drafter(drafter, d, save_dtype, extra_files={
-                "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
+                "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state},
+                **({TARGET_RECORD: record} if record else {})})
             write_latest(out, os.path.basename(d))
         except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
             raise DFlashError(f"cannot write checkpoint {d} ({e.strerror}); {last_complete(out)}") from None
@@ -1549,6 +1613,8 @@ def last_complete(out):
 # -----------------------------------------------------------------------------
 # Loading the target (AutoModelForCausalLM), and --shard_target
 
+SUPPORTED_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5/3.6, Llama, Mistral, Gemma3, Phi3, Olmo2 (and others of that kind)"
+
 def find_decoder(model):
     """The text decoder stack, found by inspection rather than by model name: the module holding `layers` (a
     ModuleList), a final `norm` and the input embedding. Qwen3/Llama/Qwen3.5 text: model.model; the Qwen3.5/3.6
@@ -1558,8 +1624,9 @@ def find_decoder(model):
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
                 and any(c is embed for c in m.children())):
             return m
-    raise DFlashError(f"cannot find the decoder layers of {type(model).__name__}: no submodule holds `layers`, "
-                      f"`norm` and the input embedding")
+    raise DFlashError(f"target family {model.config.model_type} ({type(model).__name__}) is not supported: dflash "
+                      f"hooks a decoder stack of the Llama kind (decoder layers, then a final norm); supported: "
+                      f"{SUPPORTED_FAMILIES}")
 
 def load_tokenizer(name, trust_remote_code=False):
     """The target's tokenizer, or None when it has none (a target without one still works with pre-tokenized data;
@@ -2082,31 +2149,76 @@ def resume_point(args, data_digest, master=True):
          f"restore the file, or pass --allow_data_change to continue on the new data")
     return d, state
 
-def mask_token_hint(target):
-    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row."""
+def mask_token_hint(target, free=None):
+    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row, else (free)
+    ids the data never uses, counted (free_ids); z-lab's ids only where they fit the vocabulary."""
     used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
     rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
-        if used is not None and used < V else "pick an id your data never uses"
-    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}; z-lab uses 248070 for " \
-           f"Qwen3.5/3.6 targets, 151669 for Qwen3)"
+        if used is not None and used < V else \
+        f"every embedding row is a token; ids the data never uses, counted: {', '.join(map(str, free))}, e.g. " \
+        f"--mask_token_id {free[0]}" if free else "pick an id your data never uses"
+    zlab = [f"{i} for {what}" for i, what in ((248070, "Qwen3.5/3.6 targets"), (151669, "Qwen3")) if i < V]
+    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}" + \
+        (f"; z-lab uses {', '.join(zlab)}" if zlab else "") + ")"
+
+def has_spare_row(target):
+    """Whether the embedding has rows that are no token of the tokenizer (unknown without a tokenizer)."""
+    return target.tokenizer is None or len(target.tokenizer) < target.vocab_size
+
+def free_ids(samples, target, n=3):
+    """Up to n token ids the samples never use, counted: spare embedding rows first (no token of the tokenizer),
+    then the highest ids of the vocabulary the data does not contain."""
+    used = {t for ids, _ in samples for t in ids}
+    V = target.vocab_size
+    first_spare = min(len(target.tokenizer), V) if target.tokenizer is not None else V
+    spare = (i for i in range(first_spare, V) if i not in used)
+    rest = (i for i in range(first_spare - 1, -1, -1) if i not in used)
+    return list(itertools.islice(itertools.chain(spare, rest), n))
+
+def check_mask_unused(samples, mask_token_id, target, where):
+    """The mask token must be no token of the data: its embedding is the drafter's only sign that an offset is to be
+    drafted, and a data token of that id (an anchor, a label) would carry the same sign. Counted once the samples
+    are encoded; a refusal names ids the data never uses."""
+    n = sum(ids.count(mask_token_id) for ids, _ in samples)
+    if n == 0:
+        return
+    free = free_ids(samples, target)
+    raise DFlashError(f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be one the "
+                      f"data never uses; pass one of {', '.join(map(str, free))} (never in the data), e.g. "
+                      f"--mask_token_id {free[0]}" if free else f"--mask_token_id {mask_token_id} occurs {n} times "
+                      f"in {where}, and so does every other id of the vocabulary; the mask needs an id the data never "
+                      f"uses")
+
+def target_rope(tc):
+    """(rope_theta, note) of the target's full-attention layers, whose geometry a new drafter takes: rope_parameters
+    is one dict, or one per layer type (Gemma3: sliding 1e4, full 1e6), then note says which one was taken."""
+    rope = getattr(tc, "rope_parameters", None)
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
+        kind = "full_attention" if "full_attention" in rope else next(iter(rope))
+        theta = float(rope[kind].get("rope_theta", 1e4))
+        others = ", ".join(f"{k} {float(v.get('rope_theta', 1e4)):.0f}" for k, v in rope.items() if k != kind)
+        return theta, f"drafter RoPE: rope_theta {theta:.0f}, the target's {kind} layers' (its layer types differ: " \
+                      f"{others})"
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return float(theta if theta is not None else getattr(tc, "rope_theta", None) or 1e4), None
 
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                       intermediate_size=None):
-    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps/rope_theta from the target, and unless
-    given its attention geometry (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP
-    width; plain RoPE over the full head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types
-    says otherwise. Every problem of these flags with this target is raised at once, each with a value that works."""
+                       intermediate_size=None, free=None, say=print):
+    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps from the target, rope_theta from its
+    full-attention layers (target_rope; said when the layer types differ), and unless given its attention geometry
+    (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP width; plain RoPE over the full
+    head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise. Every problem of
+    these flags with this target is raised at once, each with a value that works (free: ids the data never uses,
+    for the mask token hint)."""
     tc = target.model.config.get_text_config()
-    rope = getattr(tc, "rope_parameters", None)
-    rope_theta = (rope or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)) if isinstance(rope, dict | None) \
-        else 1e4
+    rope_theta, rope_note = target_rope(tc)
     n, L, problems = num_draft_layers, target.num_layers, []
     heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
     if mask_token_id is None:
-        problems.append(mask_token_hint(target))
+        problems.append(mask_token_hint(target, free))
     ids = target_layer_ids or default_target_layer_ids(L, n)
     if not target_layer_ids and len(set(ids)) < len(ids):
         good = valid_target_layer_ids(L, n)
@@ -2128,6 +2240,8 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     except DFlashError as e:
         problems += str(e).splitlines()
     need(not problems, "\n".join(problems))
+    if rope_note:
+        say(rope_note)
     return cfg
 
 @dataclass
@@ -2177,7 +2291,8 @@ def check_run(args, world, device, master):
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
     try:
         cfg = read_drafter_config(init_from) if init_from else \
-            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, free=mask_candidates(args, meta),
+                               say=print if master else lambda *a: None)
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
@@ -2189,6 +2304,18 @@ def check_run(args, world, device, master):
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     return RunSetup(cfg, resume_dir, state, data_digest, init_from)
+
+def mask_candidates(args, meta):
+    """Ids --data never uses, counted, for the mask token hint: only when one is needed (no --mask_token_id, none in
+    the tokenizer) and the vocabulary has no spare row to suggest; None otherwise."""
+    if args.mask_token_id is not None or getattr(meta.tokenizer, "mask_token_id", None) is not None or \
+            has_spare_row(meta) or args.init_from or not os.path.isfile(args.data or ""):
+        return None
+    try:
+        return free_ids(load_samples(args.data, meta.tokenizer, args.max_len, say=lambda *a: None,
+                                     enable_thinking=args.enable_thinking, eos_ids=meta.eos_ids()), meta)
+    except DFlashError:  # bad data is said where the data loads
+        return None
 
 def check_resume(out, run, global_batch, master):
     """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
@@ -2220,7 +2347,7 @@ def read_data(args, target, say):
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
 
-def build_drafter(args, run, world, device, say=print):
+def build_drafter(args, run, target, world, device, say=print):
     """The drafter (new, --init_from's, or the checkpoint's), its AdamW (with --zero under torchrun its moments are
     split over the ranks), the model the loop calls (compiled with --compile, wrapped in DDP under torchrun), and the
     loss's keyword arguments (flex and compiled runs pad every batch to one of a few lengths: fewer recompilations)."""
@@ -2229,6 +2356,10 @@ def build_drafter(args, run, world, device, say=print):
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg, resume_dir, state, source = run.cfg, run.resume_dir, run.state, run.resume_dir or run.init_from
     drafter = load_drafter(source, device, attention=attention) if source else DFlashDrafter(cfg, attention).to(device)
+    if not source and tied(target):
+        start_off_mask(drafter, target)
+        say("tied embeddings: the new drafter's final norm starts off the mask token's row (its first drafts would "
+            "otherwise all be the mask token, which the tied lm_head scores highest)")
     drafter.grad_checkpoint = args.grad_checkpoint
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.zero and world > 1:
@@ -2354,14 +2485,24 @@ class HelpFormatter(argparse.HelpFormatter):
         return h
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error."""
+    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error. Flags are
+    exact (argparse would take --max_step for --max_steps, silently); an unknown one names the closest flag."""
 
     def __init__(self, **kw):
-        super().__init__(formatter_class=HelpFormatter, **kw)
+        super().__init__(formatter_class=HelpFormatter, allow_abbrev=False, **kw)
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
+            close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
+            self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
+                       if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
+        return args
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
     """Every flag of both scripts is declared by this, one line each: kind int or float gets number()'s range-checked
@@ -2391,6 +2532,8 @@ def get_parser():
          "a used --out is refused")
     flag(g, "--allow_data_change", False, "with --resume: continue although --data changed since the checkpoint was "
          "written (the data order then differs)", action="store_true")
+    flag(g, "--allow_other_target", False, "use an --init_from drafter (or resume a checkpoint) recorded as "
+         "trained against another target", action="store_true")
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
@@ -2450,6 +2593,8 @@ def add_system_flags(p):
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     flag(g, "--seed", 0, "random seed", int)
     flag(g, "--log_every", 10, "log every N steps", int, lo=1)
+    flag(g, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal: a redirected log has "
+         "one line per logged step)", action="store_true")
     flag(g, "--eval_every", 500, "held-out evaluation every N steps (0: only at the start and the end)", int)
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)

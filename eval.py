@@ -643,11 +643,11 @@ def print_report(report, file=None):
         print_trees(results, report["tree_budgets"], w, out)
     out()
     out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
-    cw = 18
-    out(f"{'L':>3}  " + "  ".join(f"{r['drafter'][-cw:]:>{cw}}" for r in results))
+    cws = [max(18, len(r["drafter"])) for r in results]  # a column as wide as its drafter's whole name
+    out(f"{'L':>3}  " + "  ".join(f"{r['drafter']:>{cw}}" for r, cw in zip(results, cws)))
     for L in range(1, max(r["block_size"] for r in results) + 1):
         cells = []
-        for r in results:
+        for r, cw in zip(results, cws):
             if L > r["block_size"]:
                 cells.append(" " * cw)
                 continue
@@ -699,16 +699,19 @@ def write_json(report, path):
 # Command line
 
 
-def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
+def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", allow_other_target=False):
     """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
-    weights are read; the prompt-lookup baseline is included unless prompt_lookup is False."""
-    drafters = {}
+    weights are read (its shape, and the target it records it was trained against: another one is refused unless
+    allow_other_target); the prompt-lookup baseline is included unless prompt_lookup is False."""
+    drafters, record = {}, None
     for name in names:
         if name == PROMPT_LOOKUP:
             drafters[name] = PromptLookupDrafter()
             continue
         path = dflash.resolve_drafter(name)  # a local directory, or a hub id downloaded once
         dflash.check_compatible(dflash.read_drafter_config(path), target, where=f"drafter {name}")
+        record = record or dflash.target_record(target)
+        dflash.check_trained_against(path, record, f"drafter {name}", allow_other_target)
         drafters[name] = NeuralDrafter(dflash.load_drafter(path, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
@@ -745,6 +748,8 @@ def get_parser():
     flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does)", required=True)
     flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
+    flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
+         "the one it was trained against (refused otherwise)", action="store_true")
     flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
          action="store_true")
     flag(p, "--prompts", None, "JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in "
@@ -783,7 +788,8 @@ def get_parser():
          choices=list(dflash.DTYPES))
     flag(p, "--device", None, "device (default: cuda if available, else cpu)")
     flag(p, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
-    flag(p, "--no_progress", False, "no progress bar", action="store_true")
+    flag(p, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal)",
+         action="store_true")
     flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
 
@@ -811,17 +817,19 @@ def run(args):
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
-    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
+    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention,
+                             args.allow_other_target)
+    progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=not args.no_progress, tree_budgets=args.tree_budget)
+                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget)
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
         if args.limit:
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
-                                   args.dump_drafts, progress=not args.no_progress, sampling=sampling,
+                                   args.dump_drafts, progress=progress, sampling=sampling,
                                    tree_budgets=args.tree_budget)
         print_report(report)
     if args.json:

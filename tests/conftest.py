@@ -109,6 +109,45 @@ def build_qwen35_multimodal(**config):
         text_config=text, vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]}))
 
 
+# Other families, as a new user's own small model would be (tests/test_families.py): name -> (config class, model
+# class, the config fields that make the family what it is on top of TINY_TARGET). Token ids 0-2 are pad, bos and eos
+# (the families' defaults lie outside a 96-token vocabulary).
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),  # Llama-3.2, Qwen3-0.6B..4B
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # tied, sqrt(D)-scaled embedding, sliding and full layers with a RoPE base each (rope_parameters per layer type)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"], **IDS)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", IDS),             # fused qkv_proj and gate_up_proj
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", IDS),          # norms after attention and MLP, q/k norm over heads
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+}
+
+
+def build_family(name, **config):
+    """A tiny model of FAMILIES[name] (seeded), config overriding its fields."""
+    import transformers
+    config_cls, model_cls, fields = FAMILIES[name]
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY_TARGET, **fields, **config}))
+
+
+def tiny_family(path, name, **config):
+    build_family(name, **config).save_pretrained(path)
+    return str(path)
+
+
+def tiny_gpt2(path):
+    """GPT-2 (transformer.h, ln_f, learned positions): a family dflash does not support."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=256, **IDS)
+                    ).save_pretrained(path)
+    return str(path)
+
+
 def tiny_qwen3(path, **config):
     build_qwen3(**config).save_pretrained(path)
     return str(path)
