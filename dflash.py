@@ -1127,7 +1127,7 @@ def config_problems(cfg):
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
          f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
          f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
-         f"{[k for k in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % k == 0]}"),
+         f"{[k for k in range(1, min(cfg.num_attention_heads, 1024) + 1) if cfg.num_attention_heads % k == 0]}"),
         (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
          f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
          f"--mask_token_id with an id the target's embedding has"),
@@ -1611,7 +1611,8 @@ def fallback_hint(out, corrupt=None):
     if prev:
         return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
                f"{latest}) and resume"
-    return f"there is no earlier complete checkpoint in {out}: drop --resume (or use a new --out) to start anew"
+    return f"there is no earlier complete checkpoint in {out}: --resume auto starts anew in it (nothing there can " \
+           f"be continued), or give a new --out"
 
 def latest_checkpoint(out):
     """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
@@ -2034,7 +2035,8 @@ class Batches:
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
             raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size")
+                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
+                              f"--grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
@@ -2194,7 +2196,7 @@ def file_digest(path):
 
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
-def resume_point(args, data_digest):
+def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
     Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
     data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
@@ -2203,13 +2205,20 @@ def resume_point(args, data_digest):
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        raise DFlashError(f"--resume: {e}") from None
+        if mode != "auto" or previous_checkpoint(out) is not None:
+            raise DFlashError(f"--resume: {e}") from None
+        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
+        if master:
+            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
     if d is None:
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
-             f"to start")
-        earlier = None if mode else earlier_run(out)
-        need(not earlier, f"--out {out!r} already holds a run ({earlier}); pass --resume to continue it, or give a new "
-             f"--out (a run is never started over in place)")
+        earlier = earlier_run(out)
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); " + (
+            f"it holds {earlier}: --resume auto starts anew in it, or give a new --out" if earlier else
+            "drop --resume to start"))
+        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
+            "pass --resume to continue it" if previous_checkpoint(out) else "it has no complete checkpoint to "
+            "continue: pass --resume auto to start anew in it") + ", or give a new --out (a run is never started "
+             "over in place without --resume)")
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
@@ -2330,6 +2339,15 @@ class RunSetup:
     data_digest: dict | None = None
     init_from: str | None = None
 
+def flag_problems(args):
+    """Flags that each pass their own check but not together: what is wrong, and which to change."""
+    problems = []
+    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
+                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or "
+                        f"--eval_walk_tree_budget")
+    return problems
+
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
@@ -2338,14 +2356,17 @@ def check_run(args, world, device, master):
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL file" for path, flag in
-                ((args.data, "--data"), (args.eval_data, "--eval_data")) if path and not args.plan and
-                not os.path.isfile(path)]
+    problems = [f"{flag} {path!r} is a directory, not a data file; pass {flag} with a JSONL file (.jsonl or "
+                f".jsonl.gz)" if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a "
+                f"JSONL file" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
+                if path and not args.plan and not os.path.isfile(path)] + flag_problems(args)
+    # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
+    args.num_anchors = min(args.num_anchors, args.max_len - 1)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
     data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
-    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
+    resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
@@ -2576,6 +2597,8 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
     group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
+                        # of a bigger tree grows past any run's patience
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -2599,8 +2622,10 @@ def get_parser():
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1)
-    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2)
+    # the geometry's upper bounds are far above any drafter's (a few layers, B 8-16) and keep a mistyped value from
+    # allocating without end
+    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
+    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
@@ -2608,10 +2633,10 @@ def get_parser():
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
-         lo=1)
-    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1)
-    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2)
-    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1)
+         lo=1, hi=256)
+    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
+    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
+    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -2659,7 +2684,7 @@ def add_system_flags(p):
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
     flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-         "(DDTree's rule) with this many draft nodes per step (0: off)", int)
+         "(DDTree's rule) with this many draft nodes per step (0: off)", int, hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")

@@ -398,3 +398,21 @@ def one_error(capsys, main, argv, *needles, progress=False):
     for n in needles:
         assert n in err[0], (n, err[0])
     return err[0]
+
+
+# -----------------------------------------------------------------------------
+# Flags
+
+
+def flag_edges(action):
+    """(smallest, largest) value a numeric flag's rule accepts ("an integer >= 1", "a number > 0 and <= 1"): the
+    next representable value above an open bound, and a huge one (10**18, the largest float) where there is no
+    upper bound."""
+    import math
+    import re
+    m = re.fullmatch(r"(an integer|a number) (>=|>) (\S+)(?: and <= (\S+))?", action.type.text)
+    assert m, action.type.text
+    if m[1] == "an integer":
+        return int(m[3]) + (m[2] == ">"), int(m[4]) if m[4] else 10 ** 18
+    lo = float(m[3])
+    return math.nextafter(lo, math.inf) if m[2] == ">" else lo, float(m[4]) if m[4] else sys.float_info.max
