@@ -311,8 +311,8 @@ def test_flags_are_exact_with_the_closest_suggested(capsys, main, argv, typo, fl
 
 @pytest.mark.parametrize("tool,argv,typo,flag", [
     ("bench", [], "--jsn", "--json"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--endpont", "--endpoint"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--modle", "--model"),
+    ("regenerate", ["--server", "http://127.0.0.1:1/v1", "--model", "m", "--data", "d", "--out", "o"], "--endpont", "--endpoint"),
+    ("regenerate", ["--server", "http://127.0.0.1:1/v1", "--model", "m", "--data", "d", "--out", "o"], "--modle", "--model"),
 ])
 def test_tool_parsers_are_exact_too(capsys, tool, argv, typo, flag):
     import importlib
