@@ -343,7 +343,7 @@ def start_off_mask(drafter, target):
     W_M . (g * rmsnorm(e_M)), is 0 and the others are as random as under an untied lm_head. Nothing else changes:
     the drafter, the loss and what an engine serves are the same."""
     M = drafter.cfg.mask_token_id
-    e = target.embed(torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), scaled as served
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
     u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
     if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
         g = torch.ones_like(u)
@@ -452,6 +452,12 @@ def block_input_ids(input_ids, anchors, B, mask_token_id):
     ids[..., 0] = input_ids.gather(1, anchors)
     return ids
 
+def embed_blocks(target, ids):
+    """The target's embedding rows of ids, from the raw table: what vLLM and SGLang feed the drafter for the block
+    tokens, also for a target whose embedding module scales its output (Gemma's sqrt(D)), so that the checkpoint
+    needs no scale for the engines to serve what was trained."""
+    return F.embedding(ids, target.embed.weight)
+
 def block_labels(labels_all, anchors, B):
     """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
     pos = block_positions(anchors, B).clamp(max=labels_all.shape[1] - 1)
@@ -548,7 +554,7 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
     with torch.no_grad():
-        x = target.embed(block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
+        x = embed_blocks(target, block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
     context = add_context_noise(context, noise_std, len(cfg.target_layer_ids), batch["keys"])  # never on f or y
     if pad_to and pad_to > context.shape[1]:  # fixed drafter shapes for compiled kernels (padding is never visible)
         context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
@@ -693,7 +699,7 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         valid = torch.ones(n, dtype=torch.bool, device=ids.device)
         if flex and n < chunk:
             a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
-        x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
+        x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
         drafts.append(logits.argmax(-1))                                                     # (n, B-1)
@@ -1154,7 +1160,7 @@ def config_problems(cfg):
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
          f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
          f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
-         f"{[k for k in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % k == 0]}"),
+         f"{[k for k in range(1, min(cfg.num_attention_heads, 1024) + 1) if cfg.num_attention_heads % k == 0]}"),
         (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
          f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
          f"--mask_token_id with an id the target's embedding has"),
@@ -1215,45 +1221,137 @@ NOT_IMPLEMENTED = {
                                          "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
 }
 
-def not_implemented(d, dc, rope):
+def not_implemented(d, dc, ec, rope):
     """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
-    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
-    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
-            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
-            if isinstance(src, dict) and k in src and src[k] not in plain]
+    places = (("", d), ("dflash_config.", dc), ("eagle_config.", ec), ("rope_parameters.", rope),
+              ("rope_scaling.", d.get("rope_scaling")))
+    found = {}  # (key, value): the first place; transformers copies a top-level RoPE key into rope_parameters
+    for k, (plain, meaning) in NOT_IMPLEMENTED.items():
+        for place, src in places:
+            if isinstance(src, dict) and k in src and src[k] not in plain:
+                found.setdefault((k, repr(src[k])), f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this "
+                                                    f"drafter; refusing it rather than ignoring it")
+    return list(found.values())
 
-def read_attention(d, dc, n):
-    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
-    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
-    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
-    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
-    the two engines would serve different masks, and that is a problem."""
-    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
-    if types is None:
-        types = ["full_attention"] * n if is_int(n) else []
-        if causal:
-            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
-                            "bidirectionally and vLLM causally; list layer_types")
-    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
+def transformers_config(d, where):
+    """config.json as both engines hold it: transformers' own config class for its model_type (AutoConfig), which owns
+    the defaults and derived fields (Qwen3: head_dim 128 and 32 kv heads when missing, no sliding_window unless
+    use_sliding_window, layer_types from max_window_layers on when missing, rope_parameters from rope_theta)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING, AutoConfig
+    need(isinstance(d, dict), f"{where}: expected a JSON object")
+    kind = d.get("model_type")
+    need(isinstance(kind, str) and kind in CONFIG_MAPPING, f"{where}: model_type {kind!r} is not a transformers "
+         f"config class (both engines build the drafter's config from it); write \"model_type\": \"qwen3\"")
+    try:
+        c = AutoConfig.for_model(**d)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise DFlashError(f"{where}: transformers' {CONFIG_MAPPING[kind].__name__} refuses it: "
+                          f"{' '.join(str(e).split())}") from None
+    need(c.get_text_config() is c, f"{where}: model_type {kind!r} nests sub-configs; a DFlash drafter is a plain "
+         f"decoder config: write \"model_type\": \"qwen3\"")
+    return c
+
+def vllm_aux_ids(c, dc, ec):
+    """(key, its ids, the aux hidden states vLLM captures: target id + 1) from the first of these keys that is set, as
+    vLLM reads them; (None, None, None) when none is (vLLM then takes the target model's own default layers)."""
+    top = lambda k: getattr(c, k, None)  # noqa: E731
+    for key, ids, plus in (("eagle_aux_hidden_state_layer_ids", top("eagle_aux_hidden_state_layer_ids"), 0),
+                           ("dflash_config.target_layer_ids", dc.get("target_layer_ids"), 1),
+                           ("dspark_target_layer_ids", top("dspark_target_layer_ids"), 1),
+                           ("target_layer_ids", top("target_layer_ids"), 1),
+                           ("dflash_config.layer_ids", dc.get("layer_ids"), 0),
+                           ("eagle_config.layer_ids", ec.get("layer_ids"), 0)):
+        if ids:
+            return key, ids, [t + plus for t in ids] if isinstance(ids, list) and all(map(is_int, ids)) else ids
+    return None, None, None
+
+def engines_differ(d, c, dc, ec, ids, num_target):
+    """One line per key of transformers' config object c that vLLM and SGLang would serve differently (or that both
+    refuse), saying what each does and what to write instead. ids: the target layers as SGLang reads them
+    (dflash_config, then the top level; None when neither has them)."""
+    out, D = [], c.hidden_size
+    act, width, scale = getattr(c, "hidden_act", "silu"), getattr(c, "target_hidden_size", None), \
+        getattr(c, "logit_scale", None)
+    if act != "silu":
+        out.append(f"hidden_act={act!r}: both engines serve DFlash drafters with silu only (and so does this drafter); "
+                   f"write \"hidden_act\": \"silu\"")
+    if width not in (None, D):
+        out.append(f"target_hidden_size={width!r} differs from hidden_size {D}: vLLM sizes fc for target layers of "
+                   f"width {width}, SGLang for {D}; drop it (the drafter's hidden_size is the target's)")
+    if scale not in (None, 1):
+        out.append(f"logit_scale={scale!r}: vLLM scales the drafter's logits by it, SGLang ignores it; drop it")
+    top = getattr(c, "mask_token_id", None)
+    vllm_mask, sglang_mask = {**ec, **dc}.get("mask_token_id", top), dc.get("mask_token_id", top)
+    if vllm_mask != sglang_mask:
+        out.append(f"eagle_config.mask_token_id={vllm_mask!r} is read by vLLM only (SGLang reads dflash_config, then "
+                   f"the top level: {sglang_mask!r}); write the mask token id as dflash_config.mask_token_id")
+    if getattr(c, "draft_vocab_size", None) not in (None, c.vocab_size):
+        out.append(f"draft_vocab_size={c.draft_vocab_size} (a reduced draft vocabulary vLLM maps through d2t, SGLang "
+                   f"ignores) is not implemented by this drafter; refusing it rather than ignoring it")
+    key, raw, aux = vllm_aux_ids(c, dc, ec)
+    if ids is None:
+        vllm = f"{key} {raw}" if key else "the target model's own default layers"
+        L, n = num_target, c.num_hidden_layers
+        example = f", e.g. {valid_target_layer_ids(L, n)}" if is_int(L) and L > 0 else ""
+        out.append(f"target_layer_ids is missing: vLLM would capture {vllm}, SGLang its spread of layers 1..L-3; "
+                   f"write dflash_config.target_layer_ids{example}")
+    elif isinstance(ids, list) and all(map(is_int, ids)) and aux != [t + 1 for t in ids]:
+        out.append(f"{key} {raw} names other target layers than target_layer_ids {ids}: vLLM would serve the first, "
+                   f"SGLang the second; make them equal (eagle_aux ids and layer_ids are target ids + 1)")
+    return out + attention_differs(d, c, dc)
+
+def attention_differs(d, c, dc):
+    """The attention keys of c that the engines serve differently or both refuse. Both read layer_types,
+    sliding_window and the top-level is_causal (absent: a layer is causal iff it is sliding); vLLM alone also reads
+    dflash_config.causal (below is_causal), use_swa (every layer sliding when layer_types lists none) and
+    swa_window_size (over sliding_window)."""
+    types, W, out = getattr(c, "layer_types", None) or [], getattr(c, "sliding_window", None), []
+    sliding = [t == "sliding_attention" for t in types]
+    given = d.get("sliding_window") or dc.get("swa_window_size")
+    if any(sliding) and W is None:
+        also = ("SGLang then refuses a sliding layer without it (vLLM falls back to dflash_config.swa_window_size)"
+                if "swa_window_size" in dc else "both engines then refuse a sliding layer without it")
+        out.append(f"layer_types has sliding layers, sliding_window {given} but use_sliding_window "
+                   f"{str(d.get('use_sliding_window')).lower() if 'use_sliding_window' in d else 'missing'}: "
+                   f"transformers drops the window, {also}; set \"use_sliding_window\": true" if given else
+                   "layer_types has sliding layers but no sliding_window: both engines refuse it; set sliding_window "
+                   "and \"use_sliding_window\": true")
     if dc.get("use_swa") and not any(sliding):
-        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
-                        "layers in layer_types instead")
-    window = dc.get("swa_window_size", d.get("sliding_window"))
-    if any(sliding) and d.get("sliding_window") not in (None, window):
-        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
-                        f"{d['sliding_window']} (SGLang); make them equal")
-    if causal is None and dc.get("causal") is not None:
-        if any(s != bool(dc["causal"]) for s in sliding):
-            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
-                            f"iff it is sliding); state it as the top-level is_causal, which both read")
-        causal = dc["causal"]
-    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
+        out.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding layers "
+                   "in layer_types instead")
+    if any(sliding) and W is not None and dc.get("swa_window_size", W) != W:
+        out.append(f"dflash_config.swa_window_size {dc['swa_window_size']} (vLLM) differs from sliding_window {W} "
+                   f"(SGLang); make them equal")
+    if getattr(c, "is_causal", None) is None and dc.get("causal") is not None \
+            and any(s != bool(dc["causal"]) for s in sliding):
+        out.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal iff it "
+                   f"is sliding); state it as the top-level is_causal, which both read")
+    return out
 
+def engine_problems(cfg):
+    """Layouts that are legal drafters here (their masks are well defined) but that one engine would serve as another
+    drafter: refused when read, before training starts, and by the writer, each with the flag that fixes it."""
+    n, B, W, L, ids, out = cfg.num_hidden_layers, cfg.block_size, cfg.sliding_window, cfg.num_target_layers, \
+        cfg.target_layer_ids, []
+    both_sides = [i for i in range(n) if cfg.layer_kind(i) == (False, W) and W is not None]
+    if both_sides and B > W:
+        out.append(f"layers {both_sides} are bidirectional sliding layers (is_causal false) with block_size {B} > "
+                   f"sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left only "
+                   f"(later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}")
+    if ids[-1] == L - 1:
+        fixed = sorted({min(t, L - 2) for t in ids})
+        out.append(f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang cannot "
+                   f"capture it (it captures layer inputs); pass --target_layer_ids {','.join(map(str, fixed))}")
+    return out
 
 def config_to_json(cfg):
     """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
-    every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
-    Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
+    every key vLLM and SGLang read (see attention_differs), so that no engine default decides what it means.
+    Nothing is copied from the target config but the fields above (never partial_rotary_factor). A layout one engine
+    would serve as another drafter (engine_problems) is never written."""
+    bad = engine_problems(cfg)
+    need(not bad, "\n".join(bad))
     d = asdict(cfg)
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
@@ -1274,61 +1372,43 @@ def config_to_json(cfg):
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_from_json(d, where="config.json"):
-    """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
-    level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
-    RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
-    missing: the default spread. A key this drafter does not implement, or one the two engines would serve
-    differently, is refused (one line each), never ignored."""
-    need(isinstance(d, dict), f"{where}: expected a JSON object")
-    dc = d.get("dflash_config") or {}
-    need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
-    get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
-    rope = d.get("rope_parameters") or {}
-    need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
-         f"{where}: per-layer-type rope_parameters are not supported")
-    bad = not_implemented(d, dc, rope)
-    scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    num_target, ids = get("num_target_layers"), get("target_layer_ids")
-    need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
-         f"decoder layers" + ("" if ids else " (target_layer_ids cannot be derived without it)"))
-    need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
-    try:
-        n, heads = d["num_hidden_layers"], d["num_attention_heads"]
-        layer_types, window, is_causal, differ = read_attention(d, dc, n)
-        ids = ids if isinstance(ids, list) else ids or []
-        if ids == [] and is_int(num_target) and is_int(n) and n > 0:
-            ids = default_target_layer_ids(num_target, n)
-        for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
-                           [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
-                           if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
-            if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
-                differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
-                              f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
-        if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
-            bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
-                       f"is not implemented by this drafter; refusing it rather than ignoring it")
-        kw = dict(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-            mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
-            layer_types=layer_types, sliding_window=window, is_causal=is_causal)
-    except KeyError as e:
-        raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
-    need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
-    try:
-        return DFlashConfig(**kw)
+    """Read a z-lab, NeMo, SpecForge or our config.json as vLLM and SGLang serve it: through transformers' config
+    class (transformers_config), then the DFlash keys from that object in the engines' order (dflash_config, then the
+    top level). A key this drafter does not implement (not_implemented) or that the engines serve differently
+    (engines_differ, engine_problems) is refused, one line each, never ignored."""
+    c = transformers_config(d, where)
+    n, dc, ec = c.num_hidden_layers, *(getattr(c, k, None) or {} for k in ("dflash_config", "eagle_config"))
+    need(isinstance(dc, dict) and isinstance(ec, dict), f"{where}: dflash_config and eagle_config must be JSON objects")
+    get = lambda k, default=None: dc[k] if k in dc else getattr(c, k, default)  # noqa: E731
+    rope = dict(c.rope_parameters or {})
+    need("rope_theta" in rope, f"{where}: per-layer-type rope_parameters are not supported")
+    ids, num_target = get("target_layer_ids"), get("num_target_layers")
+    bad = [msg for ok, msg in ((num_target is not None, "num_target_layers is missing; set it to the target's number "
+                                                        "of decoder layers"),
+                               (get("mask_token_id") is not None, "mask_token_id is missing (expected in "
+                                                                  "dflash_config)")) if not ok]
+    bad += not_implemented(d, dc, ec, rope) + engines_differ(d, c, dc, ec, ids, num_target)
+    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    try:  # a config class of another model_type may lack a field Qwen3's has
+        cfg = DFlashConfig(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=n,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // max(c.num_attention_heads, 1),
+            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"],
+            rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None,
+            max_position_embeddings=c.max_position_embeddings, attention_bias=getattr(c, "attention_bias", False),
+            block_size=get("block_size", 16), mask_token_id=get("mask_token_id"), num_target_layers=num_target,
+            target_layer_ids=ids, layer_types=getattr(c, "layer_types", None) or ["full_attention"] * n,
+            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None))
+    except AttributeError as e:
+        raise DFlashError(f"{where}: required field {e.name!r} is missing") from None
     except DFlashError as e:
-        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
-            from None
+        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) from None
+    bad = engine_problems(cfg)
+    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
+    return cfg
+
 
 
 # -----------------------------------------------------------------------------
@@ -1365,6 +1445,9 @@ def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
     cfg_path = os.path.join(path, "config.json")
     need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
+    need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
+         f"mask token's embedding with it, SGLang does not (it embeds mask_token_id with the target's table, as "
+         f"training here does); remove it from the drafter directory")
     return config_from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
 
 def safetensors_files(path):
@@ -1561,7 +1644,8 @@ def fallback_hint(out, corrupt=None):
     if prev:
         return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
                f"{latest}) and resume"
-    return f"there is no earlier complete checkpoint in {out}: drop --resume (or use a new --out) to start anew"
+    return f"there is no earlier complete checkpoint in {out}: --resume auto starts anew in it (nothing there can " \
+           f"be continued), or give a new --out"
 
 def latest_checkpoint(out):
     """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
@@ -1984,7 +2068,8 @@ class Batches:
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
             raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size")
+                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
+                              f"--grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
@@ -2144,7 +2229,7 @@ def file_digest(path):
 
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
-def resume_point(args, data_digest):
+def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
     Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
     data, with another flag that decides the data order, or with another loss (--loss, and --dpace_alpha for
@@ -2154,13 +2239,20 @@ def resume_point(args, data_digest):
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        raise DFlashError(f"--resume: {e}") from None
+        if mode != "auto" or previous_checkpoint(out) is not None:
+            raise DFlashError(f"--resume: {e}") from None
+        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
+        if master:
+            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
     if d is None:
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
-             f"to start")
-        earlier = None if mode else earlier_run(out)
-        need(not earlier, f"--out {out!r} already holds a run ({earlier}); pass --resume to continue it, or give a new "
-             f"--out (a run is never started over in place)")
+        earlier = earlier_run(out)
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); " + (
+            f"it holds {earlier}: --resume auto starts anew in it, or give a new --out" if earlier else
+            "drop --resume to start"))
+        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
+            "pass --resume to continue it" if previous_checkpoint(out) else "it has no complete checkpoint to "
+            "continue: pass --resume auto to start anew in it") + ", or give a new --out (a run is never started "
+             "over in place without --resume)")
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
@@ -2270,6 +2362,8 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
     except DFlashError as e:
         problems += str(e).splitlines()
+    else:
+        problems += engine_problems(cfg)  # before any weights load: check_run calls this on the meta target
     need(not problems, "\n".join(problems))
     if rope_note:
         say(rope_note)
@@ -2285,6 +2379,15 @@ class RunSetup:
     data_digest: dict | None = None
     init_from: str | None = None
 
+def flag_problems(args):
+    """Flags that each pass their own check but not together: what is wrong, and which to change."""
+    problems = []
+    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
+                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or "
+                        f"--eval_walk_tree_budget")
+    return problems
+
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
@@ -2293,14 +2396,17 @@ def check_run(args, world, device, master):
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL file" for path, flag in
-                ((args.data, "--data"), (args.eval_data, "--eval_data")) if path and not args.plan and
-                not os.path.isfile(path)]
+    problems = [f"{flag} {path!r} is a directory, not a data file; pass {flag} with a JSONL file (.jsonl or "
+                f".jsonl.gz)" if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a "
+                f"JSONL file" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
+                if path and not args.plan and not os.path.isfile(path)] + flag_problems(args)
+    # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
+    args.num_anchors = min(args.num_anchors, args.max_len - 1)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
     data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
-    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
+    resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
@@ -2531,6 +2637,8 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
     group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
+                        # of a bigger tree grows past any run's patience
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -2554,8 +2662,10 @@ def get_parser():
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1)
-    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2)
+    # the geometry's upper bounds are far above any drafter's (a few layers, B 8-16) and keep a mistyped value from
+    # allocating without end
+    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
+    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
@@ -2563,10 +2673,10 @@ def get_parser():
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
-         lo=1)
-    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1)
-    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2)
-    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1)
+         lo=1, hi=256)
+    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
+    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
+    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -2620,7 +2730,7 @@ def add_system_flags(p):
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
     flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-         "(DDTree's rule) with this many draft nodes per step (0: off)", int)
+         "(DDTree's rule) with this many draft nodes per step (0: off)", int, hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")
