@@ -343,7 +343,7 @@ def start_off_mask(drafter, target):
     W_M . (g * rmsnorm(e_M)), is 0 and the others are as random as under an untied lm_head. Nothing else changes:
     the drafter, the loss and what an engine serves are the same."""
     M = drafter.cfg.mask_token_id
-    e = target.embed(torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), scaled as served
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
     u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
     if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
         g = torch.ones_like(u)
@@ -452,6 +452,12 @@ def block_input_ids(input_ids, anchors, B, mask_token_id):
     ids[..., 0] = input_ids.gather(1, anchors)
     return ids
 
+def embed_blocks(target, ids):
+    """The target's embedding rows of ids, from the raw table: what vLLM and SGLang feed the drafter for the block
+    tokens, also for a target whose embedding module scales its output (Gemma's sqrt(D)), so that the checkpoint
+    needs no scale for the engines to serve what was trained."""
+    return F.embedding(ids, target.embed.weight)
+
 def block_labels(labels_all, anchors, B):
     """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
     pos = block_positions(anchors, B).clamp(max=labels_all.shape[1] - 1)
@@ -470,7 +476,8 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
 
 
 # -----------------------------------------------------------------------------
-# The corrected loss: hard cross-entropy, weighted by block offset, normalised over the whole global batch
+# The corrected loss: hard cross-entropy, weighted by block offset (--loss ce, the paper's) or by the drafter's own
+# confidence (--loss dpace, D-PACE), normalised over the whole global batch
 
 MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
 
@@ -484,49 +491,77 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
+LOSSES = ("ce", "dpace", "dpace-prefix", "dpace-continuation")  # --loss: the paper's CE, D-PACE, D-PACE's 2 factors
+
+def dpace_weights(q, valid, alpha, loss="dpace"):
+    """D-PACE's weights (b, N, B) from q, the drafter's probability of each label (detached), on the valid positions
+    (0 elsewhere). A block's expected number of accepted drafts is sum_m P_m, P_j = prod_{i<=j} s_i the chance its
+    first j drafts all pass, with the confidence smoothed to s_i = (1-alpha) q_i + alpha (an invalid position counts
+    as 1); offset j weighs what it moves in that sum, w_j = sum_{m>=j, m valid} P_m ("dpace") = P_j times the value
+    of continuing; "dpace-prefix" keeps P_j alone, "dpace-continuation" w_j / P_j alone."""
+    s = torch.where(valid, (1 - alpha) * q + alpha, 1.0)
+    prefix = s.cumprod(-1)                                                         # P_j
+    if loss == "dpace-prefix":
+        return prefix * valid
+    suffix = (prefix * valid).flip(-1).cumsum(-1).flip(-1)                         # sum_{m>=j, m valid} P_m
+    if loss == "dpace":
+        return suffix * valid
+    return suffix / prefix.clamp(min=torch.finfo(prefix.dtype).tiny) * valid     # dpace-continuation
+
+def loss_normaliser(loss, weights):
+    """The loss's denominator over a batch (weights from loss_weights); train_step sums it over the global batch.
+    ce: sum(w), a mean over weighted tokens; D-PACE: the number of sequences (rows with a real anchor), as SpecForge."""
+    return weights.sum() if loss == "ce" else (weights > 0).flatten(1).any(1).sum().float()
+
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss="ce", dpace_alpha=0.5):
     """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
-    hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
-    per offset, accepted (sum of leading runs of correct drafts: what greedy verification accepts), blocks."""
+    hidden (b, N, B, D), labels/weights (b, N, B): w = weights for "ce"; for a D-PACE loss, dpace_weights of the
+    drafter's own probability of each label where weights > 0. stats holds sums to all-reduce: w (the normaliser,
+    loss_normaliser), ce_w, correct[i] / count[i] per offset, accepted (sum of leading runs of correct drafts: what
+    greedy verification accepts), blocks; these metrics (the tau estimate) never depend on the loss's weights."""
     w = weights.flatten()
     sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
     ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
                                      labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
-    ce_w = (ce * w[sel]).sum()
     valid = weights > 0
+    if loss != "ce":  # D-PACE: q = exp(-CE), the drafter's probability of the label; the weights get no gradient
+        q = torch.zeros_like(w).index_put((sel,), ce.detach().neg().exp()).view_as(weights)
+        w = dpace_weights(q, valid, dpace_alpha, loss).flatten()
+    ce_w = (ce * w[sel]).sum()
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
     correct[sel] = pred == labels.flatten()[sel]
     correct = correct.view_as(valid) & valid
     blocks = valid[..., 1]  # a block counts if its first draft position is valid
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
-    return ce_w, {"w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
-                  "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
-                  "blocks": blocks.sum().float()}
+    return ce_w, {"w": loss_normaliser(loss, weights).detach(), "ce_w": ce_w.detach(),
+                  "correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
+                  "accepted": (accepted * blocks).sum().float(), "blocks": blocks.sum().float()}
 
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
-                labels="target", pad_to=None):
+                labels="target", pad_to=None, loss="ce", dpace_alpha=0.5):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
 
     model: the drafter (or its compiled / DDP wrapper), cfg its config. anchors, anchor_valid (b, N) from
     batch_anchors; weights (b, N, B) from loss_weights. labels: "target" (the target's greedy token at a+i: what
     verification accepts) or "data" (the data token, for data the target regenerated). noise_std: context-feature
-    noise (0 in evaluation). Returns (loss, stats) with loss = sum(w * CE) / weight_total, weight_total defaulting to
-    this batch's sum(w); training passes the sum over the whole global batch, so the split over ranks and micro-steps
-    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize)."""
+    noise (0 in evaluation). loss, dpace_alpha: "ce" or a D-PACE loss (weighted_ce). Returns (loss, stats) with
+    loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's loss_normaliser; training passes the
+    sum over the whole global batch, so the split over ranks and micro-steps cannot dilute or reweight the loss.
+    stats holds numerators and denominators to all-reduce (see summarize)."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
     with torch.no_grad():
-        x = target.embed(block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
+        x = embed_blocks(target, block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
     context = add_context_noise(context, noise_std, len(cfg.target_layer_ids), batch["keys"])  # never on f or y
     if pad_to and pad_to > context.shape[1]:  # fixed drafter shapes for compiled kernels (padding is never visible)
         context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
     with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
         hidden = model(context, x, anchors, anchor_valid)                      # (b, N, B, D)
-    ce_w, stats = weighted_ce(hidden, target.lm_head, y, w)
-    return ce_w / (w.sum() if weight_total is None else weight_total).clamp(min=1e-9), stats
+    ce_w, stats = weighted_ce(hidden, target.lm_head, y, w, loss=loss, dpace_alpha=dpace_alpha)
+    return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
 
 STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
 
@@ -664,7 +699,7 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         valid = torch.ones(n, dtype=torch.bool, device=ids.device)
         if flex and n < chunk:
             a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
-        x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
+        x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
         drafts.append(logits.argmax(-1))                                                     # (n, B-1)
@@ -737,24 +772,25 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
+def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, loss="ce",
+               **loss_kw):
     """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
     step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
     skips it: grads are all-reduced and the loss summed, so every rank skips together).
     The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
-    the sum of weights over the whole global batch: sum(w * CE) / sum(w), whatever the split."""
+    the whole global batch's loss_normaliser (sum(w), or its number of sequences for D-PACE), whatever the split."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
-    w_total = sum(w.sum() for w in weights).to(device)
+    w_total = sum(loss_normaliser(loss, w) for w in weights).to(device)
     w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
     total = None
     for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
         # no gradient all-reduce until the last micro-step, around forward *and* backward
         sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
         with sync:
-            loss, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, **loss_kw)
-            loss.backward()
+            out, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, loss=loss, **loss_kw)
+            out.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     total = all_reduce_sum(total, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -790,12 +826,13 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
                                              **{**loss_kw, "noise_std": 0})[1])
     return summarize(all_reduce_sum(total, world))
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device):
-    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats)."""
+def step_record(step, total, lr, grad_norm, tokens_per_s, device, loss="ce"):
+    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats; loss: the
+    --loss that trained it)."""
     m, mem = summarize(total), peak_memory_mb(device)
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
             f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
-    return line, {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
+    return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
                   "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say,
@@ -810,13 +847,13 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
                  **loss_kw)
     walked, tree_walked, walk_acceptance = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
     drafter.train()
-    say(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
         + (f"  walked tau {walked:.3f}" if walked is not None else "")
         + (f"  tree ({args.eval_walk_tree_budget} nodes) {tree_walked:.3f}" if tree_walked is not None else ""))
     tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
     walk = {"eval_walk_acceptance": walk_acceptance, "measured": measured} if walked is not None else {}
-    log_metrics({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"],
-                 "eval_walk_tau": walked, **tree, **walk})
+    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **walk})
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -851,7 +888,8 @@ def train(args):
                                 prompts=walk_prompts(eval_samples, args.eval_walk_prompts))
     os.makedirs(args.out, exist_ok=True)
     say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
-        f"{batches.global_batch} samples, {world} rank(s) on {device.type}")
+        f"{batches.global_batch} samples, {world} rank(s) on {device.type}; loss {args.loss} "
+        f"({f'gamma {args.gamma}' if args.loss == 'ce' else f'alpha {args.dpace_alpha}'})")
 
     def log_metrics(record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
         if master:
@@ -865,7 +903,8 @@ def train(args):
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "wandb_id": trackers.wandb_id}, world, say, trained_for)
+            "loss": args.loss, "dpace_alpha": args.dpace_alpha, "wandb_id": trackers.wandb_id},
+            world, say, trained_for)
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
@@ -894,7 +933,7 @@ def train(args):
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
                 line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device)
+                                           device, args.loss)
                 say(line)
                 log_metrics(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
@@ -1136,7 +1175,7 @@ def config_problems(cfg):
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
          f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
          f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
-         f"{[k for k in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % k == 0]}"),
+         f"{[k for k in range(1, min(cfg.num_attention_heads, 1024) + 1) if cfg.num_attention_heads % k == 0]}"),
         (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
          f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
          f"--mask_token_id with an id the target's embedding has"),
@@ -1197,45 +1236,137 @@ NOT_IMPLEMENTED = {
                                          "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
 }
 
-def not_implemented(d, dc, rope):
+def not_implemented(d, dc, ec, rope):
     """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
-    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
-    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
-            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
-            if isinstance(src, dict) and k in src and src[k] not in plain]
+    places = (("", d), ("dflash_config.", dc), ("eagle_config.", ec), ("rope_parameters.", rope),
+              ("rope_scaling.", d.get("rope_scaling")))
+    found = {}  # (key, value): the first place; transformers copies a top-level RoPE key into rope_parameters
+    for k, (plain, meaning) in NOT_IMPLEMENTED.items():
+        for place, src in places:
+            if isinstance(src, dict) and k in src and src[k] not in plain:
+                found.setdefault((k, repr(src[k])), f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this "
+                                                    f"drafter; refusing it rather than ignoring it")
+    return list(found.values())
 
-def read_attention(d, dc, n):
-    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
-    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
-    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
-    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
-    the two engines would serve different masks, and that is a problem."""
-    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
-    if types is None:
-        types = ["full_attention"] * n if is_int(n) else []
-        if causal:
-            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
-                            "bidirectionally and vLLM causally; list layer_types")
-    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
+def transformers_config(d, where):
+    """config.json as both engines hold it: transformers' own config class for its model_type (AutoConfig), which owns
+    the defaults and derived fields (Qwen3: head_dim 128 and 32 kv heads when missing, no sliding_window unless
+    use_sliding_window, layer_types from max_window_layers on when missing, rope_parameters from rope_theta)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING, AutoConfig
+    need(isinstance(d, dict), f"{where}: expected a JSON object")
+    kind = d.get("model_type")
+    need(isinstance(kind, str) and kind in CONFIG_MAPPING, f"{where}: model_type {kind!r} is not a transformers "
+         f"config class (both engines build the drafter's config from it); write \"model_type\": \"qwen3\"")
+    try:
+        c = AutoConfig.for_model(**d)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise DFlashError(f"{where}: transformers' {CONFIG_MAPPING[kind].__name__} refuses it: "
+                          f"{' '.join(str(e).split())}") from None
+    need(c.get_text_config() is c, f"{where}: model_type {kind!r} nests sub-configs; a DFlash drafter is a plain "
+         f"decoder config: write \"model_type\": \"qwen3\"")
+    return c
+
+def vllm_aux_ids(c, dc, ec):
+    """(key, its ids, the aux hidden states vLLM captures: target id + 1) from the first of these keys that is set, as
+    vLLM reads them; (None, None, None) when none is (vLLM then takes the target model's own default layers)."""
+    top = lambda k: getattr(c, k, None)  # noqa: E731
+    for key, ids, plus in (("eagle_aux_hidden_state_layer_ids", top("eagle_aux_hidden_state_layer_ids"), 0),
+                           ("dflash_config.target_layer_ids", dc.get("target_layer_ids"), 1),
+                           ("dspark_target_layer_ids", top("dspark_target_layer_ids"), 1),
+                           ("target_layer_ids", top("target_layer_ids"), 1),
+                           ("dflash_config.layer_ids", dc.get("layer_ids"), 0),
+                           ("eagle_config.layer_ids", ec.get("layer_ids"), 0)):
+        if ids:
+            return key, ids, [t + plus for t in ids] if isinstance(ids, list) and all(map(is_int, ids)) else ids
+    return None, None, None
+
+def engines_differ(d, c, dc, ec, ids, num_target):
+    """One line per key of transformers' config object c that vLLM and SGLang would serve differently (or that both
+    refuse), saying what each does and what to write instead. ids: the target layers as SGLang reads them
+    (dflash_config, then the top level; None when neither has them)."""
+    out, D = [], c.hidden_size
+    act, width, scale = getattr(c, "hidden_act", "silu"), getattr(c, "target_hidden_size", None), \
+        getattr(c, "logit_scale", None)
+    if act != "silu":
+        out.append(f"hidden_act={act!r}: both engines serve DFlash drafters with silu only (and so does this drafter); "
+                   f"write \"hidden_act\": \"silu\"")
+    if width not in (None, D):
+        out.append(f"target_hidden_size={width!r} differs from hidden_size {D}: vLLM sizes fc for target layers of "
+                   f"width {width}, SGLang for {D}; drop it (the drafter's hidden_size is the target's)")
+    if scale not in (None, 1):
+        out.append(f"logit_scale={scale!r}: vLLM scales the drafter's logits by it, SGLang ignores it; drop it")
+    top = getattr(c, "mask_token_id", None)
+    vllm_mask, sglang_mask = {**ec, **dc}.get("mask_token_id", top), dc.get("mask_token_id", top)
+    if vllm_mask != sglang_mask:
+        out.append(f"eagle_config.mask_token_id={vllm_mask!r} is read by vLLM only (SGLang reads dflash_config, then "
+                   f"the top level: {sglang_mask!r}); write the mask token id as dflash_config.mask_token_id")
+    if getattr(c, "draft_vocab_size", None) not in (None, c.vocab_size):
+        out.append(f"draft_vocab_size={c.draft_vocab_size} (a reduced draft vocabulary vLLM maps through d2t, SGLang "
+                   f"ignores) is not implemented by this drafter; refusing it rather than ignoring it")
+    key, raw, aux = vllm_aux_ids(c, dc, ec)
+    if ids is None:
+        vllm = f"{key} {raw}" if key else "the target model's own default layers"
+        L, n = num_target, c.num_hidden_layers
+        example = f", e.g. {valid_target_layer_ids(L, n)}" if is_int(L) and L > 0 else ""
+        out.append(f"target_layer_ids is missing: vLLM would capture {vllm}, SGLang its spread of layers 1..L-3; "
+                   f"write dflash_config.target_layer_ids{example}")
+    elif isinstance(ids, list) and all(map(is_int, ids)) and aux != [t + 1 for t in ids]:
+        out.append(f"{key} {raw} names other target layers than target_layer_ids {ids}: vLLM would serve the first, "
+                   f"SGLang the second; make them equal (eagle_aux ids and layer_ids are target ids + 1)")
+    return out + attention_differs(d, c, dc)
+
+def attention_differs(d, c, dc):
+    """The attention keys of c that the engines serve differently or both refuse. Both read layer_types,
+    sliding_window and the top-level is_causal (absent: a layer is causal iff it is sliding); vLLM alone also reads
+    dflash_config.causal (below is_causal), use_swa (every layer sliding when layer_types lists none) and
+    swa_window_size (over sliding_window)."""
+    types, W, out = getattr(c, "layer_types", None) or [], getattr(c, "sliding_window", None), []
+    sliding = [t == "sliding_attention" for t in types]
+    given = d.get("sliding_window") or dc.get("swa_window_size")
+    if any(sliding) and W is None:
+        also = ("SGLang then refuses a sliding layer without it (vLLM falls back to dflash_config.swa_window_size)"
+                if "swa_window_size" in dc else "both engines then refuse a sliding layer without it")
+        out.append(f"layer_types has sliding layers, sliding_window {given} but use_sliding_window "
+                   f"{str(d.get('use_sliding_window')).lower() if 'use_sliding_window' in d else 'missing'}: "
+                   f"transformers drops the window, {also}; set \"use_sliding_window\": true" if given else
+                   "layer_types has sliding layers but no sliding_window: both engines refuse it; set sliding_window "
+                   "and \"use_sliding_window\": true")
     if dc.get("use_swa") and not any(sliding):
-        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
-                        "layers in layer_types instead")
-    window = dc.get("swa_window_size", d.get("sliding_window"))
-    if any(sliding) and d.get("sliding_window") not in (None, window):
-        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
-                        f"{d['sliding_window']} (SGLang); make them equal")
-    if causal is None and dc.get("causal") is not None:
-        if any(s != bool(dc["causal"]) for s in sliding):
-            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
-                            f"iff it is sliding); state it as the top-level is_causal, which both read")
-        causal = dc["causal"]
-    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
+        out.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding layers "
+                   "in layer_types instead")
+    if any(sliding) and W is not None and dc.get("swa_window_size", W) != W:
+        out.append(f"dflash_config.swa_window_size {dc['swa_window_size']} (vLLM) differs from sliding_window {W} "
+                   f"(SGLang); make them equal")
+    if getattr(c, "is_causal", None) is None and dc.get("causal") is not None \
+            and any(s != bool(dc["causal"]) for s in sliding):
+        out.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal iff it "
+                   f"is sliding); state it as the top-level is_causal, which both read")
+    return out
 
+def engine_problems(cfg):
+    """Layouts that are legal drafters here (their masks are well defined) but that one engine would serve as another
+    drafter: refused when read, before training starts, and by the writer, each with the flag that fixes it."""
+    n, B, W, L, ids, out = cfg.num_hidden_layers, cfg.block_size, cfg.sliding_window, cfg.num_target_layers, \
+        cfg.target_layer_ids, []
+    both_sides = [i for i in range(n) if cfg.layer_kind(i) == (False, W) and W is not None]
+    if both_sides and B > W:
+        out.append(f"layers {both_sides} are bidirectional sliding layers (is_causal false) with block_size {B} > "
+                   f"sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left only "
+                   f"(later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}")
+    if ids[-1] == L - 1:
+        fixed = sorted({min(t, L - 2) for t in ids})
+        out.append(f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang cannot "
+                   f"capture it (it captures layer inputs); pass --target_layer_ids {','.join(map(str, fixed))}")
+    return out
 
 def config_to_json(cfg):
     """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
-    every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
-    Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
+    every key vLLM and SGLang read (see attention_differs), so that no engine default decides what it means.
+    Nothing is copied from the target config but the fields above (never partial_rotary_factor). A layout one engine
+    would serve as another drafter (engine_problems) is never written."""
+    bad = engine_problems(cfg)
+    need(not bad, "\n".join(bad))
     d = asdict(cfg)
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
@@ -1256,61 +1387,43 @@ def config_to_json(cfg):
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_from_json(d, where="config.json"):
-    """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
-    level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
-    RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
-    missing: the default spread. A key this drafter does not implement, or one the two engines would serve
-    differently, is refused (one line each), never ignored."""
-    need(isinstance(d, dict), f"{where}: expected a JSON object")
-    dc = d.get("dflash_config") or {}
-    need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
-    get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
-    rope = d.get("rope_parameters") or {}
-    need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
-         f"{where}: per-layer-type rope_parameters are not supported")
-    bad = not_implemented(d, dc, rope)
-    scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    num_target, ids = get("num_target_layers"), get("target_layer_ids")
-    need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
-         f"decoder layers" + ("" if ids else " (target_layer_ids cannot be derived without it)"))
-    need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
-    try:
-        n, heads = d["num_hidden_layers"], d["num_attention_heads"]
-        layer_types, window, is_causal, differ = read_attention(d, dc, n)
-        ids = ids if isinstance(ids, list) else ids or []
-        if ids == [] and is_int(num_target) and is_int(n) and n > 0:
-            ids = default_target_layer_ids(num_target, n)
-        for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
-                           [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
-                           if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
-            if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
-                differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
-                              f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
-        if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
-            bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
-                       f"is not implemented by this drafter; refusing it rather than ignoring it")
-        kw = dict(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-            mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
-            layer_types=layer_types, sliding_window=window, is_causal=is_causal)
-    except KeyError as e:
-        raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
-    need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
-    try:
-        return DFlashConfig(**kw)
+    """Read a z-lab, NeMo, SpecForge or our config.json as vLLM and SGLang serve it: through transformers' config
+    class (transformers_config), then the DFlash keys from that object in the engines' order (dflash_config, then the
+    top level). A key this drafter does not implement (not_implemented) or that the engines serve differently
+    (engines_differ, engine_problems) is refused, one line each, never ignored."""
+    c = transformers_config(d, where)
+    n, dc, ec = c.num_hidden_layers, *(getattr(c, k, None) or {} for k in ("dflash_config", "eagle_config"))
+    need(isinstance(dc, dict) and isinstance(ec, dict), f"{where}: dflash_config and eagle_config must be JSON objects")
+    get = lambda k, default=None: dc[k] if k in dc else getattr(c, k, default)  # noqa: E731
+    rope = dict(c.rope_parameters or {})
+    need("rope_theta" in rope, f"{where}: per-layer-type rope_parameters are not supported")
+    ids, num_target = get("target_layer_ids"), get("num_target_layers")
+    bad = [msg for ok, msg in ((num_target is not None, "num_target_layers is missing; set it to the target's number "
+                                                        "of decoder layers"),
+                               (get("mask_token_id") is not None, "mask_token_id is missing (expected in "
+                                                                  "dflash_config)")) if not ok]
+    bad += not_implemented(d, dc, ec, rope) + engines_differ(d, c, dc, ec, ids, num_target)
+    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    try:  # a config class of another model_type may lack a field Qwen3's has
+        cfg = DFlashConfig(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=n,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // max(c.num_attention_heads, 1),
+            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"],
+            rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None,
+            max_position_embeddings=c.max_position_embeddings, attention_bias=getattr(c, "attention_bias", False),
+            block_size=get("block_size", 16), mask_token_id=get("mask_token_id"), num_target_layers=num_target,
+            target_layer_ids=ids, layer_types=getattr(c, "layer_types", None) or ["full_attention"] * n,
+            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None))
+    except AttributeError as e:
+        raise DFlashError(f"{where}: required field {e.name!r} is missing") from None
     except DFlashError as e:
-        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
-            from None
+        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) from None
+    bad = engine_problems(cfg)
+    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
+    return cfg
+
 
 
 # -----------------------------------------------------------------------------
@@ -1347,6 +1460,9 @@ def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
     cfg_path = os.path.join(path, "config.json")
     need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
+    need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
+         f"mask token's embedding with it, SGLang does not (it embeds mask_token_id with the target's table, as "
+         f"training here does); remove it from the drafter directory")
     return config_from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
 
 def safetensors_files(path):
@@ -1543,7 +1659,8 @@ def fallback_hint(out, corrupt=None):
     if prev:
         return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
                f"{latest}) and resume"
-    return f"there is no earlier complete checkpoint in {out}: drop --resume (or use a new --out) to start anew"
+    return f"there is no earlier complete checkpoint in {out}: --resume auto starts anew in it (nothing there can " \
+           f"be continued), or give a new --out"
 
 def latest_checkpoint(out):
     """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
@@ -1835,11 +1952,16 @@ def read_parquet(path, what):
     except (OSError, pyarrow.ArrowException) as e:
         raise DFlashError(f"cannot read {what} file {path!r} as Parquet: {first_line(e)}") from None
 
+def saved_dataset(path):
+    """Whether path is a directory written by datasets' save_to_disk (a Dataset's state.json, a DatasetDict's
+    dataset_dict.json)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("state.json",
+                                                                                        "dataset_dict.json"))
+
 def read_saved_dataset(path, what):
     """The rows of a datasets.save_to_disk directory: a Dataset, or a DatasetDict's only split (else say which)."""
-    names = os.listdir(path)
-    need("state.json" in names or "dataset_dict.json" in names, f"{what} {path!r} is a directory but not one "
-         f"written by datasets' save_to_disk (no state.json or dataset_dict.json); pass a JSONL or Parquet file")
+    need(saved_dataset(path), f"{what} {path!r} is a directory but not one written by datasets' save_to_disk (no "
+         f"state.json or dataset_dict.json); pass a JSONL or Parquet file")
     datasets = optional_package("datasets", "datasets", f"{what} {path!r} is a datasets.save_to_disk directory: "
                                 f"reading it")
     try:
@@ -2075,7 +2197,8 @@ class Batches:
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
             raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size")
+                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
+                              f"--grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
@@ -2249,28 +2372,42 @@ def path_digest(path):
 
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
-def resume_point(args, data_digest):
+def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
     Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
-    data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
-    geometry and the global batch are checked once the target is loaded."""
+    data, with another flag that decides the data order, or with another loss (--loss, and --dpace_alpha for
+    D-PACE; a checkpoint without them was trained with the CE) is refused (a mismatch is never a fresh start). The
+    drafter geometry and the global batch are checked once the target is loaded."""
     mode, out = resume_mode(args), args.out
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        raise DFlashError(f"--resume: {e}") from None
+        if mode != "auto" or previous_checkpoint(out) is not None:
+            raise DFlashError(f"--resume: {e}") from None
+        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
+        if master:
+            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
     if d is None:
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
-             f"to start")
-        earlier = None if mode else earlier_run(out)
-        need(not earlier, f"--out {out!r} already holds a run ({earlier}); pass --resume to continue it, or give a new "
-             f"--out (a run is never started over in place)")
+        earlier = earlier_run(out)
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); " + (
+            f"it holds {earlier}: --resume auto starts anew in it, or give a new --out" if earlier else
+            "drop --resume to start"))
+        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
+            "pass --resume to continue it" if previous_checkpoint(out) else "it has no complete checkpoint to "
+            "continue: pass --resume auto to start anew in it") + ", or give a new --out (a run is never started "
+             "over in place without --resume)")
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
     for k in RESUME_SAME:
         need(old.get(k, getattr(args, k)) == getattr(args, k), f"cannot resume {d}: it was made with --{k} {old.get(k)}"
              f", this run has --{k} {getattr(args, k)} (it decides the data order); use {old.get(k)} or a new --out")
+    loss, alpha = state.get("loss", "ce"), state.get("dpace_alpha")  # the objective (none recorded: the CE)
+    need(loss == args.loss, f"cannot resume {d}: it was trained with --loss {loss}, this run has --loss {args.loss} "
+         f"(another objective); use --loss {loss}, or a new --out")
+    need(loss == "ce" or alpha == args.dpace_alpha, f"cannot resume {d}: it was trained with --dpace_alpha {alpha}, "
+         f"this run has --dpace_alpha {args.dpace_alpha} (another objective); use --dpace_alpha {alpha}, or a new "
+         f"--out")
     saved = state.get("data")
     need(not saved or not data_digest or saved == data_digest or args.allow_data_change,
          f"cannot resume {d}: --data {args.data} changed since it was written ({saved and saved['size']} -> "
@@ -2368,6 +2505,8 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
     except DFlashError as e:
         problems += str(e).splitlines()
+    else:
+        problems += engine_problems(cfg)  # before any weights load: check_run calls this on the meta target
     need(not problems, "\n".join(problems))
     if rope_note:
         say(rope_note)
@@ -2383,6 +2522,15 @@ class RunSetup:
     data_digest: dict | None = None
     init_from: str | None = None
 
+def flag_problems(args):
+    """Flags that each pass their own check but not together: what is wrong, and which to change."""
+    problems = []
+    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
+                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or "
+                        f"--eval_walk_tree_budget")
+    return problems
+
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
@@ -2391,16 +2539,20 @@ def check_run(args, world, device, master):
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL or Parquet file or a save_to_disk "
-                f"directory" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
-                if path and not args.plan and not os.path.exists(path)]
-    problems += data_package_problems(args)  # Parquet or save_to_disk data without pyarrow or datasets
+    problems = [f"{flag} {path!r} is a directory, not a data file or a datasets.save_to_disk directory (no "
+                f"state.json or dataset_dict.json); pass {flag} with a JSONL (.jsonl, .jsonl.gz) or Parquet file"
+                if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a JSONL or Parquet "
+                f"file or a save_to_disk directory" for path, flag in ((args.data, "--data"), (args.eval_data,
+                "--eval_data")) if path and not args.plan and not (os.path.isfile(path) or saved_dataset(path))] \
+        + flag_problems(args) + data_package_problems(args)  # Parquet or save_to_disk data without its package
+    # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
+    args.num_anchors = min(args.num_anchors, args.max_len - 1)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
         check_trackers(report_to(args))
     data_digest = path_digest(args.data) if writes and os.path.exists(args.data) else None
-    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
+    resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
@@ -2509,8 +2661,8 @@ def build_drafter(args, run, target, world, device, say=print):
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels,
-                   pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    loss_kw = dict(gamma=args.gamma, loss=args.loss, dpace_alpha=args.dpace_alpha, noise_std=args.noise_std,
+                   labels=args.labels, pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
     return drafter, model, optimizer, loss_kw
 
 def append_metrics(out, record):
@@ -2772,6 +2924,8 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
     group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
+                        # of a bigger tree grows past any run's patience
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -2796,8 +2950,10 @@ def get_parser():
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1)
-    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2)
+    # the geometry's upper bounds are far above any drafter's (a few layers, B 8-16) and keep a mistyped value from
+    # allocating without end
+    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
+    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
@@ -2805,10 +2961,10 @@ def get_parser():
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
-         lo=1)
-    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1)
-    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2)
-    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1)
+         lo=1, hi=256)
+    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
+    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
+    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -2819,7 +2975,13 @@ def get_parser():
          "evaluation)", float, hi=0.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
-    flag(g, "--gamma", 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
+    flag(g, "--loss", "ce", "ce (default): the paper's CE weighted exp(-(i-1)/gamma) at block offset i, over sum(w); "
+         "dpace: D-PACE, the CE weighted by the expected accepted drafts each offset moves (from the drafter's own "
+         "confidence, without gradient), per sequence; dpace-prefix, dpace-continuation: its two factors alone",
+         choices=LOSSES)
+    flag(g, "--gamma", 4.0, "--loss ce's decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
+    flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing: confidence (1-alpha) q + alpha of the drafter's probability q "
+         "of the label (0: q itself; 1: no confidence, a linear decay)", float, hi=1)
     flag(g, "--labels", "target", "target: the target's greedy token (teacher-forced); data: the data token",
          choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
@@ -2859,7 +3021,7 @@ def add_system_flags(p):
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
     flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-         "(DDTree's rule) with this many draft nodes per step (0: off)", int)
+         "(DDTree's rule) with this many draft nodes per step (0: off)", int, hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")

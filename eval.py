@@ -281,7 +281,7 @@ class NeuralDrafter:
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
         anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
-        x = t.embed(ids).to(self.drafter.fc.weight.dtype)
+        x = dflash.embed_blocks(t, ids).to(self.drafter.fc.weight.dtype)
         h = self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv, self.length)
         return t.lm_head(h[0, 0, 1:].to(t.lm_head.weight.dtype))
 
@@ -309,6 +309,9 @@ def select_layers(features, union, layer_ids):
 # at T is tau_walk over sampled continuations, averaged over several per prompt.
 
 
+MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
+
+
 @dataclass
 class Sampling:
     """How the target samples: temperature (> 0), top_p (1: off), top_k (0: off); samples continuations per
@@ -323,15 +326,18 @@ class Sampling:
 def sampling_probs(logits, s):
     """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
     to the smallest set of most likely tokens that holds top_p of the mass, renormalised (the order vLLM and
-    transformers apply them in)."""
-    z = logits.float() / s.temperature
+    transformers apply them in). In float64 from the largest logit down, so every temperature and top_p the flags
+    accept works: the top logit stays 0 however small the temperature (the others go to -inf, not inf - inf), and
+    neither rounds to 0 as it would in float32 (below ~1e-45)."""
+    logits = logits.double()
+    z = (logits - logits.max(-1, keepdim=True).values) / s.temperature
     if 0 < s.top_k < z.shape[-1]:
         z = z.masked_fill(z < z.topk(s.top_k).values[..., -1:], -math.inf)
     if s.top_p < 1:
         p, order = z.softmax(-1).sort(-1, descending=True)
         drop = p.cumsum(-1) - p >= s.top_p  # the more likely tokens already hold top_p
         z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return z.softmax(-1)
+    return z.softmax(-1).float()
 
 
 @torch.no_grad()
@@ -776,13 +782,14 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", a
 
 
 def budget_list(s):
-    """--tree_budget: comma-separated node counts, each >= 1."""
+    """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
     try:
         budgets = tuple(int(x) for x in s.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
-    if min(budgets) < 1:
-        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 draft node")
+    if min(budgets) < 1 or max(budgets) > dflash.TREE_BUDGET_MAX:
+        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most "
+                                         f"{dflash.TREE_BUDGET_MAX} draft nodes")
     return budgets
 
 
@@ -829,7 +836,8 @@ def get_parser():
          "default and SGLang's DFlash): the walk along continuations sampled from the target (0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
-    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1)
+    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
+         hi=MAX_SAMPLES)
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
          "comma-separated N side by side with the chain (neural drafters)", type=budget_list)

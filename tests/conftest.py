@@ -24,7 +24,7 @@ CYCLE = [7, 23, 41, 60, 88]
 
 # dflash.py command-line flags for a small drafter over tiny_qwen3()'s default geometry
 SMALL = ["--mask_token_id", str(VOCAB - 1), "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "8",
-         "--num_draft_layers", "2", "--target_layer_ids", "1,3", "--block_size", "4", "--sliding_window", "8",
+         "--num_draft_layers", "2", "--target_layer_ids", "1,2", "--block_size", "4", "--sliding_window", "8",
          "--num_anchors", "6", "--lr", "3e-3", "--warmup_ratio", "0.1", "--log_every", "1", "--eval_every", "0",
          "--save_every", "0", "--eval_fraction", "0"]
 
@@ -398,3 +398,21 @@ def one_error(capsys, main, argv, *needles, progress=False):
     for n in needles:
         assert n in err[0], (n, err[0])
     return err[0]
+
+
+# -----------------------------------------------------------------------------
+# Flags
+
+
+def flag_edges(action):
+    """(smallest, largest) value a numeric flag's rule accepts ("an integer >= 1", "a number > 0 and <= 1"): the
+    next representable value above an open bound, and a huge one (10**18, the largest float) where there is no
+    upper bound."""
+    import math
+    import re
+    m = re.fullmatch(r"(an integer|a number) (>=|>) (\S+)(?: and <= (\S+))?", action.type.text)
+    assert m, action.type.text
+    if m[1] == "an integer":
+        return int(m[3]) + (m[2] == ">"), int(m[4]) if m[4] else 10 ** 18
+    lo = float(m[3])
+    return math.nextafter(lo, math.inf) if m[2] == ">" else lo, float(m[4]) if m[4] else sys.float_info.max

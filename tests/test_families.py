@@ -79,9 +79,9 @@ def layer_inputs(target, ids):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_hooks_and_block_embeddings_are_what_the_target_layers_receive(fam, name):
-    """h[t] (our hook on layer t) is layer t+1's input; the block embedding target.embed(ids) is layer 0's input
-    (Gemma3's sqrt(D) scaling included); f through lm_head gives the target's logits, and the greedy labels are
-    their argmax."""
+    """h[t] (our hook on layer t) is layer t+1's input; target.embed(ids) is layer 0's input (Gemma3's sqrt(D)
+    scaling included; the drafter's block embeddings are the raw table rows, as the engines serve them); f through
+    lm_head gives the target's logits, and the greedy labels are their argmax."""
     _, target = fam(name)
     ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
     inputs, logits = layer_inputs(target, ids)
@@ -91,7 +91,7 @@ def test_hooks_and_block_embeddings_are_what_the_target_layers_receive(fam, name
     for t in range(L - 1):
         assert torch.equal(store[t], inputs[t + 1]), f"{name}: h[{t}] is not layer {t + 1}'s input"
     with torch.no_grad():
-        assert torch.equal(target.embed(ids), inputs[0]), f"{name}: block embeddings differ from layer 0's input"
+        assert torch.equal(target.embed(ids), inputs[0]), f"{name}: target.embed differs from layer 0's input"
         assert torch.allclose(target.lm_head(store["final"]), logits, atol=1e-5)
         labels = dflash.greedy_labels(store["final"], target.lm_head)
     assert torch.equal(labels[:, 1:], logits[:, :-1].argmax(-1))
@@ -166,7 +166,7 @@ def test_fresh_drafter_gives_the_mask_token_no_lead_on_a_tied_target(fam):
             if start_off:
                 dflash.start_off_mask(drafter, target)
             context, _ = dflash.target_features(target, ids, cfg.target_layer_ids)
-            x = target.embed(dflash.block_input_ids(ids, anchors, 4, cfg.mask_token_id))
+            x = dflash.embed_blocks(target, dflash.block_input_ids(ids, anchors, 4, cfg.mask_token_id))
             with torch.no_grad():
                 logits = target.lm_head(drafter(context, x, anchors, valid))[0, :, 1:]  # masked offsets
             argmax_is_mask = (logits.argmax(-1) == VOCAB - 1).all().item()
@@ -309,10 +309,13 @@ def test_flags_are_exact_with_the_closest_suggested(capsys, main, argv, typo, fl
     assert line.count("--") <= 3, line
 
 
+REGENERATE = ["--server", "http://127.0.0.1:1/v1", "--model", "m", "--data", "d", "--out", "o"]
+
+
 @pytest.mark.parametrize("tool,argv,typo,flag", [
     ("bench", [], "--jsn", "--json"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--endpont", "--endpoint"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--modle", "--model"),
+    ("regenerate", REGENERATE, "--endpont", "--endpoint"),
+    ("regenerate", REGENERATE, "--modle", "--model"),
 ])
 def test_tool_parsers_are_exact_too(capsys, tool, argv, typo, flag):
     import importlib
