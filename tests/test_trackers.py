@@ -119,8 +119,10 @@ def test_tensorboard_and_wandb_get_every_record_and_resume_continues(workdir, tm
         assert not set(first.get(k, {})) & set(second.get(k, {})), k  # no step logged twice
         assert logged == pytest.approx(curve), k
     config = runs[0][1]
-    assert config["args"]["max_steps"] == 4 and config["drafter"]["block_size"] == 4
-    assert config["drafter"]["target_layer_ids"] == [1, 3]
+    saved = dflash.read_drafter_config(str(out / "step_8"))  # the run's config: its flags and drafter config
+    assert config["args"]["max_steps"] == 4 and config["args"]["report_to"] == [["tensorboard", "wandb"]]
+    assert config["drafter"]["target_layer_ids"] == saved.target_layer_ids
+    assert config["drafter"]["block_size"] == saved.block_size == 4
 
 
 def test_tensorboard_resume_after_a_crash_logs_each_step_once(workdir, tmp_path):
