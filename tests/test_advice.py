@@ -82,7 +82,7 @@ def test_a_corrupt_latest_with_no_complete_checkpoint_resumes_auto(w, trained, c
 
 def test_data_naming_a_directory(w, capsys, tmp_path):
     argv = replace(w["base"], "--data", str(tmp_path)) + ["--out", str(tmp_path / "o")]
-    err = fails_with(capsys, argv, "--data", "is a directory", "pass --data with a JSONL file")
+    err = fails_with(capsys, argv, "--data", "is a directory", "pass --data with a JSONL")
     assert "does not exist" not in err
     runs(replace(argv, "--data", w["data"]), capsys)
 
