@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
-from dflash2_scratch import (ChunkedLMHeadTopK, CandidateSelector, GroupedCausalConv, selector_alpha, selector_ce,
-                             unary_logits)
+from dflash import (ChunkedLMHeadTopK, CandidateSelector, GroupedCausalConv, selector_alpha, selector_ce,
+                    unary_logits)
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest on a shared CPU
 
 
 def randomize(module, seed, scale=0.3):
@@ -373,8 +375,8 @@ ZL2 = dict(conv_group_size=8, conv_kernel_size=2, selector_rank=6, selector_top_
 
 def zlab_dflash2(tmp_path, name="z2", over=None, dc_over=None, drop=()):
     """A DFlash2 directory as z-lab releases it: their config.json keys and tensor names, written by hand."""
-    c = zlab_config(architectures=["DFlash2DraftModel"], is_causal=False,
-                    layer_types=["sliding_attention"] * ZL["layers"], **(over or {}))
+    c = zlab_config(**{"architectures": ["DFlash2DraftModel"], "is_causal": False,
+                       "layer_types": ["sliding_attention"] * ZL["layers"], **(over or {})})
     c["dflash_config"] = {**c["dflash_config"], "block_size": ZL["Bs"], **ZL2, "output_multiplier": 0.25,
                           "final_logit_softcapping": 20.0, **(dc_over or {})}
     g = torch.Generator().manual_seed(1)
@@ -449,44 +451,46 @@ def test_dflash2_keys_only_at_top_level_or_without_the_class(tmp_path):
 
 import eval as ev  # noqa: E402
 import test_eval  # noqa: E402
-from conftest import SMALL, tiny_qwen3, write_data  # noqa: E402
+from conftest import SMALL, tiny_qwen3, torch_threads, write_data  # noqa: E402
 from test_hostile import one_error  # noqa: E402
 
-dense = test_eval.dense  # a tiny dense target, greedy continuations, a briefly trained DFlash drafter
-
-
 @pytest.fixture(scope="module")
-def dense2(dense):
-    """The dense fixture's DFlash drafter turned into DFlash2 and trained a few steps with the DFlash2 loss."""
-    cfg = dflash.DFlashConfig(**{**dflash.asdict(dense["drafter"].cfg), **V2})
+def dense2(tmp_path_factory):
+    """A tiny dense target (test_eval's), its greedy continuations of 4 random prompts, and a DFlash2 drafter trained
+    on them for a few steps with the DFlash2 loss."""
+    target = dflash.load_target(tiny_qwen3(str(tmp_path_factory.mktemp("dense2") / "target"), **test_eval.TARGET))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, test_eval.MASK, (8,), generator=g).tolist() for _ in range(4)]
+    continuations = [test_eval.reference_greedy(target, p, 24) for p in prompts]
     torch.manual_seed(0)
-    d2 = dflash.dflash2_from(dense["drafter"], cfg)
-    d2 = test_eval.train_on_continuations(dense["target"], d2, dense["prompts"], dense["continuations"], steps=8)
-    return {**dense, "drafter2": d2}
+    with torch_threads(1):
+        d2 = test_eval.train_on_continuations(target, DFlashDrafter(tiny_cfg(test_eval.DRAFTER, V2)), prompts,
+                                              continuations, steps=24)
+    randomize(d2.candidate_selector, 12)  # transitions of O(1): the path leaves the unary argmax (24 steps do not)
+    return {"target": target, "prompts": prompts, "continuations": continuations, "drafter2": d2}
 
 
 def test_dflash2_exact_walk_equals_selector_loop_equals_greedy(dense2):
     target, prompts, ref = dense2["target"], dense2["prompts"], dense2["continuations"]
     drafters = {"v2": dense2["drafter2"]}
-    exact = ev.evaluate_drafters(target, drafters, prompts, test_eval.NEW_TOKENS, continuations=ref, progress=False)
-    loop = ev.evaluate_drafters(target, drafters, prompts, test_eval.NEW_TOKENS, mode="loop", continuations=ref,
-                                progress=False)
+    exact = ev.evaluate_drafters(target, drafters, prompts, 24, continuations=ref, progress=False)
+    loop = ev.evaluate_drafters(target, drafters, prompts, 24, mode="loop", continuations=ref, progress=False)
     re_, rl = exact["results"][0], loop["results"][0]
     assert rl["matches_greedy"] and [e["continuation"] for e in rl["prompts"]] == ref
     assert [e["acceptance_lengths"] for e in re_["prompts"]] == [e["acceptance_lengths"] for e in rl["prompts"]]
     assert re_["tau"] > 1.5, re_["tau"]
-    assert re_["unary_tau"] >= 1 and 0 < re_["topk_recall"] <= 1
-    # the selector really moves the path off the unary argmax somewhere, so the comparison is not the unary one's
-    d = dense2["drafter2"]
-    assert d.candidate_selector.successor_codebook.abs().sum() > 0
+    assert 0 < re_["topk_recall"] <= 1
+    # the selector's path is not the unary argmax's (measured: tau 3.06, the unary argmax's 4.13): the walk and the
+    # loop both draft the selector's path
+    assert re_["unary_tau"] > 1 and abs(re_["unary_tau"] - re_["tau"]) > 0.2, (re_["tau"], re_["unary_tau"])
 
 
 def test_dflash2_tiny_temperature_is_greedy(dense2):
     """At T -> 0 the target's p' and the selector's q are one-hot: the sampled walk is the greedy walk."""
-    target, prompts = dense2["target"], dense2["prompts"][:3]
+    target, prompts = dense2["target"], dense2["prompts"][:2]
     drafters = {"v2": dense2["drafter2"]}
-    greedy = ev.evaluate_drafters(target, drafters, prompts, 16, progress=False)
-    sampled = ev.evaluate_drafters(target, drafters, prompts, 16, progress=False,
+    greedy = ev.evaluate_drafters(target, drafters, prompts, 12, progress=False)
+    sampled = ev.evaluate_drafters(target, drafters, prompts, 12, progress=False,
                                    sampling=ev.Sampling(1e-4, samples=2))
     g = [e["acceptance_lengths"] for e in greedy["results"][0]["prompts"]]
     s = [e["acceptance_lengths"] for e in sampled["results"][0]["prompts"]]
