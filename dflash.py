@@ -13,8 +13,14 @@ Quick start
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
 This file stands alone: copied into an empty directory (with requirements.txt installed) it trains, evaluates
-held-out tau and resumes. The optional extras (the demo, the memory plan's arithmetic, benchmarks) live in
-dflash_tools/ and are imported only by the flag that uses them.
+held-out tau and resumes. The optional extras live in dflash_tools/ and are never imported at module level: the
+demo (no arguments, --demo), the memory plan's arithmetic (--plan, and the plan every CUDA run prints when the folder
+is there; without it a CUDA run goes on unplanned), benchmarks.
+
+Reading order: Part I is the method, top to bottom (config, visibility rule, RoPE, drafter, target hooks and labels,
+anchors, noise, the loss, the exact tau walk, the training step and loop); Part II the exact fast paths (the same
+numbers, faster or in bounded memory); Part III operations (errors, config files, checkpoints, resume, data files,
+distributed set-up, the command line). A learner reads Part I and may stop there.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
@@ -58,65 +64,18 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 
-# -----------------------------------------------------------------------------
-# Bad input is one `error:` line and exit code 2 (run_main), never a traceback, and never a corrupted checkpoint
-
-class DFlashError(Exception):
-    """Bad input or a bad checkpoint. Its message may hold several lines: one problem each (see run_main)."""
-
-def need(ok, message):
-    if not ok:
-        raise DFlashError(message)
-
-def first_line(e):
-    """The first line of an exception's message: what a library says went wrong, short enough for one error line."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-
-def run_main(fn, args):
-    """Run fn(args) as a command: a DFlashError prints one `error:` line per problem on stderr and exits 2, with the
-    traceback only under --debug or DFLASH_DEBUG=1. Shared by dflash.py, eval.py and the tools."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
-    try:
-        return fn(args)
-    except DFlashError as e:
-        if getattr(args, "debug", False) or os.environ.get("DFLASH_DEBUG"):
-            raise
-        for line in str(e).splitlines():
-            print(f"error: {line}", file=sys.stderr)
-        sys.exit(2)
-
+# =============================================================================
+# PART I. THE METHOD
+#
+# Everything DFlash is, in reading order, each idea before its first use: the drafter's config, the visibility
+# rule, RoPE, the drafter, the target's hooks and labels, anchors, block inputs, context noise, the weighted loss,
+# the exact tau walk, the training step, held-out evaluation and the training loop. A reader who stops at the end of
+# Part I has read all of the method. Functions it calls from Part II (exact fast paths) and Part III (operations:
+# checks, files, the command line) are named for what they do; a learner need not jump to them.
+# =============================================================================
 
 # -----------------------------------------------------------------------------
-# Drafter config: mirrors the z-lab config.json (a Qwen3 config plus the DFlash fields)
-
-def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (also SGLang's
-    rule for a config that names none). On a small target it repeats layers: see valid_target_layer_ids."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [L // 2]
-    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
-
-def valid_target_layer_ids(num_target_layers, num_draft_layers):
-    """The spread to suggest: the default where it is valid, else up to n distinct layers evenly from 1 to L-2 (never
-    L-1, which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
-    L, n = num_target_layers, num_draft_layers
-    ids = default_target_layer_ids(L, n)
-    if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
-        return ids
-    layers = list(range(1, L - 1)) or [0]
-    if n >= len(layers):
-        return layers
-    return sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))] for i in range(n)})
-
-LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
-POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
-                       "max_position_embeddings")
-
-def is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
+# The drafter's config: mirrors z-lab's config.json (a Qwen3 config plus the DFlash fields)
 
 @dataclass
 class DFlashConfig:
@@ -143,58 +102,9 @@ class DFlashConfig:
     def __post_init__(self):
         """Every config, from config.json or from flags, passes through here: all its problems at once. is_causal is
         kept only where it differs from its default rule (causal iff sliding), so equal masks mean equal configs."""
-        self.problems()  # raises
+        config_problems(self)  # raises (Part III)
         if self.is_causal is not None and all((t == "sliding_attention") == self.is_causal for t in self.layer_types):
             self.is_causal = None
-
-    def problems(self):
-        bad = [f"{k} must be a positive integer, got {getattr(self, k)!r}" for k in POSITIVE_INT_FIELDS
-               if not (is_int(getattr(self, k)) and getattr(self, k) > 0)]
-        if bad:  # the checks below compute with these
-            raise DFlashError("\n".join(bad))
-        ids, types, W, n = self.target_layer_ids, self.layer_types, self.sliding_window, self.num_hidden_layers
-        ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
-        checks = [
-            (self.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}"),
-            (self.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {self.block_size}"),
-            (self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads {self.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
-             f"{self.num_key_value_heads} (--num_kv_heads); use one of "
-             f"{[k for k in range(1, self.num_attention_heads + 1) if self.num_attention_heads % k == 0]}"),
-            (is_int(self.mask_token_id) and 0 <= self.mask_token_id < self.vocab_size,
-             f"mask_token_id {self.mask_token_id!r} is outside the vocabulary [0, {self.vocab_size}); pass "
-             f"--mask_token_id with an id the target's embedding has"),
-            (isinstance(ids, list) and all(is_int(t) for t in ids) and len(ids) > 0,
-             f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
-            (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without "
-                                                  f"duplicates"),
-            (not ints or 0 <= min(ids) and max(ids) < self.num_target_layers,
-             f"target_layer_ids {ids} out of range: the target has {self.num_target_layers} decoder layers (valid "
-             f"ids 0..{self.num_target_layers - 1}); e.g. --target_layer_ids "
-             f"{','.join(map(str, valid_target_layer_ids(self.num_target_layers, n)))}"),
-            (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
-             f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
-            (not isinstance(types, list) or len(types) == n,
-             f"layer_types has {len(types) if isinstance(types, list) else 0} entries but num_hidden_layers is {n}; "
-             f"give one entry per drafter layer"),
-            (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
-            (not isinstance(types, list) or "sliding_attention" not in types or bool(W),
-             "layer_types has sliding_attention layers but sliding_window is not set"),
-            (isinstance(self.rms_norm_eps, (int, float)) and 0 < self.rms_norm_eps < math.inf,
-             f"rms_norm_eps must be a positive finite number, got {self.rms_norm_eps!r}"),
-            (isinstance(self.rope_theta, (int, float)) and 0 < self.rope_theta < math.inf,
-             f"rope_theta must be a positive finite number, got {self.rope_theta!r}"),
-            (isinstance(self.attention_bias, bool), f"attention_bias must be true or false, got "
-                                                    f"{self.attention_bias!r}"),
-            (self.is_causal is None or isinstance(self.is_causal, bool),
-             f"is_causal must be null, true or false, got {self.is_causal!r}"),
-            (self.rope_scaling is None or (isinstance(self.rope_scaling, dict) and self.rope_type() == "yarn"),
-             f"rope_scaling {self.rope_scaling!r} is not supported (plain RoPE or yarn); refusing to fall back "
-             f"silently to plain RoPE"),
-        ]
-        bad = [msg for ok, msg in checks if not ok]
-        if bad:
-            raise DFlashError("\n".join(bad))
 
     def rope_type(self):
         s = self.rope_scaling or {}
@@ -206,145 +116,14 @@ class DFlashConfig:
         causal = bool(self.is_causal) if self.is_causal is not None else sliding
         return causal, self.sliding_window if sliding else None
 
-    def to_json(self):
-        """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
-        every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
-        Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
-        d = asdict(self)
-        d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
-        if not self.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
-            d.pop("rope_scaling")
-        kinds = [self.layer_kind(i) for i in range(self.num_hidden_layers)]
-        causal = {c for c, _ in kinds}
-        # one causality for all layers: said outright (both engines read is_causal, older vLLM dflash_config.causal);
-        # mixed: causal iff sliding, the rule both engines apply to layer_types when is_causal is absent
-        d.pop("is_causal")
-        said = {"is_causal": causal.pop()} if len(causal) == 1 else {}
-        sliding = any(w is not None for _, w in kinds)
-        dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
-              "num_target_layers": self.num_target_layers, "block_size": self.block_size, "use_swa": False,
-              "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
-              **({"swa_window_size": self.sliding_window} if sliding else {})}
-        return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-                "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
-                "eagle_aux_hidden_state_layer_ids": [t + 1 for t in self.target_layer_ids], "dflash_config": dc}
 
-    @classmethod
-    def from_json(cls, d, where="config.json"):
-        """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
-        level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
-        RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
-        missing: the default spread. A key this drafter does not implement, or one the two engines would serve
-        differently, is refused (one line each), never ignored."""
-        need(isinstance(d, dict), f"{where}: expected a JSON object")
-        dc = d.get("dflash_config") or {}
-        need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
-        get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
-        rope = d.get("rope_parameters") or {}
-        need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
-             f"{where}: per-layer-type rope_parameters are not supported")
-        bad = not_implemented(d, dc, rope)
-        scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-            scaling = None
-        num_target, ids = get("num_target_layers"), get("target_layer_ids")
-        need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
-             f"decoder layers" + ("" if ids else " (target_layer_ids cannot be derived without it)"))
-        need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
-        try:
-            n, heads = d["num_hidden_layers"], d["num_attention_heads"]
-            layer_types, window, is_causal, differ = read_attention(d, dc, n)
-            ids = ids if isinstance(ids, list) else ids or []
-            if ids == [] and is_int(num_target) and is_int(n) and n > 0:
-                ids = default_target_layer_ids(num_target, n)
-            for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
-                               [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
-                               if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
-                if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
-                    differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
-                                  f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
-            if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
-                bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
-                           f"is not implemented by this drafter; refusing it rather than ignoring it")
-            kw = dict(
-                hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
-                num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-                head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
-                max_position_embeddings=d.get("max_position_embeddings", 32768),
-                attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-                mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
-                layer_types=layer_types, sliding_window=window, is_causal=is_causal)
-        except KeyError as e:
-            raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
-        except (TypeError, ValueError) as e:
-            raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
-        need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
-        try:
-            return cls(**kw)
-        except DFlashError as e:
-            raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
-                from None
-
-# Keys of DFlash's relatives that change the drafter's math, with the values that leave it plain DFlash. Any other
-# value is refused: this drafter does not implement it, and ignoring it would train or measure another model.
-NOT_IMPLEMENTED = {
-    "conv_kernel_size": ((0, None), "DFlash2's grouped convolution over the block"),
-    "conv_group_size": ((0, None), "DFlash2's grouped convolution over the block"),
-    "selector_rank": ((0, None), "DFlash2's low-rank selector"),
-    "selector_top_k": ((0, None), "DFlash2's top-k selector"),
-    "input_embedding_scale": ((1, None), "a scale on the block embeddings"),
-    "output_multiplier": ((1, None), "a scale on the drafter's output"),
-    "final_logit_softcapping": ((0, None), "tanh soft-capping of the logits"),
-    "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
-    "add_swa_attention_sink_bias": ((False, None), "a learned per-head attention sink"),
-    "attention_value_scale": ((1, None), "a scale on the attention values"),
-    "projector_type": ((None,), "another context projector (Domino's GRU correction head)"),
-    "shift_label": ((False, None), "Domino's shifted labels"),
-    "gru_hidden_dim": ((None,), "Domino's GRU correction head"),
-    "sample_from_anchor": ((False, None), "the anchor's own output predicts the next token, as in DSpark and Domino; "
-                                          "DFlash predicts token a+i at block offset i"),
-    "use_aux_hidden_state": ((True, None), "false: no fc projection of the target's layer features"),
-    "is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
-    "rope_is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
-    "partial_rotary_factor": ((1, None), "RoPE over part of head_dim; this drafter rotates all of it (often copied "
-                                         "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
-}
-
-def not_implemented(d, dc, rope):
-    """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
-    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
-    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
-            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
-            if isinstance(src, dict) and k in src and src[k] not in plain]
-
-def read_attention(d, dc, n):
-    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
-    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
-    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
-    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
-    the two engines would serve different masks, and that is a problem."""
-    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
-    if types is None:
-        types = ["full_attention"] * n if is_int(n) else []
-        if causal:
-            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
-                            "bidirectionally and vLLM causally; list layer_types")
-    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
-    if dc.get("use_swa") and not any(sliding):
-        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
-                        "layers in layer_types instead")
-    window = dc.get("swa_window_size", d.get("sliding_window"))
-    if any(sliding) and d.get("sliding_window") not in (None, window):
-        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
-                        f"{d['sliding_window']} (SGLang); make them equal")
-    if causal is None and dc.get("causal") is not None:
-        if any(s != bool(dc["causal"]) for s in sliding):
-            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
-                            f"iff it is sliding); state it as the top-level is_causal, which both read")
-        causal = dc["causal"]
-    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
+def default_target_layer_ids(num_target_layers, num_draft_layers):
+    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (also SGLang's
+    rule for a config that names none). On a small target it repeats layers: see valid_target_layer_ids."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 
 # -----------------------------------------------------------------------------
@@ -388,43 +167,6 @@ def dense_masks(mask_mod, b, N, S, B, device):
     bi = torch.arange(b, device=device).view(b, 1, 1, 1)
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
 
-CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
-
-def context_spans(ctx_visible):
-    """Split the N blocks into about S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of
-    context keys its queries see: (n0, n1, lo, hi) per group. Anchors come sorted (sample_anchors, every anchor in
-    eval), so a group of later blocks sees further, and its scores need only its own span: on a long context about
-    half of one (N*B) x S product for full layers, the window's band for sliding ones. Exact in any order: a span
-    covers every key its queries see. The spans are data (one host sync); a compiled graph keeps static shapes,
-    so under torch.compile all blocks are one group over the whole context."""
-    b, N, B, S = ctx_visible.shape
-    G = min(N, S // CONTEXT_TILE)
-    if G <= 1 or torch.compiler.is_compiling():
-        return [(0, N, 0, S)]
-    ends = [N * g // G for g in range(G + 1)]
-    seen = torch.stack([ctx_visible[:, n0:n1].any((0, 1, 2)) for n0, n1 in zip(ends, ends[1:])])  # (G, S)
-    lo = torch.where(seen.any(1), seen.int().argmax(1), 0)                       # first key seen (0 if none)
-    hi = torch.where(seen.any(1), S - seen.flip(1).int().argmax(1), 0)           # one past the last
-    return [(n0, n1, l, h) for n0, n1, l, h in zip(ends, ends[1:], lo.tolist(), hi.tolist())]
-
-
-# flex_attention runs fused only when compiled (eager flex materialises the full score matrix), and it compiles
-# one kernel per shape. So both are compiled once, outside any traced region: when a flex drafter is built (not at
-# import: loading the compiler costs every start ~4 s, also the CPU runs that never use flex), and every flex input
-# is padded to padded_length(): training pads to padded_length(max_len) (one shape per run), eval.py to a power of 2.
-compiled_flex_attention = compiled_create_block_mask = None
-
-def compile_flex():
-    global compiled_flex_attention, compiled_create_block_mask
-    if compiled_flex_attention is None:
-        compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-    if compiled_create_block_mask is None:
-        compiled_create_block_mask = torch.compile(create_block_mask)
-
-def padded_length(S):
-    """The one padding rule for flex shapes: the next power of two, at least 128 (flex's tile size)."""
-    return max(128, 1 << (S - 1).bit_length())
-
 def build_masks(cfg, anchors, anchor_valid, S, attention):
     """One mask per distinct (causal, window) layer kind: a BlockMask ("flex"), or ("dense") dense_masks' pair and
     the context_spans of its groups of blocks."""
@@ -443,7 +185,7 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
 
 
 # -----------------------------------------------------------------------------
-# The drafter: Qwen3 decoder layers whose keys/values also see the target's context features
+# RoPE and the drafter: Qwen3 decoder layers whose keys/values also see the target's context features
 
 class RMSNorm(nn.Module):
     """x / rms(x) * w, computed in fp32 like Hugging Face's Qwen3RMSNorm."""
@@ -460,29 +202,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 def rope_inv_freq(cfg):
-    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale (1 for plain RoPE)."""
+    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale (1 for plain RoPE; a
+    config with rope_scaling gets yarn's, see yarn_inv_freq)."""
     dim, base = cfg.head_dim, cfg.rope_theta
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if not cfg.rope_scaling:
         return inv_freq, 1.0
-    # yarn, as Hugging Face computes it: interpolate the low frequencies by `factor`, keep the high ones (a linear
-    # ramp between the dimensions whose wavelengths fit beta_fast and beta_slow times into the original context),
-    # and scale cos/sin by the attention factor
-    s, max_pos = cfg.rope_scaling, cfg.max_position_embeddings
-    original_max = s.get("original_max_position_embeddings") or max_pos
-    factor = s.get("factor") or max_pos / original_max
-    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]) \
-            if s.get("mscale") and s.get("mscale_all_dim") else mscale(factor)
-    fits = lambda rotations: dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa
-    low, high = fits(s.get("beta_fast") or 32), fits(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention_factor)
+    return yarn_inv_freq(cfg, inv_freq)
 
 def rope_cos_sin(inv_freq, scale, positions, dtype):
     """positions (...,) -> cos, sin (..., head_dim)."""
@@ -494,35 +220,6 @@ def apply_rope(x, cos, sin):
     """x (..., T, heads, hd); cos/sin (..., T, hd)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.unsqueeze(-2) + torch.cat([-x2, x1], dim=-1) * sin.unsqueeze(-2)
-
-def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
-    """Each block's queries attend to [context ; own block]: one softmax over both, computed in two parts so that
-    the context keys/values are shared by all blocks instead of copied per block. Exact: both parts use one max
-    per query row m, and softmax = (sum_ctx e^(s-m) v + sum_own e^(s-m) v) / (sum_ctx e^(s-m) + sum_own e^(s-m)).
-    q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S),
-    own_visible (b, N, B, B) bool. Returns (b, N, B, h, hd); a row that sees nothing (a padding anchor) gives 0."""
-    b, N, B, h, hd = q.shape
-    S, hk = k_ctx.shape[1], k_ctx.shape[2]
-    g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
-    q = (q * hd ** -0.5).view(b, N, B, hk, g, hd).permute(0, 3, 4, 1, 2, 5)            # (b, hk, g, N, B, hd)
-    # 1. all N*B block queries against the S context keys at once: (b, hk, g*N*B, S), a view (b, hk, g, N, B, S)
-    s_ctx = (q.reshape(b, hk, g * N * B, hd) @ k_ctx.permute(0, 2, 3, 1)).view(b, hk, g, N, B, S)
-    s_ctx = torch.where(ctx_visible[:, None, None], s_ctx, float("-inf"))
-    # 2. each block's queries against its own B keys: (b, hk, g, N, B, B)
-    s_own = q @ k_blk.permute(0, 3, 1, 4, 2)[:, :, None]                                 # keys (b, hk, 1, N, hd, B)
-    s_own = torch.where(own_visible[:, None, None], s_own, float("-inf"))
-    # the shift m only keeps exp() in range (the result does not depend on it): no gradient through it. A row that
-    # sees nothing has m = -inf; shifting by 0 instead gives it all-zero weights and, below, a zero output.
-    m = s_own.detach().amax(-1)
-    if S:  # S = 0 when inference drafts at position 0: no context yet
-        m = torch.maximum(m, s_ctx.detach().amax(-1))
-    m = m.nan_to_num(neginf=0.0)[..., None]                                             # (b, hk, g, N, B, 1)
-    p_ctx, p_own = s_ctx.sub_(m).exp_(), s_own.sub_(m).exp_()  # in place: one buffer of scores per part
-    denom = p_ctx.sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)  # (b, hk, g, N, B, 1); >= 1 if a key is seen
-    out = (p_ctx.view(b, hk, g * N * B, S) @ v_ctx.transpose(1, 2)).view(b, hk, g, N, B, hd)
-    out = out + p_own @ v_blk.permute(0, 3, 1, 2, 4)[:, :, None]                         # values (b, hk, 1, N, B, hd)
-    out = out / denom.clamp(min=torch.finfo(denom.dtype).tiny)                         # padding rows: 0 / tiny
-    return out.permute(0, 3, 4, 1, 2, 5).reshape(b, N, B, h, hd)
 
 class Attention(nn.Module):
     def __init__(self, cfg):
@@ -637,6 +334,942 @@ class DFlashDrafter(nn.Module):
 
 
 # -----------------------------------------------------------------------------
+# The target: frozen; forward hooks capture the context features h[t] and the final hidden state f, whose greedy
+# tokens are the labels
+
+@dataclass
+class Target:
+    model: nn.Module        # the full HF model (generation, eval)
+    backbone: nn.Module     # the decoder stack without lm_head (what training runs)
+    embed: nn.Module
+    lm_head: nn.Module
+    tokenizer: object
+    name: str
+    sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
+
+    def __post_init__(self):  # layers; the final norm, whose output f feeds lm_head; sizes
+        self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
+        self.num_layers, (self.vocab_size, self.hidden_size) = len(self.layers), self.lm_head.weight.shape
+
+    def eos_ids(self):
+        """The token ids that end a generation (the generation_config's eos_token_id, an int or a list), as a set."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+
+@contextmanager
+def capture_hidden(target, layer_ids):
+    """Forward hooks on decoder layers `layer_ids` (their outputs h[t]) and on the final norm (its output f, what
+    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual.
+    Target layer t means what vLLM serves, the residual stream after decoder layer t, before the final norm, also
+    for t = L-1 (not Hugging Face's hidden_states[L], which is after it; SGLang captures only layers 0..L-2)."""
+    store = {}
+
+    def keep_output_as(key):  # a forward hook that stores the module's output (a decoder layer returns a tuple)
+        def hook(module, inputs, output):
+            store[key] = output[0] if isinstance(output, tuple) else output
+        return hook
+    handles = [target.layers[t].register_forward_hook(keep_output_as(t)) for t in layer_ids]
+    handles.append(target.backbone.norm.register_forward_hook(keep_output_as("final")))
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+@torch.no_grad()
+def target_features(target, input_ids, layer_ids):
+    """One pass of the target's decoder stack (no lm_head, no all-hidden-states) -> context (b, S, m*D) =
+    concat_t h[t], and f (b, S, D). Right padding needs no attention mask: pads only follow real tokens."""
+    with capture_hidden(target, layer_ids) as store:
+        target.backbone(input_ids=input_ids, use_cache=False)
+    return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
+
+@torch.no_grad()
+def greedy_labels(final, lm_head, chunk=None):
+    """y[j] = argmax lm_head(f[j-1]): the target's greedy token at j, exactly what greedy verification accepts.
+    final (b, S, D) -> (b, S) long; y[0] = -1 (never a label)."""
+    b, S, D = final.shape
+    f = final[:, :-1].reshape(-1, D)
+    chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
+    out = torch.cat([lm_head(f[s:s + chunk]).argmax(-1) for s in range(0, f.shape[0], chunk)])
+    return torch.cat([out.new_full((b, 1), -1), out.view(b, S - 1)], dim=1)
+
+
+# -----------------------------------------------------------------------------
+# Anchors, block inputs and labels, context noise
+
+def mix_seed(*keys):
+    """A 63-bit seed from a tuple of ints: randomness keyed by (seed, epoch, sample) rather than by rank, so any
+    split of the global batch over ranks and micro-steps draws the same anchors and noise."""
+    h = 1469598103934665603
+    for k in keys:
+        h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+def sample_anchors(loss_mask, num_anchors, generator):
+    """loss_mask (S,) -> anchors (num_anchors,) long, valid (num_anchors,) bool. Candidates are positions with
+    loss_mask[a] = loss_mask[a+1] = 1 (the anchor and at least its first draft are response tokens), drawn uniformly
+    without replacement, fresh every step; padded to a fixed count (fixed shapes for torch.compile)."""
+    cand = ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(1)
+    pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
+    anchors, valid = torch.zeros(num_anchors, dtype=torch.long), torch.zeros(num_anchors, dtype=torch.bool)
+    anchors[:len(pick)], valid[:len(pick)] = pick, True
+    return anchors, valid
+
+def batch_anchors(batch, num_anchors, salt=0):
+    """Anchors (b, N) and valid (b, N) for every row, each from a generator keyed by the sample (and a salt)."""
+    rows = [sample_anchors(m, num_anchors, torch.Generator().manual_seed(mix_seed(k, salt)))
+            for m, k in zip(batch["loss_mask"], batch["keys"])]
+    return torch.stack([a for a, _ in rows]), torch.stack([v for _, v in rows])
+
+def block_positions(anchors, B):
+    return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
+
+def block_input_ids(input_ids, anchors, B, mask_token_id):
+    """[tok[a], M, M, ..., M] for every anchor: (b, N, B)."""
+    ids = torch.full((*anchors.shape, B), mask_token_id, dtype=torch.long, device=anchors.device)
+    ids[..., 0] = input_ids.gather(1, anchors)
+    return ids
+
+def block_labels(labels_all, anchors, B):
+    """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
+    pos = block_positions(anchors, B).clamp(max=labels_all.shape[1] - 1)
+    return labels_all.gather(1, pos.flatten(1)).view_as(pos)
+
+def add_context_noise(context, noise_std, num_context_layers, keys):
+    """Gaussian noise relative to the RMS of each context feature vector h[t][j], on the concatenated context
+    features only (a new tensor: f, the labels and the block embeddings are never touched). One generator per row."""
+    if noise_std == 0:
+        return context
+    x = context.float().unflatten(-1, (num_context_layers, -1))                   # (b, S, m, D)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.stack([torch.randn(x.shape[1:], device=x.device, generator=torch.Generator(x.device).manual_seed(
+        mix_seed(k, 7))) for k in keys])
+    return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
+
+
+# -----------------------------------------------------------------------------
+# The corrected loss: hard cross-entropy, weighted by block offset, normalised over the whole global batch
+
+MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
+
+def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
+    """w[b, n, i] = exp(-(i-1)/gamma) * valid for i = 1..B-1, 0 at offset 0 (the anchor is given, not drafted);
+    valid: a+i inside the sequence, loss_mask[a+i] = 1, and a real (not padding) anchor."""
+    S = loss_mask.shape[1]
+    pos = block_positions(anchors, B)
+    in_mask = loss_mask.gather(1, pos.clamp(max=S - 1).flatten(1)).view_as(pos) > 0
+    i = torch.arange(B, device=anchors.device, dtype=torch.float32)
+    decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
+    return decay * ((pos < S) & in_mask & anchor_valid[..., None])
+
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
+    """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
+    hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
+    per offset, accepted (sum of leading runs of correct drafts: what greedy verification accepts), blocks."""
+    w = weights.flatten()
+    sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
+    ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
+                                     labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
+    ce_w = (ce * w[sel]).sum()
+    valid = weights > 0
+    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
+    correct[sel] = pred == labels.flatten()[sel]
+    correct = correct.view_as(valid) & valid
+    blocks = valid[..., 1]  # a block counts if its first draft position is valid
+    accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
+    return ce_w, {"w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
+                  "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
+                  "blocks": blocks.sum().float()}
+
+def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
+                labels="target", pad_to=None):
+    """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
+
+    model: the drafter (or its compiled / DDP wrapper), cfg its config. anchors, anchor_valid (b, N) from
+    batch_anchors; weights (b, N, B) from loss_weights. labels: "target" (the target's greedy token at a+i: what
+    verification accepts) or "data" (the data token, for data the target regenerated). noise_std: context-feature
+    noise (0 in evaluation). Returns (loss, stats) with loss = sum(w * CE) / weight_total, weight_total defaulting to
+    this batch's sum(w); training passes the sum over the whole global batch, so the split over ranks and micro-steps
+    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize)."""
+    dev, B = target.lm_head.weight.device, cfg.block_size
+    input_ids = batch["input_ids"].to(dev)
+    anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
+    context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
+    y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
+    with torch.no_grad():
+        x = target.embed(block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
+    context = add_context_noise(context, noise_std, len(cfg.target_layer_ids), batch["keys"])  # never on f or y
+    if pad_to and pad_to > context.shape[1]:  # fixed drafter shapes for compiled kernels (padding is never visible)
+        context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
+    with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
+        hidden = model(context, x, anchors, anchor_valid)                      # (b, N, B, D)
+    ce_w, stats = weighted_ce(hidden, target.lm_head, y, w)
+    return ce_w / (w.sum() if weight_total is None else weight_total).clamp(min=1e-9), stats
+
+STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
+
+def add_stats(total, stats):
+    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
+
+def all_reduce_sum(stats, world):
+    if world > 1:
+        for v in stats.values():
+            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return stats
+
+def summarize(stats):
+    """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
+    acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
+    return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
+            "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:]}
+
+
+# -----------------------------------------------------------------------------
+# The exact tau walk (eval.py, and `eval_walk_tau` in training's held-out evaluation)
+#
+# Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
+# tau is computed without a decode loop (and without rolling back a hybrid target's recurrent state): the target
+# generates s once per prompt, one hooked pass over prompt + s gives every context feature, the drafter drafts the
+# block anchored at every position of s at once (each block sees only the context before its anchor, by the mask
+# rule), and tau_walk walks those blocks along s. At temperature T > 0 (eval.py --temperature) the same walk runs
+# along a continuation sampled from the target: a one-hot draft is accepted exactly when it equals the sampled token.
+#
+# Tree verification (DDTree's rule, greedy) walks the same blocks: at each anchor the drafter's per-depth
+# distributions build a tree of `budget` candidate tokens (tree_nodes), and the target accepts the longest path of
+# it that is a prefix of s (tree_accept), so only the acceptance rule changes.
+
+def accepted_prefix(drafts, truth):
+    """Number of leading drafts equal to the truth (compared only where the truth exists)."""
+    n = 0
+    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
+        n += 1
+    return n
+
+def tau_walk(continuation, drafts):
+    """Acceptance lengths of greedy speculative decoding along the target's greedy continuation.
+
+    continuation s: the n tokens the target generates; s[0] comes with the prefill, so the first block is anchored
+    at s[0]. drafts[k]: the tokens drafted by the block anchored at s[k] (they predict s[k+1], s[k+2], ...), looked up
+    only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
+    equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
+    The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
+    return walk_steps(continuation, lambda k, truth: accepted_prefix(drafts[k], truth))
+
+def walk_steps(continuation, accept):
+    """The walk itself: accept(k, truth) = accepted drafts of the block anchored at continuation[k] against the
+    truth continuation[k+1:] (the rule compares only as far as its drafts go)."""
+    lengths, k = [], 0
+    while k < len(continuation) - 1:
+        accepted = accept(k, continuation[k + 1:])
+        lengths.append(accepted + 1)
+        k += accepted + 1
+    return lengths
+
+def tree_nodes(logq, budget):
+    """DDTree's best-first draft tree at one anchor. logq[d][r]: log q of the r-th best token at depth d+1 (the
+    drafter's block offset d+1), ranked best first, K per depth; q_d is a depth marginal, so a path's score is the sum
+    of its tokens' log q. A node is a rank tuple (r_1, ..., r_d). Best-first from the depth-1 top token: each pop
+    adds the node and pushes its next sibling (r_d + 1) and its first child (rank 0 one depth down), until `budget`
+    nodes. Every node's parent is added before it, so the tree is prefix-closed. Returns the nodes in order added."""
+    D, K = len(logq), len(logq[0])
+    heap, nodes = [(-logq[0][0], (0,))], []  # (minus the score, ranks): heapq pops the best score first
+    while heap and len(nodes) < budget:
+        neg, ranks = heapq.heappop(heap)
+        nodes.append(ranks)
+        d, r = len(ranks) - 1, ranks[-1]
+        if r + 1 < K:
+            heapq.heappush(heap, (neg + logq[d][r] - logq[d][r + 1], ranks[:-1] + (r + 1,)))
+        if d + 1 < D:
+            heapq.heappush(heap, (neg - logq[d + 1][0], ranks + (0,)))
+    return nodes
+
+def tree_accept(logq, tokens, truth, budget):
+    """Accepted drafts at one anchor under tree verification: the length of the longest prefix of the truth (the
+    target's greedy tokens after the anchor) that is a path of the tree_nodes(logq, budget) tree. tokens[d][r]: the
+    token of rank r at depth d+1 (logq's ranking). The target follows its argmax down the tree, so this is what it
+    accepts. A chain is K = 1, budget B-1."""
+    tree, path = set(tree_nodes(logq, budget)), ()
+    for d, t in enumerate(truth[:len(tokens)]):
+        if t not in tokens[d] or path + (tokens[d].index(t),) not in tree:
+            break  # the target's token is not among this node's children
+        path += (tokens[d].index(t),)
+    return len(path)
+
+def tree_walk(continuation, logq, tokens, budget):
+    """Acceptance lengths of greedy tree verification along the greedy continuation: tau_walk with tree_accept.
+    logq, tokens (n, B-1, K): the drafter's top-K log-probabilities and tokens per depth at every anchor (from
+    draft_every_anchor(..., topk=K)); K >= budget is the exact DDTree tree (no node can rank deeper than budget)."""
+    logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
+    return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
+
+def step_anchors(lengths):
+    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
+    return list(itertools.accumulate(lengths, initial=0))[:-1]
+
+@torch.no_grad()
+def greedy_continuation(target, prompt, max_new_tokens, eos):
+    """The target's own cached greedy generation (hooks not active): up to max_new_tokens tokens, stopping after an
+    eos token. Logits processors that would move the argmax (a repetition penalty in a hub generation_config, ...)
+    are switched off: greedy verification accepts the plain argmax."""
+    ids = torch.tensor([prompt], device=target.lm_head.weight.device)
+    eos = sorted(eos)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
+                                min_new_tokens=0, synced_gpus=target.sharded)  # sharded: until all ranks end
+    return out[0, len(prompt):].tolist()
+
+@torch.no_grad()
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0):
+    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
+    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (the argmax), row k for anchor
+    first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens per block offset with
+    their log-probabilities, best first (what tree verification builds its trees from)."""
+    cfg, flex = drafter.cfg, drafter.attention == "flex"
+    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
+    anchors = torch.arange(first, S - 1, device=ids.device)
+    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
+        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
+        pad = padded_length(S) - S
+        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
+    S_ctx = context_features.shape[1]
+    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
+    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
+    drafts, logq, tokens = [], [], []
+    for c in range(0, len(anchors), chunk):
+        a = anchors[c:c + chunk]
+        n = len(a)
+        valid = torch.ones(n, dtype=torch.bool, device=ids.device)
+        if flex and n < chunk:
+            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
+        x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
+        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
+        logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
+        drafts.append(logits.argmax(-1))                                                     # (n, B-1)
+        if topk:
+            top = logits.topk(topk)
+            logq.append(top.values.float() - logits.float().logsumexp(-1, keepdim=True))    # (n, B-1, K)
+            tokens.append(top.indices)
+    drafts = torch.cat(drafts) if drafts else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+    if not topk:
+        return drafts
+    empty = drafts.new_zeros(0, B - 1, topk)
+    return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
+
+def walk_prompts(samples, num_prompts):
+    """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
+    that have one."""
+    return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
+
+def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
+    """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
+    and the target's greedy continuation of each (num_tokens at most), generated here once. Rank r takes prompts
+    r, r + world, ..."""
+    if not num_prompts:
+        return None
+    prompts = walk_prompts(samples, num_prompts)
+    mine, per_rank = rank_share(prompts, rank, world)
+    # sharded, a short rank generates an extra prompt too (see rank_share), then walks it as its own last token
+    # alone (a one-token continuation has no step: it counts nothing)
+    extra = prompts[:per_rank - len(mine)] if target.sharded else []
+    walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + extra]
+    return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
+
+@torch.no_grad()
+def walk_tau(drafter, target, walk, world, tree_budget=0):
+    """Pooled tau of the walk over every rank's prompts, and with tree_budget the pooled tau of tree verification
+    with that many nodes on the same drafts (else None): each rank walks its own prompts, then the totals of
+    acceptance lengths and steps are summed over ranks. Each is None if no steps or the walk is off (walk None, the
+    same on every rank)."""
+    if walk is None:
+        return None, None
+    dev = target.lm_head.weight.device
+    total = torch.zeros(4, device=dev)  # sum of acceptance lengths, steps: chain, then tree
+    K = min(tree_budget, target.vocab_size)
+    for prompt, continuation in zip(*walk):
+        ids = torch.tensor([prompt + continuation], device=dev)
+        features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
+        if K:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
+            drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt), topk=K)
+            tree = tree_walk(continuation, logq, tokens, tree_budget)
+        else:
+            drafts, tree = draft_every_anchor(drafter, target, features, ids, len(prompt)), []
+        lengths = tau_walk(continuation, drafts.tolist())
+        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree)], device=dev)
+    if world > 1:
+        dist.all_reduce(total)
+    return tuple((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2))
+
+
+# -----------------------------------------------------------------------------
+# Training: the step, held-out evaluation, the loop
+
+def lr_at(step, total_steps, lr, warmup_ratio):
+    """Linear warmup over warmup_ratio of the run, then cosine decay to 0. A pure function of the step."""
+    warmup = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
+    """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
+    step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
+    skips it: grads are all-reduced and the loss summed, so every rank skips together).
+    The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
+    the sum of weights over the whole global batch: sum(w * CE) / sum(w), whatever the split."""
+    device = target.lm_head.weight.device
+    anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
+    weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
+    w_total = sum(w.sum() for w in weights).to(device)
+    w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
+    total = None
+    for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
+        # no gradient all-reduce until the last micro-step, around forward *and* backward
+        sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
+        with sync:
+            loss, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, **loss_kw)
+            loss.backward()
+        total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
+    total = all_reduce_sum(total, world)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    ok = math.isfinite(summarize(total)["loss"]) and math.isfinite(grad_norm.item())
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm, ok
+
+def rank_share(items, rank, world):
+    """Rank r's share of items (r, r + world, ...) and how many every rank handles, ceil(len / world): with a sharded
+    target every forward is a collective, so a rank with fewer items pads its share to that count."""
+    return items[rank::world], -(-len(items) // world)
+
+@torch.no_grad()
+def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
+    """Held-out loss and tau estimate on every rank (its shard), combined by summing numerators/denominators.
+    Anchors are keyed by the sample's index in the eval set: the same blocks whatever the number of ranks."""
+    cfg = drafter.cfg
+    z = torch.zeros((), device=target.lm_head.weight.device)
+    total = {k: z.new_zeros(cfg.block_size if k in ("correct", "count") else ()) for k in STAT_KEYS}  # maybe none
+    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
+    for s in range(0, per_rank, batch_size):  # a short rank's last batch is all empty rows (see rank_share)
+        idx = mine[s:s + batch_size]
+        fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
+        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
+                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
+        anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
+        w = loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, gamma)
+        total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
+                                             **{**loss_kw, "noise_std": 0})[1])
+    return summarize(all_reduce_sum(total, world))
+
+def step_record(step, total, lr, grad_norm, tokens_per_s, device):
+    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats)."""
+    m, mem = summarize(total), peak_memory_mb(device)
+    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
+    return line, {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
+                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
+
+def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say,
+                  log_metrics):
+    """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau (walk_tau) and, with
+    --eval_walk_tree_budget, the tree's; said (the console) and logged (metrics.jsonl). Nothing without eval_samples."""
+    if not eval_samples:
+        return
+    drafter.eval()
+    m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank, world,
+                 **loss_kw)
+    walked, tree_walked = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
+    drafter.train()
+    say(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+        + (f"  walked tau {walked:.3f}" if walked is not None else "")
+        + (f"  tree ({args.eval_walk_tree_budget} nodes) {tree_walked:.3f}" if tree_walked is not None else ""))
+    tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
+    log_metrics({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"],
+                 "eval_walk_tau": walked, **tree})
+
+def train(args):
+    """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
+    log, held-out eval, save, stop on SIGTERM), the end (final eval and checkpoint). Returns drafter, cfg, target."""
+    # --- set-up: everything that can be checked without loading weights is checked first
+    rank, world, device = setup_distributed(args.device)
+    master = rank == 0
+    say = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
+    run = check_run(args, world, device, master)  # the drafter config, where to resume from, the data's digest
+    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
+                         shard=args.shard_target and world > 1)
+    train_samples, eval_samples = read_data(args, target, say)
+    if args.show_data:  # look at the loss masks before spending anything on training
+        return show_data(train_samples, target.tokenizer, args.show_data) if master else None
+    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
+                      getattr(target.tokenizer, "pad_token_id", None) or 0)
+    total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
+    check_resume(args.out, run, batches.global_batch, master)
+    drafter, model, optimizer, loss_kw = build_drafter(args, run, world, device, say)
+    walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
+    os.makedirs(args.out, exist_ok=True)
+    say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
+        f"{batches.global_batch} samples, {world} rank(s) on {device.type}")
+    log_metrics = (lambda record: append_metrics(args.out, record)) if master else (lambda record: None)
+
+    def held_out(step):
+        held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, say,
+                      log_metrics)
+
+    def save(step):
+        save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
+            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest},
+            world, say)
+
+    # --- the loop
+    step = start = run.state["step"] if run.state else 0
+    bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
+    if step == 0:
+        held_out(0)
+    stopped, t_last, tokens = False, time.time(), 0
+    with StopFlag(args.out, say) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
+                                                  dynamic_ncols=True) as bar:
+        while step < total_steps and not stopped:
+            t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
+            micro = [batches.get(step, m) for m in range(args.grad_accum)]
+            total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, args.num_anchors,
+                                              args.grad_clip, world, **loss_kw)
+            bad_steps = 0 if ok else bad_steps + 1
+            if not ok:
+                say(f"step {step + 1}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, "
+                       f"skipped the update ({bad_steps} in a row)")
+                need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step "
+                     f"{step + 1}); lower --lr or check the data; the last good checkpoint is in {args.out}")
+            step += 1
+            bar.update(1)
+            tokens += total["tokens"].item()  # all ranks' tokens, exactly
+            if step == start + 1:
+                say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
+            if step % args.log_every == 0 or step == total_steps:
+                line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
+                                           device)
+                say(line)
+                log_metrics(record)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
+                t_last, tokens = time.time(), 0
+            if args.eval_every and step % args.eval_every == 0 and step != total_steps:
+                held_out(step)
+            stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
+            if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
+                save(step)
+
+    # --- the end
+    if stopped:
+        say(f"interrupted after step {step}: saved {os.path.join(args.out, f'step_{step}')}; resume with the same "
+               f"command plus --resume")
+    elif step > start:  # (a resumed run that had already finished has nothing left to do)
+        held_out(step)
+        save(step)
+    if world > 1:
+        dist.destroy_process_group()
+    return drafter, run.cfg, target
+
+
+# =============================================================================
+# PART II. EXACT FAST PATHS
+#
+# What makes the method fast or bounded in memory without changing a number: the dense attention path computed in
+# two parts and over context spans, the flex kernel's compilation and padding, the chunked lm_head cross-entropy,
+# the walk's chunking, and yarn RoPE. Each is tested equal to the plain computation; a reader may skip this part.
+# =============================================================================
+
+def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
+    """Each block's queries attend to [context ; own block]: one softmax over both, computed in two parts so that
+    the context keys/values are shared by all blocks instead of copied per block. Exact: both parts use one max
+    per query row m, and softmax = (sum_ctx e^(s-m) v + sum_own e^(s-m) v) / (sum_ctx e^(s-m) + sum_own e^(s-m)).
+    q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S),
+    own_visible (b, N, B, B) bool. Returns (b, N, B, h, hd); a row that sees nothing (a padding anchor) gives 0."""
+    b, N, B, h, hd = q.shape
+    S, hk = k_ctx.shape[1], k_ctx.shape[2]
+    g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
+    q = (q * hd ** -0.5).view(b, N, B, hk, g, hd).permute(0, 3, 4, 1, 2, 5)            # (b, hk, g, N, B, hd)
+    # 1. all N*B block queries against the S context keys at once: (b, hk, g*N*B, S), a view (b, hk, g, N, B, S)
+    s_ctx = (q.reshape(b, hk, g * N * B, hd) @ k_ctx.permute(0, 2, 3, 1)).view(b, hk, g, N, B, S)
+    s_ctx = torch.where(ctx_visible[:, None, None], s_ctx, float("-inf"))
+    # 2. each block's queries against its own B keys: (b, hk, g, N, B, B)
+    s_own = q @ k_blk.permute(0, 3, 1, 4, 2)[:, :, None]                                 # keys (b, hk, 1, N, hd, B)
+    s_own = torch.where(own_visible[:, None, None], s_own, float("-inf"))
+    # the shift m only keeps exp() in range (the result does not depend on it): no gradient through it. A row that
+    # sees nothing has m = -inf; shifting by 0 instead gives it all-zero weights and, below, a zero output.
+    m = s_own.detach().amax(-1)
+    if S:  # S = 0 when inference drafts at position 0: no context yet
+        m = torch.maximum(m, s_ctx.detach().amax(-1))
+    m = m.nan_to_num(neginf=0.0)[..., None]                                             # (b, hk, g, N, B, 1)
+    p_ctx, p_own = s_ctx.sub_(m).exp_(), s_own.sub_(m).exp_()  # in place: one buffer of scores per part
+    denom = p_ctx.sum(-1, keepdim=True) + p_own.sum(-1, keepdim=True)  # (b, hk, g, N, B, 1); >= 1 if a key is seen
+    out = (p_ctx.view(b, hk, g * N * B, S) @ v_ctx.transpose(1, 2)).view(b, hk, g, N, B, hd)
+    out = out + p_own @ v_blk.permute(0, 3, 1, 2, 4)[:, :, None]                         # values (b, hk, 1, N, B, hd)
+    out = out / denom.clamp(min=torch.finfo(denom.dtype).tiny)                         # padding rows: 0 / tiny
+    return out.permute(0, 3, 4, 1, 2, 5).reshape(b, N, B, h, hd)
+
+CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
+
+def context_spans(ctx_visible):
+    """Split the N blocks into about S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of
+    context keys its queries see: (n0, n1, lo, hi) per group. Anchors come sorted (sample_anchors, every anchor in
+    eval), so a group of later blocks sees further, and its scores need only its own span: on a long context about
+    half of one (N*B) x S product for full layers, the window's band for sliding ones. Exact in any order: a span
+    covers every key its queries see. The spans are data (one host sync); a compiled graph keeps static shapes,
+    so under torch.compile all blocks are one group over the whole context."""
+    b, N, B, S = ctx_visible.shape
+    G = min(N, S // CONTEXT_TILE)
+    if G <= 1 or torch.compiler.is_compiling():
+        return [(0, N, 0, S)]
+    ends = [N * g // G for g in range(G + 1)]
+    seen = torch.stack([ctx_visible[:, n0:n1].any((0, 1, 2)) for n0, n1 in zip(ends, ends[1:])])  # (G, S)
+    lo = torch.where(seen.any(1), seen.int().argmax(1), 0)                       # first key seen (0 if none)
+    hi = torch.where(seen.any(1), S - seen.flip(1).int().argmax(1), 0)           # one past the last
+    return [(n0, n1, l, h) for n0, n1, l, h in zip(ends, ends[1:], lo.tolist(), hi.tolist())]
+
+# flex_attention runs fused only when compiled (eager flex materialises the full score matrix), and it compiles
+# one kernel per shape. So both are compiled once, outside any traced region: when a flex drafter is built (not at
+# import: loading the compiler costs every start ~4 s, also the CPU runs that never use flex), and every flex input
+# is padded to padded_length(): training pads to padded_length(max_len) (one shape per run), eval.py to a power of 2.
+compiled_flex_attention = compiled_create_block_mask = None
+
+def compile_flex():
+    global compiled_flex_attention, compiled_create_block_mask
+    if compiled_flex_attention is None:
+        compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    if compiled_create_block_mask is None:
+        compiled_create_block_mask = torch.compile(create_block_mask)
+
+def padded_length(S):
+    """The one padding rule for flex shapes: the next power of two, at least 128 (flex's tile size)."""
+    return max(128, 1 << (S - 1).bit_length())
+
+def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
+    """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]
+    logits never exist at once (V = 248320 for Qwen3.5/3.6)."""
+    return max(1, budget // vocab_size)
+
+class ChunkedLMHeadCE(torch.autograd.Function):
+    """Per-token cross-entropy and argmax of lm_head(h) without [T, V] logits: rows are processed in chunks and the
+    gradient w.r.t. h ((softmax - onehot) @ W; the lm_head is frozen) is formed in the same pass, so only (T, D) is
+    kept for backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, chunk):
+        T = h.shape[0]
+        ce = torch.empty(T, dtype=torch.float32, device=h.device)
+        pred = torch.empty(T, dtype=torch.long, device=h.device)
+        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        for s in range(0, T, chunk):
+            hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
+            logits = F.linear(hs, weight, bias).float()                          # (chunk, V)
+            lse = logits.logsumexp(-1)
+            ce[s:s + chunk] = lse - logits.gather(1, ys[:, None]).squeeze(1)
+            pred[s:s + chunk] = logits.argmax(-1)
+            if grad is not None:
+                p = logits.sub_(lse[:, None]).exp_()  # in place: one (chunk, V) buffer, not three
+                p[torch.arange(len(ys), device=h.device), ys] -= 1.0
+                grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
+                del p
+            del logits  # free this chunk's (chunk, V) buffer before the next one is allocated
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(pred)
+        return ce, pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
+
+def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
+    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
+    the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
+    is formed, with the (B, S+B) mask (and the mask rule's integer intermediates) beside them; flex never
+    materialises scores, so only the MLP and the logits grow with the number of blocks."""
+    B = cfg.block_size
+    per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
+    if attention == "dense":
+        per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
+    return max(1, budget // per_anchor)
+
+
+def yarn_inv_freq(cfg, inv_freq):
+    """yarn, as Hugging Face computes it: interpolate the low frequencies by `factor`, keep the high ones (a linear
+    ramp between the dimensions whose wavelengths fit beta_fast and beta_slow times into the original context),
+    and scale cos/sin by the attention factor. Returns (inv_freq, scale) like rope_inv_freq."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    s, max_pos = cfg.rope_scaling, cfg.max_position_embeddings
+    original_max = s.get("original_max_position_embeddings") or max_pos
+    factor = s.get("factor") or max_pos / original_max
+    mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]) \
+            if s.get("mscale") and s.get("mscale_all_dim") else mscale(factor)
+    fits = lambda rotations: dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa
+    low, high = fits(s.get("beta_fast") or 32), fits(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention_factor)
+
+
+# =============================================================================
+# PART III. OPERATIONS
+#
+# What makes it safe to run, and nothing of the method: errors, config validation and config.json reading/writing,
+# checkpoint files and resume, the hub, loading (and sharding) the target, data files and chat loss masks, signals
+# and distributed set-up, the run's checks, memory hints, and the command line. Every input is checked once, here,
+# where it enters; the method above trusts its inputs.
+# =============================================================================
+
+# -----------------------------------------------------------------------------
+# Bad input is one `error:` line and exit code 2 (run_main), never a traceback, and never a corrupted checkpoint
+
+class DFlashError(Exception):
+    """Bad input or a bad checkpoint. Its message may hold several lines: one problem each (see run_main)."""
+
+def need(ok, message):
+    if not ok:
+        raise DFlashError(message)
+
+def first_line(e):
+    """The first line of an exception's message: what a library says went wrong, short enough for one error line."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+def run_main(fn, args):
+    """Run fn(args) as a command: a DFlashError prints one `error:` line per problem on stderr and exits 2, with the
+    traceback only under --debug or DFLASH_DEBUG=1. Shared by dflash.py, eval.py and the tools."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
+    try:
+        return fn(args)
+    except DFlashError as e:
+        if getattr(args, "debug", False) or os.environ.get("DFLASH_DEBUG"):
+            raise
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
+# -----------------------------------------------------------------------------
+# Drafter configs: validation, and config.json as vLLM and SGLang read it
+
+POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
+                       "max_position_embeddings")
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+def valid_target_layer_ids(num_target_layers, num_draft_layers):
+    """The spread to suggest: the default where it is valid, else up to n distinct layers evenly from 1 to L-2 (never
+    L-1, which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
+    L, n = num_target_layers, num_draft_layers
+    ids = default_target_layer_ids(L, n)
+    if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
+        return ids
+    layers = list(range(1, L - 1)) or [0]
+    if n >= len(layers):
+        return layers
+    return sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))] for i in range(n)})
+
+def config_problems(cfg):
+    """Every problem of a drafter config at once (one line each), raised as one DFlashError."""
+    bad = [f"{k} must be a positive integer, got {getattr(cfg, k)!r}" for k in POSITIVE_INT_FIELDS
+           if not (is_int(getattr(cfg, k)) and getattr(cfg, k) > 0)]
+    if bad:  # the checks below compute with these
+        raise DFlashError("\n".join(bad))
+    ids, types, W, n = cfg.target_layer_ids, cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers
+    ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
+    checks = [
+        (cfg.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {cfg.head_dim}"),
+        (cfg.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {cfg.block_size}"),
+        (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
+         f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
+         f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
+         f"{[k for k in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % k == 0]}"),
+        (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
+         f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
+         f"--mask_token_id with an id the target's embedding has"),
+        (isinstance(ids, list) and all(is_int(t) for t in ids) and len(ids) > 0,
+         f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
+        (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without "
+                                              f"duplicates"),
+        (not ints or 0 <= min(ids) and max(ids) < cfg.num_target_layers,
+         f"target_layer_ids {ids} out of range: the target has {cfg.num_target_layers} decoder layers (valid "
+         f"ids 0..{cfg.num_target_layers - 1}); e.g. --target_layer_ids "
+         f"{','.join(map(str, valid_target_layer_ids(cfg.num_target_layers, n)))}"),
+        (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
+         f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
+        (not isinstance(types, list) or len(types) == n,
+         f"layer_types has {len(types) if isinstance(types, list) else 0} entries but num_hidden_layers is {n}; "
+         f"give one entry per drafter layer"),
+        (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
+        (not isinstance(types, list) or "sliding_attention" not in types or bool(W),
+         "layer_types has sliding_attention layers but sliding_window is not set"),
+        (isinstance(cfg.rms_norm_eps, (int, float)) and 0 < cfg.rms_norm_eps < math.inf,
+         f"rms_norm_eps must be a positive finite number, got {cfg.rms_norm_eps!r}"),
+        (isinstance(cfg.rope_theta, (int, float)) and 0 < cfg.rope_theta < math.inf,
+         f"rope_theta must be a positive finite number, got {cfg.rope_theta!r}"),
+        (isinstance(cfg.attention_bias, bool), f"attention_bias must be true or false, got "
+                                                f"{cfg.attention_bias!r}"),
+        (cfg.is_causal is None or isinstance(cfg.is_causal, bool),
+         f"is_causal must be null, true or false, got {cfg.is_causal!r}"),
+        (cfg.rope_scaling is None or (isinstance(cfg.rope_scaling, dict) and cfg.rope_type() == "yarn"),
+         f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn); refusing to fall back "
+         f"silently to plain RoPE"),
+    ]
+    bad = [msg for ok, msg in checks if not ok]
+    if bad:
+        raise DFlashError("\n".join(bad))
+
+# Keys of DFlash's relatives that change the drafter's math, with the values that leave it plain DFlash. Any other
+# value is refused: this drafter does not implement it, and ignoring it would train or measure another model.
+NOT_IMPLEMENTED = {
+    "conv_kernel_size": ((0, None), "DFlash2's grouped convolution over the block"),
+    "conv_group_size": ((0, None), "DFlash2's grouped convolution over the block"),
+    "selector_rank": ((0, None), "DFlash2's low-rank selector"),
+    "selector_top_k": ((0, None), "DFlash2's top-k selector"),
+    "input_embedding_scale": ((1, None), "a scale on the block embeddings"),
+    "output_multiplier": ((1, None), "a scale on the drafter's output"),
+    "final_logit_softcapping": ((0, None), "tanh soft-capping of the logits"),
+    "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
+    "add_swa_attention_sink_bias": ((False, None), "a learned per-head attention sink"),
+    "attention_value_scale": ((1, None), "a scale on the attention values"),
+    "projector_type": ((None,), "another context projector (Domino's GRU correction head)"),
+    "shift_label": ((False, None), "Domino's shifted labels"),
+    "gru_hidden_dim": ((None,), "Domino's GRU correction head"),
+    "sample_from_anchor": ((False, None), "the anchor's own output predicts the next token, as in DSpark and Domino; "
+                                          "DFlash predicts token a+i at block offset i"),
+    "use_aux_hidden_state": ((True, None), "false: no fc projection of the target's layer features"),
+    "is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
+    "rope_is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
+    "partial_rotary_factor": ((1, None), "RoPE over part of head_dim; this drafter rotates all of it (often copied "
+                                         "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
+}
+
+def not_implemented(d, dc, rope):
+    """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
+    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
+    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
+            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
+            if isinstance(src, dict) and k in src and src[k] not in plain]
+
+def read_attention(d, dc, n):
+    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
+    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
+    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
+    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
+    the two engines would serve different masks, and that is a problem."""
+    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
+    if types is None:
+        types = ["full_attention"] * n if is_int(n) else []
+        if causal:
+            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
+                            "bidirectionally and vLLM causally; list layer_types")
+    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
+    if dc.get("use_swa") and not any(sliding):
+        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
+                        "layers in layer_types instead")
+    window = dc.get("swa_window_size", d.get("sliding_window"))
+    if any(sliding) and d.get("sliding_window") not in (None, window):
+        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
+                        f"{d['sliding_window']} (SGLang); make them equal")
+    if causal is None and dc.get("causal") is not None:
+        if any(s != bool(dc["causal"]) for s in sliding):
+            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
+                            f"iff it is sliding); state it as the top-level is_causal, which both read")
+        causal = dc["causal"]
+    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
+
+
+def config_to_json(cfg):
+    """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
+    every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
+    Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
+    d = asdict(cfg)
+    d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
+    if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
+        d.pop("rope_scaling")
+    kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
+    causal = {c for c, _ in kinds}
+    # one causality for all layers: said outright (both engines read is_causal, older vLLM dflash_config.causal);
+    # mixed: causal iff sliding, the rule both engines apply to layer_types when is_causal is absent
+    d.pop("is_causal")
+    said = {"is_causal": causal.pop()} if len(causal) == 1 else {}
+    sliding = any(w is not None for _, w in kinds)
+    dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
+          "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
+          "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
+          **({"swa_window_size": cfg.sliding_window} if sliding else {})}
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+            "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
+            "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
+
+def config_from_json(d, where="config.json"):
+    """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
+    level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
+    RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
+    missing: the default spread. A key this drafter does not implement, or one the two engines would serve
+    differently, is refused (one line each), never ignored."""
+    need(isinstance(d, dict), f"{where}: expected a JSON object")
+    dc = d.get("dflash_config") or {}
+    need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
+    get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
+    rope = d.get("rope_parameters") or {}
+    need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
+         f"{where}: per-layer-type rope_parameters are not supported")
+    bad = not_implemented(d, dc, rope)
+    scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    num_target, ids = get("num_target_layers"), get("target_layer_ids")
+    need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
+         f"decoder layers" + ("" if ids else " (target_layer_ids cannot be derived without it)"))
+    need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
+    try:
+        n, heads = d["num_hidden_layers"], d["num_attention_heads"]
+        layer_types, window, is_causal, differ = read_attention(d, dc, n)
+        ids = ids if isinstance(ids, list) else ids or []
+        if ids == [] and is_int(num_target) and is_int(n) and n > 0:
+            ids = default_target_layer_ids(num_target, n)
+        for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
+                           [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
+                           if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
+            if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
+                differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
+                              f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
+        if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
+            bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
+                       f"is not implemented by this drafter; refusing it rather than ignoring it")
+        kw = dict(
+            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
+            mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
+            layer_types=layer_types, sliding_window=window, is_causal=is_causal)
+    except KeyError as e:
+        raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as e:
+        raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
+    need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
+    try:
+        return DFlashConfig(**kw)
+    except DFlashError as e:
+        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
+            from None
+
+
+# -----------------------------------------------------------------------------
 # Checkpoints: a drafter directory in the z-lab layout (config.json + model.safetensors, no "model." prefix);
 # a training checkpoint <out>/step_N adds train_state.pt, and <out>/latest names the newest complete one
 
@@ -670,7 +1303,7 @@ def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
     cfg_path = os.path.join(path, "config.json")
     need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
-    return DFlashConfig.from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
+    return config_from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
 
 def safetensors_files(path):
     """model.safetensors, or the shards model.safetensors.index.json names."""
@@ -745,7 +1378,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**drafter.cfg.to_json(), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            json.dump({**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
         for name, obj in (extra_files or {}).items():
             torch.save(obj, os.path.join(tmp, name))
     return path
@@ -913,26 +1546,7 @@ def last_complete(out):
 
 
 # -----------------------------------------------------------------------------
-# The target: frozen, loaded through AutoModelForCausalLM; forward hooks capture h[t] and the final hidden state f
-
-@dataclass
-class Target:
-    model: nn.Module        # the full HF model (generation, eval)
-    backbone: nn.Module     # the decoder stack without lm_head (what training runs)
-    embed: nn.Module
-    lm_head: nn.Module
-    tokenizer: object
-    name: str
-    sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
-
-    def __post_init__(self):  # layers; the final norm, whose output f feeds lm_head; sizes
-        self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
-        self.num_layers, (self.vocab_size, self.hidden_size) = len(self.layers), self.lm_head.weight.shape
-
-    def eos_ids(self):
-        """The token ids that end a generation (the generation_config's eos_token_id, an int or a list), as a set."""
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+# Loading the target (AutoModelForCausalLM), and --shard_target
 
 def find_decoder(model):
     """The text decoder stack, found by inspection rather than by model name: the module holding `layers` (a
@@ -1048,50 +1662,10 @@ def check_compatible(cfg, target, where="drafter"):
         need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; the drafter was made for another "
              f"target")
 
-@contextmanager
-def capture_hidden(target, layer_ids):
-    """Forward hooks on decoder layers `layer_ids` (their outputs h[t]) and on the final norm (its output f, what
-    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual.
-    Target layer t means what vLLM serves, the residual stream after decoder layer t, before the final norm, also
-    for t = L-1 (not Hugging Face's hidden_states[L], which is after it; SGLang captures only layers 0..L-2)."""
-    store = {}
-    hook = lambda key: lambda m, i, out: store.__setitem__(key, out[0] if isinstance(out, tuple) else out)  # noqa
-    handles = [target.layers[t].register_forward_hook(hook(t)) for t in layer_ids]
-    handles.append(target.backbone.norm.register_forward_hook(hook("final")))
-    try:
-        yield store
-    finally:
-        for h in handles:
-            h.remove()
-
-@torch.no_grad()
-def target_features(target, input_ids, layer_ids):
-    """One pass of the target's decoder stack (no lm_head, no all-hidden-states) -> context (b, S, m*D) =
-    concat_t h[t], and f (b, S, D). Right padding needs no attention mask: pads only follow real tokens."""
-    with capture_hidden(target, layer_ids) as store:
-        target.backbone(input_ids=input_ids, use_cache=False)
-    return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
-
-MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
-
-def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
-    """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]
-    logits never exist at once (V = 248320 for Qwen3.5/3.6)."""
-    return max(1, budget // vocab_size)
-
-@torch.no_grad()
-def greedy_labels(final, lm_head, chunk=None):
-    """y[j] = argmax lm_head(f[j-1]): the target's greedy token at j, exactly what greedy verification accepts.
-    final (b, S, D) -> (b, S) long; y[0] = -1 (never a label)."""
-    b, S, D = final.shape
-    f = final[:, :-1].reshape(-1, D)
-    chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
-    out = torch.cat([lm_head(f[s:s + chunk]).argmax(-1) for s in range(0, f.shape[0], chunk)])
-    return torch.cat([out.new_full((b, 1), -1), out.view(b, S - 1)], dim=1)
-
 
 # -----------------------------------------------------------------------------
-# Data: JSONL -> (input_ids, loss_mask) per sample; one sample per row (HF targets do not separate packed samples)
+# Data files: JSONL -> (input_ids, loss_mask) per sample with exact chat loss masks; one sample per row (HF targets
+# do not separate packed samples); the held-out split and the batches
 
 def read_jsonl(path, what, hint=""):
     """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line.
@@ -1122,14 +1696,6 @@ def check_ids(ids, vocab_size, where):
     if bad is not None:
         raise DFlashError(f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
     return ids
-
-def mix_seed(*keys):
-    """A 63-bit seed from a tuple of ints: randomness keyed by (seed, epoch, sample) rather than by rank, so any
-    split of the global batch over ranks and micro-steps draws the same anchors and noise."""
-    h = 1469598103934665603
-    for k in keys:
-        h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
 
 def template_kwargs(tokenizer, enable_thinking):
     """Pass enable_thinking through only when it is set and the chat template reads it (training and eval alike)."""
@@ -1215,45 +1781,54 @@ def show_data(samples, tokenizer, n, file=None):
         print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {anchors} usable anchors", file=file)
         print("".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file)
 
+def record_kind(record, where, tokenizer, kinds):
+    """The one parser of a JSONL record, shared by training data and eval.py's prompts: which of `kinds`
+    ("input_ids", "messages", "prompt+response", "prompt", "text"; the first the record has) it is, with the shape of
+    those fields checked (input_ids by check_ids, where the caller knows the vocabulary)."""
+    need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
+    kind = next((k for k in kinds if all(f in record for f in k.split("+"))), None)
+    need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
+    if kind == "input_ids":
+        return kind
+    need(tokenizer is not None, f"{where}: the target has no tokenizer; use pre-tokenized {{\"input_ids\": [...]}} "
+         f"lines")
+    if kind == "messages":
+        messages = record["messages"]
+        need(isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages),
+             f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        need(tokenizer.chat_template, f"{where}: messages need a chat template, and the target's tokenizer has none")
+    for f in kind.split("+"):
+        need(f == "messages" or isinstance(record[f], str), f"{where}: {f} must be a string")
+    return kind
+
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
     """One JSONL record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
     Formats: {"messages": [...]} (loss on the assistant turns), {"prompt", "response"}, {"text"} (loss everywhere),
     {"input_ids", "loss_mask"?} (pre-tokenized; ids checked against vocab_size when given). Chat data is rendered
     as at inference (enable_thinking passed as eval.py passes it); a turn ends at the tokenizer's eos or any of
     eos_ids (e.g. the target's generation_config.eos_token_id). The stable entry point for every format."""
-    if not isinstance(record, dict):
-        raise DFlashError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "input_ids" in record:
+    kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
+    if kind == "input_ids":
         ids = check_ids(record["input_ids"], vocab_size, where)
         mask = record.get("loss_mask", [1] * len(ids))
-        if not isinstance(mask, list) or len(mask) != len(ids):
-            raise DFlashError(f"{where}: loss_mask must be a list as long as input_ids ({len(ids)})")
+        need(isinstance(mask, list) and len(mask) == len(ids),
+             f"{where}: loss_mask must be a list as long as input_ids ({len(ids)})")
         return ids, [int(bool(m)) for m in mask]
-    if tokenizer is None and any(k in record for k in ("messages", "prompt", "text")):
-        raise DFlashError(f"{where}: the target has no tokenizer; use pre-tokenized {{\"input_ids\": [...]}} lines")
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    if "messages" in record:
-        messages = record["messages"]
-        if not (isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)):
-            raise DFlashError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
-        if not tokenizer.chat_template:
-            raise DFlashError(f"{where}: messages need a chat template, and the target's tokenizer has none")
+    if kind == "messages":
         eos = {*eos_ids, tokenizer.eos_token_id} - {None}
-        return chat_sample(messages, tokenizer, template_kwargs(tokenizer, enable_thinking), eos, where)
-    if "prompt" in record and "response" in record:
+        return chat_sample(record["messages"], tokenizer, template_kwargs(tokenizer, enable_thinking), eos, where)
+    if kind == "prompt+response":
         if tokenizer.chat_template:
             return encode_sample({"messages": [{"role": "user", "content": record["prompt"]},
                                                {"role": "assistant", "content": record["response"]}]},
                                  tokenizer, enable_thinking, eos_ids, where)
         p, r = encode(record["prompt"]), encode(record["response"])
         return p + r, [0] * len(p) + [1] * len(r)
-    if "text" in record:
-        ids = encode(record["text"])
-        return ids, [1] * len(ids)
-    raise DFlashError(f"{where}: none of the known fields (messages | prompt+response | text | input_ids); "
-                      f"got keys {sorted(record)}")
+    ids = encode(record["text"])
+    return ids, [1] * len(ids)
 
-def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_ids=(), vocab_size=None):
+def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """Read a JSONL file through encode_sample; truncate to max_len; skip (and count) samples with nothing to learn."""
     samples, skipped, lines = [], 0, 0
     for where, rec in read_jsonl(path, "data", "; pass --data with a JSONL file"):
@@ -1272,7 +1847,7 @@ def load_samples(path, tokenizer, max_len, log=print, enable_thinking=None, eos_
         raise DFlashError(f"{path}: no usable samples ({skipped} skipped: fewer than 2 tokens or no two consecutive "
                           f"response tokens); check the file and the loss_mask")
     if skipped:
-        log(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
+        say(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
 
 EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
@@ -1323,449 +1898,7 @@ class Batches:
 
 
 # -----------------------------------------------------------------------------
-# Anchors, labels, context noise, and the corrected loss
-
-def sample_anchors(loss_mask, num_anchors, generator):
-    """loss_mask (S,) -> anchors (num_anchors,) long, valid (num_anchors,) bool. Candidates are positions with
-    loss_mask[a] = loss_mask[a+1] = 1 (the anchor and at least its first draft are response tokens), drawn uniformly
-    without replacement, fresh every step; padded to a fixed count (fixed shapes for torch.compile)."""
-    cand = ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(1)
-    pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
-    anchors, valid = torch.zeros(num_anchors, dtype=torch.long), torch.zeros(num_anchors, dtype=torch.bool)
-    anchors[:len(pick)], valid[:len(pick)] = pick, True
-    return anchors, valid
-
-def batch_anchors(batch, num_anchors, salt=0):
-    """Anchors (b, N) and valid (b, N) for every row, each from a generator keyed by the sample (and a salt)."""
-    rows = [sample_anchors(m, num_anchors, torch.Generator().manual_seed(mix_seed(k, salt)))
-            for m, k in zip(batch["loss_mask"], batch["keys"])]
-    return torch.stack([a for a, _ in rows]), torch.stack([v for _, v in rows])
-
-def block_positions(anchors, B):
-    return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
-
-def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
-    """w[b, n, i] = exp(-(i-1)/gamma) * valid for i = 1..B-1, 0 at offset 0 (the anchor is given, not drafted);
-    valid: a+i inside the sequence, loss_mask[a+i] = 1, and a real (not padding) anchor."""
-    S = loss_mask.shape[1]
-    pos = block_positions(anchors, B)
-    in_mask = loss_mask.gather(1, pos.clamp(max=S - 1).flatten(1)).view_as(pos) > 0
-    i = torch.arange(B, device=anchors.device, dtype=torch.float32)
-    decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
-    return decay * ((pos < S) & in_mask & anchor_valid[..., None])
-
-def block_labels(labels_all, anchors, B):
-    """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
-    pos = block_positions(anchors, B).clamp(max=labels_all.shape[1] - 1)
-    return labels_all.gather(1, pos.flatten(1)).view_as(pos)
-
-def block_input_ids(input_ids, anchors, B, mask_token_id):
-    """[tok[a], M, M, ..., M] for every anchor: (b, N, B)."""
-    ids = torch.full((*anchors.shape, B), mask_token_id, dtype=torch.long, device=anchors.device)
-    ids[..., 0] = input_ids.gather(1, anchors)
-    return ids
-
-def add_context_noise(context, noise_std, num_context_layers, keys):
-    """Gaussian noise relative to the RMS of each context feature vector h[t][j], on the concatenated context
-    features only (a new tensor: f, the labels and the block embeddings are never touched). One generator per row."""
-    if noise_std == 0:
-        return context
-    x = context.float().unflatten(-1, (num_context_layers, -1))                   # (b, S, m, D)
-    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.stack([torch.randn(x.shape[1:], device=x.device, generator=torch.Generator(x.device).manual_seed(
-        mix_seed(k, 7))) for k in keys])
-    return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
-
-class ChunkedLMHeadCE(torch.autograd.Function):
-    """Per-token cross-entropy and argmax of lm_head(h) without [T, V] logits: rows are processed in chunks and the
-    gradient w.r.t. h ((softmax - onehot) @ W; the lm_head is frozen) is formed in the same pass, so only (T, D) is
-    kept for backward."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk):
-        T = h.shape[0]
-        ce = torch.empty(T, dtype=torch.float32, device=h.device)
-        pred = torch.empty(T, dtype=torch.long, device=h.device)
-        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        for s in range(0, T, chunk):
-            hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
-            logits = F.linear(hs, weight, bias).float()                          # (chunk, V)
-            lse = logits.logsumexp(-1)
-            ce[s:s + chunk] = lse - logits.gather(1, ys[:, None]).squeeze(1)
-            pred[s:s + chunk] = logits.argmax(-1)
-            if grad is not None:
-                p = logits.sub_(lse[:, None]).exp_()  # in place: one (chunk, V) buffer, not three
-                p[torch.arange(len(ys), device=h.device), ys] -= 1.0
-                grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
-                del p
-            del logits  # free this chunk's (chunk, V) buffer before the next one is allocated
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
-
-    @staticmethod
-    def backward(ctx, grad_ce, grad_pred):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
-
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
-    hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
-    per offset, accepted (sum of leading runs of correct drafts: what greedy verification accepts), blocks."""
-    w = weights.flatten()
-    sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
-    ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
-                                     labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
-    ce_w = (ce * w[sel]).sum()
-    valid = weights > 0
-    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
-    correct[sel] = pred == labels.flatten()[sel]
-    correct = correct.view_as(valid) & valid
-    blocks = valid[..., 1]  # a block counts if its first draft position is valid
-    accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
-    return ce_w, {"w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
-                  "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
-                  "blocks": blocks.sum().float()}
-
-def dflash_loss(drafter, target, batch, anchors, anchor_valid, gamma=4.0, noise_std=0.0, labels="target",
-                weight_total=None, pad_to=None):
-    """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
-
-    drafter: the DFlashDrafter, or its compiled / DDP wrapper. anchors, anchor_valid (b, N) from batch_anchors.
-    labels: "target" (the target's greedy token at a+i: what verification accepts) or "data" (the data token, for
-    data the target regenerated). noise_std: context-feature noise (0 in evaluation). Returns (loss, stats) with
-    loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's sum(w); training passes the sum over
-    the whole global batch, so the split over ranks and micro-steps cannot dilute or reweight the loss. stats holds
-    numerators and denominators to all-reduce (see summarize)."""
-    raw = getattr(drafter, "module", drafter)           # DDP wrapper -> its module
-    cfg = getattr(raw, "_orig_mod", raw).cfg            # torch.compile wrapper -> the drafter
-    dev, B = target.lm_head.weight.device, cfg.block_size
-    input_ids, loss_mask = batch["input_ids"].to(dev), batch["loss_mask"].to(dev)
-    anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
-    context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
-    y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
-    w = loss_weights(anchors, anchor_valid, loss_mask, B, gamma)               # (b, N, B)
-    with torch.no_grad():
-        x = target.embed(block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
-    context = add_context_noise(context, noise_std, len(cfg.target_layer_ids), batch["keys"])  # never on f or y
-    if pad_to and pad_to > context.shape[1]:  # fixed drafter shapes for compiled kernels (padding is never visible)
-        context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
-    with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
-        hidden = drafter(context, x, anchors, anchor_valid)                    # (b, N, B, D)
-    ce_w, stats = weighted_ce(hidden, target.lm_head, y, w)
-    return ce_w / (w.sum() if weight_total is None else weight_total).clamp(min=1e-9), stats
-
-STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
-
-def add_stats(total, stats):
-    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
-
-def all_reduce_sum(stats, world):
-    if world > 1:
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
-    return stats
-
-def summarize(stats):
-    """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
-    acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
-    return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
-            "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:]}
-
-
-# -----------------------------------------------------------------------------
-# The exact tau walk (eval.py, and `eval_walk_tau` in training's held-out evaluation)
-#
-# Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
-# tau is computed without a decode loop (and without rolling back a hybrid target's recurrent state): the target
-# generates s once per prompt, one hooked pass over prompt + s gives every context feature, the drafter drafts the
-# block anchored at every position of s at once (each block sees only the context before its anchor, by the mask
-# rule), and tau_walk walks those blocks along s.
-#
-# Tree verification (DDTree's rule, greedy) walks the same blocks: at each anchor the drafter's per-depth
-# distributions build a tree of `budget` candidate tokens (tree_nodes), and the target accepts the longest path of
-# it that is a prefix of s (tree_accept), so only the acceptance rule changes.
-
-def accepted_prefix(drafts, truth):
-    """Number of leading drafts equal to the truth (compared only where the truth exists)."""
-    n = 0
-    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
-        n += 1
-    return n
-
-def tau_walk(continuation, drafts):
-    """Acceptance lengths of greedy speculative decoding along the target's greedy continuation.
-
-    continuation s: the n tokens the target generates; s[0] comes with the prefill, so the first block is anchored
-    at s[0]. drafts[k]: the tokens drafted by the block anchored at s[k] (they predict s[k+1], s[k+2], ...), looked up
-    only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
-    equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
-    The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
-    return walk_steps(continuation, lambda k, truth: accepted_prefix(drafts[k], truth))
-
-def walk_steps(continuation, accept):
-    """The walk itself: accept(k, truth) = accepted drafts of the block anchored at continuation[k] against the
-    truth continuation[k+1:] (the rule compares only as far as its drafts go)."""
-    lengths, k = [], 0
-    while k < len(continuation) - 1:
-        accepted = accept(k, continuation[k + 1:])
-        lengths.append(accepted + 1)
-        k += accepted + 1
-    return lengths
-
-def tree_nodes(logq, budget):
-    """DDTree's best-first draft tree at one anchor. logq[d][r]: log q of the r-th best token at depth d+1 (the
-    drafter's block offset d+1), ranked best first, K per depth; q_d is a depth marginal, so a path's score is the sum
-    of its tokens' log q. A node is a rank tuple (r_1, ..., r_d). Best-first from the depth-1 top token: each pop
-    adds the node and pushes its next sibling (r_d + 1) and its first child (rank 0 one depth down), until `budget`
-    nodes. Every node's parent is added before it, so the tree is prefix-closed. Returns the nodes in order added."""
-    D, K = len(logq), len(logq[0])
-    heap, nodes = [(-logq[0][0], (0,))], []  # (minus the score, ranks): heapq pops the best score first
-    while heap and len(nodes) < budget:
-        neg, ranks = heapq.heappop(heap)
-        nodes.append(ranks)
-        d, r = len(ranks) - 1, ranks[-1]
-        if r + 1 < K:
-            heapq.heappush(heap, (neg + logq[d][r] - logq[d][r + 1], ranks[:-1] + (r + 1,)))
-        if d + 1 < D:
-            heapq.heappush(heap, (neg - logq[d + 1][0], ranks + (0,)))
-    return nodes
-
-def tree_accept(logq, tokens, truth, budget):
-    """Accepted drafts at one anchor under tree verification: the length of the longest prefix of the truth (the
-    target's greedy tokens after the anchor) that is a path of the tree_nodes(logq, budget) tree. tokens[d][r]: the
-    token of rank r at depth d+1 (logq's ranking). The target follows its argmax down the tree, so this is what it
-    accepts. A chain is K = 1, budget B-1."""
-    tree, path = set(tree_nodes(logq, budget)), ()
-    for d, t in enumerate(truth[:len(tokens)]):
-        if t not in tokens[d] or path + (tokens[d].index(t),) not in tree:
-            break  # the target's token is not among this node's children
-        path += (tokens[d].index(t),)
-    return len(path)
-
-def tree_walk(continuation, logq, tokens, budget):
-    """Acceptance lengths of greedy tree verification along the greedy continuation: tau_walk with tree_accept.
-    logq, tokens (n, B-1, K): the drafter's top-K log-probabilities and tokens per depth at every anchor (from
-    draft_every_anchor(..., topk=K)); K >= budget is the exact DDTree tree (no node can rank deeper than budget)."""
-    logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
-    return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
-
-def step_anchors(lengths):
-    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
-    return list(itertools.accumulate(lengths, initial=0))[:-1]
-
-@torch.no_grad()
-def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation (hooks not active): up to max_new_tokens tokens, stopping after an
-    eos token. Logits processors that would move the argmax (a repetition penalty in a hub generation_config, ...)
-    are switched off: greedy verification accepts the plain argmax."""
-    ids = torch.tensor([prompt], device=target.lm_head.weight.device)
-    eos = sorted(eos)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                min_new_tokens=0, synced_gpus=target.sharded)  # sharded: until all ranks end
-    return out[0, len(prompt):].tolist()
-
-def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
-    the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
-    is formed, with the (B, S+B) mask (and the mask rule's integer intermediates) beside them; flex never
-    materialises scores, so only the MLP and the logits grow with the number of blocks."""
-    B = cfg.block_size
-    per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
-    if attention == "dense":
-        per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
-    return max(1, budget // per_anchor)
-
-@torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0):
-    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
-    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (the argmax), row k for anchor
-    first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens per block offset with
-    their log-probabilities, best first (what tree verification builds its trees from)."""
-    cfg, flex = drafter.cfg, drafter.attention == "flex"
-    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
-    anchors = torch.arange(first, S - 1, device=ids.device)
-    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
-        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
-        pad = padded_length(S) - S
-        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
-    S_ctx = context_features.shape[1]
-    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
-    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    drafts, logq, tokens = [], [], []
-    for c in range(0, len(anchors), chunk):
-        a = anchors[c:c + chunk]
-        n = len(a)
-        valid = torch.ones(n, dtype=torch.bool, device=ids.device)
-        if flex and n < chunk:
-            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
-        x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
-        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
-        logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
-        drafts.append(logits.argmax(-1))                                                     # (n, B-1)
-        if topk:
-            top = logits.topk(topk)
-            logq.append(top.values.float() - logits.float().logsumexp(-1, keepdim=True))    # (n, B-1, K)
-            tokens.append(top.indices)
-    drafts = torch.cat(drafts) if drafts else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
-    if not topk:
-        return drafts
-    empty = drafts.new_zeros(0, B - 1, topk)
-    return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
-
-def walk_prompts(samples, num_prompts):
-    """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
-    that have one."""
-    return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
-
-def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
-    """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
-    and the target's greedy continuation of each (num_tokens at most), generated here once. Rank r takes prompts
-    r, r + world, ..."""
-    if not num_prompts:
-        return None
-    prompts = walk_prompts(samples, num_prompts)
-    mine = prompts[rank::world]
-    # sharded, every target forward is a collective: as many prompts on every rank. An extra one is generated too,
-    # then walked as its own last token alone (a one-token continuation has no step: it counts nothing)
-    per_rank = -(-len(prompts) // world)
-    extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + extra]
-    return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
-
-@torch.no_grad()
-def walk_tau(drafter, target, walk, world, tree_budget=0):
-    """Pooled tau of the walk over every rank's prompts, and with tree_budget the pooled tau of tree verification
-    with that many nodes on the same drafts (else None): each rank walks its own prompts, then the totals of
-    acceptance lengths and steps are summed over ranks. Each is None if no steps or the walk is off (walk None, the
-    same on every rank)."""
-    if walk is None:
-        return None, None
-    dev = target.lm_head.weight.device
-    total = torch.zeros(4, device=dev)  # sum of acceptance lengths, steps: chain, then tree
-    K = min(tree_budget, target.vocab_size)
-    for prompt, continuation in zip(*walk):
-        ids = torch.tensor([prompt + continuation], device=dev)
-        features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
-        if K:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
-            drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt), topk=K)
-            tree = tree_walk(continuation, logq, tokens, tree_budget)
-        else:
-            drafts, tree = draft_every_anchor(drafter, target, features, ids, len(prompt)), []
-        lengths = tau_walk(continuation, drafts.tolist())
-        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree)], device=dev)
-    if world > 1:
-        dist.all_reduce(total)
-    return tuple((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2))
-
-
-# -----------------------------------------------------------------------------
-# Training
-
-def lr_at(step, total_steps, lr, warmup_ratio):
-    """Linear warmup over warmup_ratio of the run, then cosine decay to 0. A pure function of the step."""
-    warmup = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total_steps - warmup)
-    return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-def mask_token_hint(target):
-    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row."""
-    used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
-    rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
-        if used is not None and used < V else "pick an id your data never uses"
-    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}; z-lab uses 248070 for " \
-           f"Qwen3.5/3.6 targets, 151669 for Qwen3)"
-
-def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
-                       sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                       intermediate_size=None):
-    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps/rope_theta from the target, and unless
-    given its attention geometry (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP
-    width; plain RoPE over the full head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types
-    says otherwise. Every problem of these flags with this target is raised at once, each with a value that works."""
-    tc = target.model.config.get_text_config()
-    rope = getattr(tc, "rope_parameters", None)
-    rope_theta = (rope or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)) if isinstance(rope, dict | None) \
-        else 1e4
-    n, L, problems = num_draft_layers, target.num_layers, []
-    heads = num_heads or tc.num_attention_heads
-    if mask_token_id is None:
-        mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
-    if mask_token_id is None:
-        problems.append(mask_token_hint(target))
-    ids = target_layer_ids or default_target_layer_ids(L, n)
-    if not target_layer_ids and len(set(ids)) < len(ids):
-        good = valid_target_layer_ids(L, n)
-        problems.append(f"the default target_layer_ids {ids} for a {L}-layer target and {n} drafter layers repeat a "
-                        f"layer; pass --target_layer_ids {','.join(map(str, good))}")
-        ids = good
-    layer_types = layer_types or ["sliding_attention" if sliding_window and i < n - 1 else "full_attention"
-                                  for i in range(n)]
-    try:
-        cfg = DFlashConfig(
-            hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
-            num_hidden_layers=n, num_attention_heads=heads,
-            num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
-            vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
-            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
-            mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
-            num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
-    except DFlashError as e:
-        problems += str(e).splitlines()
-    need(not problems, "\n".join(problems))
-    return cfg
-
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, **loss_kw):
-    """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
-    step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
-    skips it: grads are all-reduced and the loss summed, so every rank skips together).
-    The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
-    the sum of weights over the whole global batch: sum(w * CE) / sum(w), whatever the split."""
-    device = target.lm_head.weight.device
-    anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
-    w_total = sum(loss_weights(a, v, mb["loss_mask"], cfg.block_size, loss_kw["gamma"]).sum()
-                  for mb, (a, v) in zip(micro_batches, anchors)).to(device)
-    w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
-    total = None
-    for m, (mb, (a, v)) in enumerate(zip(micro_batches, anchors)):
-        # no gradient all-reduce until the last micro-step, around forward *and* backward
-        sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
-        with sync:
-            loss, stats = dflash_loss(model, target, mb, a, v, weight_total=w_total, **loss_kw)
-            loss.backward()
-        total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
-    total = all_reduce_sum(total, world)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    ok = math.isfinite(summarize(total)["loss"]) and math.isfinite(grad_norm.item())
-    for g in optimizer.param_groups:
-        g["lr"] = lr
-    if ok:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm, ok
-
-@torch.no_grad()
-def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, **loss_kw):
-    """Held-out loss and tau estimate on every rank (its shard), combined by summing numerators/denominators.
-    Anchors are keyed by the sample's index in the eval set: the same blocks whatever the number of ranks."""
-    B = drafter.cfg.block_size
-    z = torch.zeros((), device=target.lm_head.weight.device)
-    total = {k: z.new_zeros(B if k in ("correct", "count") else ()) for k in STAT_KEYS}  # a rank may have none
-    mine = list(range(rank, len(samples), world))
-    # as many batches on every rank, a short rank's extra one all empty rows: a sharded target's forward is collective
-    for s in range(0, -(-len(samples) // world), batch_size):
-        idx = mine[s:s + batch_size]
-        fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
-        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
-                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
-        anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
-        total = add_stats(total, dflash_loss(drafter, target, batch, anchors, valid, **{**loss_kw, "noise_std": 0})[1])
-    return summarize(all_reduce_sum(total, world))
+# Signals, devices and distributed set-up
 
 class StopFlag:
     """Inside `with StopFlag(out, say) as stop`, SIGTERM/SIGINT set stop.requested: the loop finishes the current
@@ -1843,6 +1976,17 @@ def peak_memory_mb(device):
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
+def any_rank(flag, world, device):
+    """True on every rank when flag is true on any (a stop request reaches one rank's handler, or all)."""
+    t = torch.tensor(float(flag), device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# -----------------------------------------------------------------------------
+# The run's checks and set-up: outputs, resume, the drafter config, data, the drafter and its optimizer
+
 def check_writable_dir(d, what, subdirs=False):
     """Prove d can take our outputs by the operations the end uses: create it (and its parents), then create and
     remove a file in it (latest, metrics.jsonl, --json are files written aside and renamed) and, with subdirs, a
@@ -1875,7 +2019,7 @@ def check_out_dir(out):
         except OSError as e:
             raise DFlashError(f"--out {out!r}: {metrics} cannot be appended to ({e.strerror})") from None
 
-def run_in(out):
+def earlier_run(out):
     """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
     names = os.listdir(out) if os.path.isdir(out) else []
     steps = [step_of(n) for n in names if step_of(n) is not None and os.path.isdir(os.path.join(out, n))]
@@ -1913,8 +2057,8 @@ def resume_point(args, data_digest):
     if d is None:
         need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
              f"to start")
-        held = None if mode else run_in(out)
-        need(not held, f"--out {out!r} already holds a run ({held}); pass --resume to continue it, or give a new "
+        earlier = None if mode else earlier_run(out)
+        need(not earlier, f"--out {out!r} already holds a run ({earlier}); pass --resume to continue it, or give a new "
              f"--out (a run is never started over in place)")
         return None, None
     state = read_train_state(d)
@@ -1929,11 +2073,69 @@ def resume_point(args, data_digest):
          f"restore the file, or pass --allow_data_change to continue on the new data")
     return d, state
 
+def mask_token_hint(target):
+    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row."""
+    used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
+    rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
+        if used is not None and used < V else "pick an id your data never uses"
+    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}; z-lab uses 248070 for " \
+           f"Qwen3.5/3.6 targets, 151669 for Qwen3)"
+
+def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
+                       sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
+                       intermediate_size=None):
+    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps/rope_theta from the target, and unless
+    given its attention geometry (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP
+    width; plain RoPE over the full head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types
+    says otherwise. Every problem of these flags with this target is raised at once, each with a value that works."""
+    tc = target.model.config.get_text_config()
+    rope = getattr(tc, "rope_parameters", None)
+    rope_theta = (rope or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)) if isinstance(rope, dict | None) \
+        else 1e4
+    n, L, problems = num_draft_layers, target.num_layers, []
+    heads = num_heads or tc.num_attention_heads
+    if mask_token_id is None:
+        mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
+    if mask_token_id is None:
+        problems.append(mask_token_hint(target))
+    ids = target_layer_ids or default_target_layer_ids(L, n)
+    if not target_layer_ids and len(set(ids)) < len(ids):
+        good = valid_target_layer_ids(L, n)
+        problems.append(f"the default target_layer_ids {ids} for a {L}-layer target and {n} drafter layers repeat a "
+                        f"layer; pass --target_layer_ids {','.join(map(str, good))}")
+        ids = good
+    layer_types = layer_types or ["sliding_attention" if sliding_window and i < n - 1 else "full_attention"
+                                  for i in range(n)]
+    try:
+        cfg = DFlashConfig(
+            hidden_size=target.hidden_size, intermediate_size=intermediate_size or tc.intermediate_size,
+            num_hidden_layers=n, num_attention_heads=heads,
+            num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
+            vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
+            mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
+            num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
+    except DFlashError as e:
+        problems += str(e).splitlines()
+    need(not problems, "\n".join(problems))
+    return cfg
+
+@dataclass
+class RunSetup:
+    """What check_run found: the drafter config (None for --show_data), the checkpoint to resume (and its train
+    state), the data file's digest (recorded in every checkpoint), and the --init_from drafter directory."""
+    cfg: DFlashConfig | None = None
+    resume_dir: str | None = None
+    state: dict | None = None
+    data_digest: dict | None = None
+    init_from: str | None = None
+
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
-    device), with every problem of the flags with this target reported at once; then the memory plan. Returns
-    (cfg, resume_dir, train state, data digest, init_from); cfg is None for --show_data (it looks at the data alone)."""
+    device), with every problem of the flags with this target reported at once; then the memory plan. Returns a
+    RunSetup; its cfg is None for --show_data (it looks at the data alone)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
@@ -1950,7 +2152,7 @@ def check_run(args, world, device, master):
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
     if args.show_data:
         need(not problems, "\n".join(problems))
-        return None, None, None, None, None
+        return RunSetup()
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
     try:
         cfg = read_drafter_config(init_from) if init_from else \
@@ -1965,15 +2167,16 @@ def check_run(args, world, device, master):
         cpu_step_hint(args, cfg, meta)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
-    return cfg, resume_dir, state, data_digest, init_from
+    return RunSetup(cfg, resume_dir, state, data_digest, init_from)
 
-def check_resume(out, resume_dir, state, cfg, global_batch, master):
+def check_resume(out, run, global_batch, master):
     """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
     Then (a refused resume changes nothing) rank 0 cuts metrics.jsonl back to the checkpoint's step (all of it on a
     fresh start): what is logged again."""
+    resume_dir, state = run.resume_dir, run.state
     if state:
         saved = read_drafter_config(resume_dir)
-        for k, v in asdict(cfg).items():
+        for k, v in asdict(run.cfg).items():
             need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
                  f"this run has {v}; use the original target and flags, or a new --out")
         need(state["global_batch"] == global_batch, f"cannot resume {resume_dir}: global batch was "
@@ -1981,10 +2184,10 @@ def check_resume(out, resume_dir, state, cfg, global_batch, master):
     if master:
         keep_metrics(out, state["step"] if state else -1)
 
-def read_data(args, target, log):
+def read_data(args, target, say):
     """(train samples, held-out samples): --eval_data's, or split off --data (split_eval). With --show_data the
     held-out set is None and the samples are --data's in file order."""
-    kw = dict(log=log, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
+    kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
         return samples, None
@@ -1992,19 +2195,19 @@ def read_data(args, target, log):
         train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
     else:
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
-    held = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
-    log(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{held}")
+    split = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
+    say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
 
-def build_drafter(args, cfg, resume_dir, init_from, state, world, device, say=print):
+def build_drafter(args, run, world, device, say=print):
     """The drafter (new, --init_from's, or the checkpoint's), its AdamW (with --zero under torchrun its moments are
     split over the ranks), the model the loop calls (compiled with --compile, wrapped in DDP under torchrun), and the
     loss's keyword arguments (flex and compiled runs pad every batch to one of a few lengths: fewer recompilations)."""
     attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    drafter = load_drafter(resume_dir or init_from, device, attention=attention) if resume_dir or init_from else \
-        DFlashDrafter(cfg, attention).to(device)
+    cfg, resume_dir, state, source = run.cfg, run.resume_dir, run.state, run.resume_dir or run.init_from
+    drafter = load_drafter(source, device, attention=attention) if source else DFlashDrafter(cfg, attention).to(device)
     drafter.grad_checkpoint = args.grad_checkpoint
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.zero and world > 1:
@@ -2034,117 +2237,9 @@ def append_metrics(out, record):
     except OSError as e:
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device):
-    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats)."""
-    m, mem = summarize(total), peak_memory_mb(device)
-    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
-    return line, {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
 
-def any_rank(flag, world, device):
-    """True on every rank when flag is true on any (a stop request reaches one rank's handler, or all)."""
-    t = torch.tensor(float(flag), device=device)
-    if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log):
-    """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau (walk_tau) and, with
-    --eval_walk_tree_budget, the tree's; said (the console) and logged (metrics.jsonl). Nothing without eval_samples."""
-    if not eval_samples:
-        return
-    drafter.eval()
-    m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank, world,
-                 **loss_kw)
-    wt, wtt = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
-    drafter.train()
-    say(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-        + (f"  walked tau {wt:.3f}" if wt is not None else "")
-        + (f"  tree ({args.eval_walk_tree_budget} nodes) {wtt:.3f}" if wtt is not None else ""))
-    log({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"], "eval_walk_tau": wt,
-         **({"eval_walk_tree_tau": wtt} if args.eval_walk_tree_budget else {})})
-
-def train(args):
-    """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
-    log, held-out eval, save, stop on SIGTERM), the end (final eval and checkpoint). Returns drafter, cfg, target."""
-    # --- set-up: everything that can be checked without loading weights is checked first
-    rank, world, device = setup_distributed(args.device)
-    master = rank == 0
-    print0 = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
-    cfg, resume_dir, state, data_digest, init_from = check_run(args, world, device, master)
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
-                         shard=args.shard_target and world > 1)
-    train_samples, eval_samples = read_data(args, target, print0)
-    if args.show_data:  # look at the loss masks before spending anything on training
-        return show_data(train_samples, target.tokenizer, args.show_data) if master else None
-    batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
-                      getattr(target.tokenizer, "pad_token_id", None) or 0)
-    total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
-    check_resume(args.out, resume_dir, state, cfg, batches.global_batch, master)
-    drafter, model, optimizer, loss_kw = build_drafter(args, cfg, resume_dir, init_from, state, world, device, print0)
-    walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
-    os.makedirs(args.out, exist_ok=True)
-    print0(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
-           f"{batches.global_batch} samples, {world} rank(s) on {device.type}")
-    log = (lambda record: append_metrics(args.out, record)) if master else (lambda record: None)
-
-    def held_out(step):
-        held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, print0,
-                      log)
-
-    def save(step):
-        save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
-            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": data_digest},
-            world, print0)
-
-    # --- the loop
-    step = start = state["step"] if state else 0
-    bad_steps = state["bad_steps"] if state else 0  # consecutive non-finite steps
-    if step == 0:
-        held_out(0)
-    stopped, t_last, tokens = False, time.time(), 0
-    with StopFlag(args.out, print0) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
-                                                  dynamic_ncols=True) as bar:
-        while step < total_steps and not stopped:
-            t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
-            micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total, grad_norm, ok = train_step(model, optimizer, target, cfg, micro, lr, args.num_anchors,
-                                              args.grad_clip, world, **loss_kw)
-            bad_steps = 0 if ok else bad_steps + 1
-            if not ok:
-                print0(f"step {step + 1}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, "
-                       f"skipped the update ({bad_steps} in a row)")
-                need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step "
-                     f"{step + 1}); lower --lr or check the data; the last good checkpoint is in {args.out}")
-            step += 1
-            bar.update(1)
-            tokens += total["tokens"].item()  # all ranks' tokens, exactly
-            if step == start + 1:
-                print0(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
-            if step % args.log_every == 0 or step == total_steps:
-                line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device)
-                print0(line)
-                log(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
-                t_last, tokens = time.time(), 0
-            if args.eval_every and step % args.eval_every == 0 and step != total_steps:
-                held_out(step)
-            stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
-            if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
-                save(step)
-
-    # --- the end
-    if stopped:
-        print0(f"interrupted after step {step}: saved {os.path.join(args.out, f'step_{step}')}; resume with the same "
-               f"command plus --resume")
-    elif step > start:  # (a resumed run that had already finished has nothing left to do)
-        held_out(step)
-        save(step)
-    if world > 1:
-        dist.destroy_process_group()
-    return drafter, cfg, target
+# -----------------------------------------------------------------------------
+# Memory hints: the memory plan (an optional extra) and the CPU first-step estimate
 
 def memory_plan(args, cfg, meta, world, device):
     """The memory plan (dflash_tools/plan.py) from the configs alone (meta: the target on the meta device): --plan
@@ -2215,6 +2310,8 @@ def int_list(s):
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
 
+LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
+
 def layer_type_list(s):
     """--layer_types: comma-separated sliding|full (or their config names) -> the config names."""
     types = [LAYER_TYPES.get(t.strip(), t.strip()) for t in s.split(",")]
@@ -2245,8 +2342,12 @@ class ArgumentParser(argparse.ArgumentParser):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
-    def add(self, group, name, kind, default, help, lo=0, open_lo=False, hi=None):
-        group.add_argument(name, type=number(kind, lo, open_lo, hi), default=default, help=help)
+def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
+    """Every flag of both scripts is declared by this, one line each: kind int or float gets number()'s range-checked
+    type; anything else (choices, store_true, a type function) passes through to add_argument."""
+    if kind is not None:
+        kw["type"] = number(kind, lo, open_lo, hi)
+    group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -2255,94 +2356,94 @@ DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_laye
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
-    a = p.add_argument
-    a("--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
-    a("--data", help="training JSONL (.jsonl or .jsonl.gz): messages | prompt+response | text | input_ids(+loss_mask) "
-      "per line")
-    a("--out", default="out", help="output directory for checkpoints and metrics.jsonl")
-    a("--init_from", default=None, help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
-    a("--resume", nargs="?", const="must", choices=["must", "auto"], default=None,
-      help="continue from <out>/latest (--resume: it must be there; --resume auto: when it is, else start); a worker "
-           "torchrun restarts (--max_restarts, TORCHELASTIC_RESTART_COUNT > 0) resumes as with auto. Without it a "
-           "used --out is refused")
-    a("--allow_data_change", action="store_true", help="with --resume: continue although --data changed since the "
-      "checkpoint was written (the data order then differs)")
-    a("--demo", action="store_true", help="the CPU demo (also what runs with no arguments; needs dflash_tools/)")
+    g = p.add_argument_group("run")
+    flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
+    flag(g, "--data", help="training JSONL (.jsonl or .jsonl.gz): messages | prompt+response | text | "
+         "input_ids(+loss_mask) per line")
+    flag(g, "--out", "out", "output directory for checkpoints and metrics.jsonl")
+    flag(g, "--init_from", help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
+    flag(g, "--resume", nargs="?", const="must", choices=["must", "auto"],
+         help="continue from <out>/latest (--resume: it must be there; --resume auto: when it is, else start); a "
+         "worker torchrun restarts (--max_restarts, TORCHELASTIC_RESTART_COUNT > 0) resumes as with auto. Without it "
+         "a used --out is refused")
+    flag(g, "--allow_data_change", False, "with --resume: continue although --data changed since the checkpoint was "
+         "written (the data order then differs)", action="store_true")
+    flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
+         action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    p.add(g, "--num_draft_layers", int, 5, "drafter decoder layers", lo=1)
-    p.add(g, "--block_size", int, 16, "B: one anchor token + B-1 drafted tokens", lo=2)
-    g.add_argument("--target_layer_ids", type=int_list, default=None,
-                   help="comma-separated target layers feeding the context (default: spread from 1 to L-3)")
-    p.add(g, "--mask_token_id", int, None, "mask token id (default: the tokenizer's)")
-    p.add(g, "--sliding_window", int, 2048, "window of the sliding layers (0: no sliding layers)")
-    g.add_argument("--layer_types", type=layer_type_list, default=None,
-                   help="comma-separated sliding|full per layer (default: all sliding but the last)")
-    p.add(g, "--num_heads", int, None, "attention heads (default: the target's; a hybrid's full-attention layers')",
-          lo=1)
-    p.add(g, "--num_kv_heads", int, None, "key/value heads (GQA; default: the target's)", lo=1)
-    p.add(g, "--head_dim", int, None, "head dimension (even: RoPE rotates pairs; default: the target's)", lo=2)
-    p.add(g, "--intermediate_size", int, None, "MLP width (default: the target's)", lo=1)
+    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1)
+    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2)
+    flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
+         "to L-3)", type=int_list)
+    flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
+    flag(g, "--sliding_window", 2048, "window of the sliding layers (0: no sliding layers)", int)
+    flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
+         type=layer_type_list)
+    flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
+         lo=1)
+    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1)
+    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2)
+    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1)
     g = p.add_argument_group("data and loss")
-    p.add(g, "--max_len", int, 3072, "truncate samples to this many tokens", lo=2)
-    g.add_argument("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="passed to the chat template if it reads enable_thinking, as eval.py does (default: its own)")
-    p.add(g, "--show_data", int, 0, "print the first N encoded samples with their loss spans in [[...]], then exit "
-          "(0: train)")
-    p.add(g, "--eval_fraction", float, 0.01, "held-out fraction of --data, at least 16 samples, at most half (0: no "
-          "held-out evaluation)", hi=0.5)
-    a("--eval_data", default=None, help="held-out JSONL (instead of --eval_fraction)")
-    p.add(g, "--num_anchors", int, 512, "anchors (blocks) per sequence", lo=1)
-    p.add(g, "--gamma", float, 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", open_lo=True)
-    g.add_argument("--labels", choices=["target", "data"], default="target",
-                   help="target: the target's greedy token (teacher-forced); data: the data token")
-    p.add(g, "--noise_std", float, 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)")
+    flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
+    flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
+         "(default: its own)", action=argparse.BooleanOptionalAction)
+    flag(g, "--show_data", 0, "print the first N encoded samples with their loss spans in [[...]], then exit (0: "
+         "train)", int)
+    flag(g, "--eval_fraction", 0.01, "held-out fraction of --data, at least 16 samples, at most half (0: no held-out "
+         "evaluation)", float, hi=0.5)
+    flag(g, "--eval_data", help="held-out JSONL (instead of --eval_fraction)")
+    flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
+    flag(g, "--gamma", 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
+    flag(g, "--labels", "target", "target: the target's greedy token (teacher-forced); data: the data token",
+         choices=["target", "data"])
+    flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
     g = p.add_argument_group("optimisation")
-    p.add(g, "--batch_size", int, 1, "sequences per rank per micro-step", lo=1)
-    p.add(g, "--grad_accum", int, 4, "micro-steps per optimizer step", lo=1)
-    p.add(g, "--lr", float, 6e-4, "peak learning rate (AdamW)", open_lo=True)
-    p.add(g, "--warmup_ratio", float, 0.04, "linear warmup fraction, then cosine to 0 (0: none)", hi=1)
-    p.add(g, "--epochs", int, 6, "epochs (unless --max_steps)", lo=1)
-    p.add(g, "--max_steps", int, 0, "optimizer steps (0: from --epochs)")
-    p.add(g, "--grad_clip", float, 1.0, "gradient norm clip", open_lo=True)
-    p.add(g, "--weight_decay", float, 0.0, "AdamW weight decay")
-    p.add(g, "--max_bad_steps", int, 10, "stop after this many consecutive non-finite steps", lo=1)
+    flag(g, "--batch_size", 1, "sequences per rank per micro-step", int, lo=1)
+    flag(g, "--grad_accum", 4, "micro-steps per optimizer step", int, lo=1)
+    flag(g, "--lr", 6e-4, "peak learning rate (AdamW)", float, open_lo=True)
+    flag(g, "--warmup_ratio", 0.04, "linear warmup fraction, then cosine to 0 (0: none)", float, hi=1)
+    flag(g, "--epochs", 6, "epochs (unless --max_steps)", int, lo=1)
+    flag(g, "--max_steps", 0, "optimizer steps (0: from --epochs)", int)
+    flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
+    flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
+    flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
     add_system_flags(p)
     return p
 
 def add_system_flags(p):
     """get_parser's last two groups: how the run executes, logs, evaluates and saves; and what saves memory."""
     g = p.add_argument_group("system")
-    g.add_argument("--compile", choices=["auto", "on", "off"], default="auto",
-                   help="torch.compile the drafter (auto: on for CUDA, off on CPU)")
-    g.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
-                   help="attention path (auto: flex on CUDA, dense elsewhere)")
-    g.add_argument("--dtype", choices=list(DTYPES), default="auto",
-                   help="target dtype (auto: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--save_dtype", choices=list(SAVE_DTYPES), default="fp32",
-                   help="checkpoint weights dtype (fp32 resumes exactly; bf16 halves the size)")
-    g.add_argument("--device", default=None, help="device (default: cuda:LOCAL_RANK if available, else cpu)")
-    g.add_argument("--trust_remote_code", action="store_true", help="allow the target's custom code")
-    p.add(g, "--seed", int, 0, "random seed")
-    p.add(g, "--log_every", int, 10, "log every N steps", lo=1)
-    p.add(g, "--eval_every", int, 500, "held-out evaluation every N steps (0: only at the start and the end)")
-    p.add(g, "--eval_walk_prompts", int, 16, "held-out prompts for the exact walked tau at each eval (0: off)")
-    p.add(g, "--eval_walk_tokens", int, 64, "greedy continuation length of each walked prompt", lo=1)
-    p.add(g, "--eval_walk_tree_budget", int, 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-          "(DDTree's rule) with this many draft nodes per step (0: off)")
-    p.add(g, "--save_every", int, 1000, "checkpoint every N steps (0: only at the end)")
-    g.add_argument("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
+    flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA, off on CPU)",
+         choices=["auto", "on", "off"])
+    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, dense elsewhere)",
+         choices=["auto", "flex", "dense"])
+    flag(g, "--dtype", "auto", "target dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=list(DTYPES))
+    flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly; bf16 halves the size)",
+         choices=list(SAVE_DTYPES))
+    flag(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")
+    flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
+    flag(g, "--seed", 0, "random seed", int)
+    flag(g, "--log_every", 10, "log every N steps", int, lo=1)
+    flag(g, "--eval_every", 500, "held-out evaluation every N steps (0: only at the start and the end)", int)
+    flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
+    flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
+    flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
+         "(DDTree's rule) with this many draft nodes per step (0: off)", int)
+    flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
+    flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")
-    g.add_argument("--zero", action="store_true",
-                   help="shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one process)")
-    g.add_argument("--shard_target", action="store_true",
-                   help="split the frozen target's decoder layers over the ranks (FSDP2, under torchrun): each rank "
-                   "holds 1/world of them and gathers one layer at a time while the target runs")
-    g.add_argument("--grad_checkpoint", action="store_true",
-                   help="recompute each drafter layer in backward instead of keeping its activations")
-    g.add_argument("--plan", action="store_true", help="print the per-GPU memory plan from the target's and "
-                   "drafter's configs (no weights), then exit (needs dflash_tools/)")
-    p.add(g, "--plan_world_size", int, None, "ranks to plan for (default: this run's)", lo=1)
-    p.add(g, "--plan_gpu_gb", float, None, "memory per GPU in GB to plan for (default: this machine's)", open_lo=True)
+    flag(g, "--zero", False, "shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one "
+         "process)", action="store_true")
+    flag(g, "--shard_target", False, "split the frozen target's decoder layers over the ranks (FSDP2, under "
+         "torchrun): each rank holds 1/world of them and gathers one layer at a time while the target runs",
+         action="store_true")
+    flag(g, "--grad_checkpoint", False, "recompute each drafter layer in backward instead of keeping its "
+         "activations", action="store_true")
+    flag(g, "--plan", False, "print the per-GPU memory plan from the target's and drafter's configs (no weights), "
+         "then exit (needs dflash_tools/)", action="store_true")
+    flag(g, "--plan_world_size", None, "ranks to plan for (default: this run's)", int, lo=1)
+    flag(g, "--plan_gpu_gb", None, "memory per GPU in GB to plan for (default: this machine's)", float, open_lo=True)
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -2354,3 +2455,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+

@@ -73,46 +73,26 @@ BUILTIN_PROMPTS = [
 
 
 def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
-    """One JSONL record -> prompt token ids. {"prompt": str} is a single user turn through the chat template (raw
-    text when the tokenizer has none); {"messages": [...]} goes through the chat template, trailing assistant
-    turns dropped (the target writes its own); {"text": str} is raw text; {"input_ids": [...]} is used as is. Every
-    id is checked against vocab_size when given (the target's vocabulary)."""
-    if not isinstance(rec, dict):
-        raise DFlashError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-    if "input_ids" in rec:
+    """One JSONL record -> prompt token ids (dflash.record_kind parses it). {"prompt": str} is a single user turn
+    through the chat template (raw text when the tokenizer has none); {"messages": [...]} goes through the chat
+    template, trailing assistant turns dropped (the target writes its own); {"text": str} is raw text;
+    {"input_ids": [...]} is used as is. Every id is checked against vocab_size when given (the target's vocabulary)."""
+    kind = dflash.record_kind(rec, where, tokenizer, ("input_ids", "messages", "prompt", "text"))
+    if kind == "input_ids":
         dflash.need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
         return dflash.check_ids(rec["input_ids"], vocab_size, where)
-    if not any(k in rec for k in ("prompt", "messages", "text")):
-        raise DFlashError(f"{where}: none of the known fields (prompt | messages | text | input_ids); "
-                          f"got keys {sorted(rec)}")
-    if tokenizer is None:
-        raise DFlashError(f"{where}: the target has no tokenizer; use pre-tokenized {{\"input_ids\": [...]}} lines")
     kw = template_kwargs or {}
-    if "messages" in rec:
+    if kind == "messages":
         messages = rec["messages"]
-        if not (isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)):
-            raise DFlashError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        if not messages:
-            raise DFlashError(f"{where}: messages hold no turn before the assistant's")
-        if not tokenizer.chat_template:
-            raise DFlashError(f"{where}: messages need a chat template, and the target's tokenizer has none")
+        dflash.need(messages, f"{where}: messages hold no turn before the assistant's")
         ids = dflash.chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
-    elif "prompt" in rec:
-        if not isinstance(rec["prompt"], str):
-            raise DFlashError(f"{where}: prompt must be a string")
-        if tokenizer.chat_template:
-            turn = [{"role": "user", "content": rec["prompt"]}]
-            ids = dflash.chat_ids(tokenizer, turn, add_generation_prompt=True, **kw)
-        else:
-            ids = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"]
-    else:
-        if not isinstance(rec["text"], str):
-            raise DFlashError(f"{where}: text must be a string")
-        ids = tokenizer(rec["text"], add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise DFlashError(f"{where}: the prompt encodes to no tokens")
+    elif kind == "prompt" and tokenizer.chat_template:
+        ids = dflash.chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
+    else:  # a prompt without a chat template, or text: raw text
+        ids = tokenizer(rec[kind], add_special_tokens=False)["input_ids"]
+    dflash.need(ids, f"{where}: the prompt encodes to no tokens")
     return dflash.check_ids(ids, vocab_size, where)
 
 
@@ -828,50 +808,51 @@ def sampling_args(args):
 def get_parser():
     p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
                                           "their target.")
-    a = p.add_argument
-    a("--target", required=True, help="target model: a local directory or a hub id (loaded as dflash.py does)")
-    a("--drafter", action="append", default=[],
-      help="drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id (owner/name, "
-           "downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison")
-    a("--no_prompt_lookup", action="store_true", help="leave out the prompt-lookup baseline (included by default)")
-    a("--prompts", default=None,
-      help="JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in coding prompts)")
-    p.add(p, "--limit", int, 0, "use only the first N prompts (0: all)")
-    p.add(p, "--max_new_tokens", int, None, "greedy continuation length per prompt (stops early at eos); default "
-          "256, or 2048 with --bench (z-lab's)", lo=1)
-    a("--bench", default=None, help="z-lab's benchmarks, comma-separated: gsm8k, math500, humaneval, mbpp, mt-bench "
-      "(NAME=FILE: that one from a local JSONL/JSON file in the dataset's schema); downloaded with `datasets`")
-    a("--bench_dir", default=None, help="with --bench: a directory of NAME.jsonl (or NAME.json) files, one row per "
-      "line in each dataset's own schema (offline; default: download through datasets.load_dataset)")
-    p.add(p, "--max_samples", int, None, "with --bench: the same N samples of each benchmark for every drafter (the "
-          "first N after a shuffle seeded with 0; default: all)", lo=1)
-    p.add(p, "--block_size", int, None, "evaluate at this block size (<= each drafter's trained one; drafts are "
-          "truncated to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", lo=2)
-    a("--mode", choices=["exact", "loop"], default="exact",
-      help="exact: the walk along the greedy continuation, any target; loop: a real speculative decoding loop with "
-           "the KV cache (dense targets), reports tokens/s and checks the output equals plain greedy decoding")
-    p.add(p, "--temperature", float, 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
-          "default and SGLang's DFlash; a DFlash2 drafter's path drawn from its selector's q and rejection-sampled): "
-          "the walk along continuations sampled from the target (0: greedy)")
-    p.add(p, "--top_p", float, None, "with --temperature: nucleus sampling (default: 1, off)", open_lo=True, hi=1)
-    p.add(p, "--top_k", int, None, "with --temperature: sample among the k most likely tokens (0: off, the default)")
-    p.add(p, "--samples", int, None, "with --temperature: sampled continuations per prompt (default: 5)", lo=1)
-    p.add(p, "--seed", int, 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)")
-    a("--tree_budget", type=budget_list, default=(),
-      help="also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, comma-separated N "
-           "side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one chain)")
-    a("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
-      help="passed to the chat template when it reads enable_thinking (default: the template's own default)")
-    a("--json", default=None, help="write the full report (continuations, acceptance lengths per prompt) here")
-    a("--dump_drafts", action="store_true", help="also write every verification step's drafted tokens to --json")
-    a("--attention", choices=["auto", "flex", "dense"], default="auto",
-      help="drafter attention path for the exact method (auto: flex on CUDA, dense elsewhere)")
-    a("--dtype", choices=list(dflash.DTYPES), default="auto",
-      help="target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)")
-    a("--device", default=None, help="device (default: cuda if available, else cpu)")
-    a("--trust_remote_code", action="store_true", help="allow the target's custom code")
-    a("--no_progress", action="store_true", help="no progress bar")
-    a("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
+    flag = dflash.flag
+    flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does)", required=True)
+    flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
+         "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
+    flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
+         action="store_true")
+    flag(p, "--prompts", None, "JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in "
+         "coding prompts)")
+    flag(p, "--limit", 0, "use only the first N prompts (0: all)", int)
+    flag(p, "--max_new_tokens", None, "greedy continuation length per prompt (stops early at eos); default 256, or "
+         "2048 with --bench (z-lab's)", int, lo=1)
+    flag(p, "--bench", None, "z-lab's benchmarks, comma-separated: gsm8k, math500, humaneval, mbpp, mt-bench "
+         "(NAME=FILE: that one from a local JSONL/JSON file in the dataset's schema); downloaded with `datasets`")
+    flag(p, "--bench_dir", None, "with --bench: a directory of NAME.jsonl (or NAME.json) files, one row per line in "
+         "each dataset's own schema (offline; default: download through datasets.load_dataset)")
+    flag(p, "--max_samples", None, "with --bench: the same N samples of each benchmark for every drafter (the first "
+         "N after a shuffle seeded with 0; default: all)", int, lo=1)
+    flag(p, "--block_size", None, "evaluate at this block size (<= each drafter's trained one; drafts are truncated "
+         "to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", int, lo=2)
+    flag(p, "--mode", "exact", "exact: the walk along the greedy continuation, any target; loop: a real speculative "
+         "decoding loop with the KV cache (dense targets), reports tokens/s and checks the output equals plain "
+         "greedy decoding", choices=["exact", "loop"])
+    flag(p, "--temperature", 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
+         "default and SGLang's DFlash; a DFlash2 drafter's path drawn from its selector's q and rejection-sampled): "
+         "the walk along continuations sampled from the target (0: greedy)", float)
+    flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
+    flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
+    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1)
+    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int)
+    flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
+         "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one chain)",
+         type=budget_list)
+    flag(p, "--enable_thinking", None, "passed to the chat template when it reads enable_thinking (default: the "
+         "template's own default)", action=argparse.BooleanOptionalAction)
+    flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")
+    flag(p, "--dump_drafts", False, "also write every verification step's drafted tokens to --json",
+         action="store_true")
+    flag(p, "--attention", "auto", "drafter attention path for the exact method (auto: flex on CUDA, dense "
+         "elsewhere)", choices=["auto", "flex", "dense"])
+    flag(p, "--dtype", "auto", "target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)",
+         choices=list(dflash.DTYPES))
+    flag(p, "--device", None, "device (default: cuda if available, else cpu)")
+    flag(p, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
+    flag(p, "--no_progress", False, "no progress bar", action="store_true")
+    flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
 
 

@@ -345,8 +345,8 @@ def train_tiny_drafter(target, prompts, new_tokens, steps, seed=0):
     for step in range(steps):
         batch = dflash.collate(samples, 0, keys=[step * len(samples) + r for r in range(len(samples))])
         anchors, valid = dflash.batch_anchors(batch, 64)
-        loss, _ = dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=0.0,
-                                     labels="target")
+        loss, _ = dflash.dflash_loss(drafter, cfg, target, batch, anchors, valid,
+                                     dflash.loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, 4.0))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -54,7 +54,8 @@ def run_demo(argv):
     rank, world, _ = dflash.setup_distributed(args.device)
     say = print if rank == 0 else lambda *a: None
     if rank == 0:
-        if out == DEMO_OUT and not args.resume and dflash.run_in(out):  # the demo's own directory: a rerun starts over
+        # the demo's own directory: a rerun starts over
+        if out == DEMO_OUT and not args.resume and dflash.earlier_run(out):
             print(f"== removing the previous demo run in {out} (pass --resume to continue it, --out DIR to keep one)")
             shutil.rmtree(out)
             os.makedirs(out)
@@ -100,7 +101,7 @@ def check_walked_tau(args, data, target, drafter):
         logged = [r["eval_walk_tau"] for r in map(json.loads, f) if r.get("eval_walk_tau") is not None]
     if not logged:
         return
-    samples = dflash.load_samples(data, target.tokenizer, args.max_len, log=lambda *a: None,
+    samples = dflash.load_samples(data, target.tokenizer, args.max_len, say=lambda *a: None,
                                   enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
                                   vocab_size=target.vocab_size)
     prompts = dflash.walk_prompts(dflash.split_eval(samples, args.eval_fraction, args.seed)[1], args.eval_walk_prompts)

@@ -406,29 +406,27 @@ def generate_all(server, todo, args, stop, paths):
 def get_parser():
     p = dflash.ArgumentParser(description="Regenerate every assistant turn of a JSONL data set with the target, "
                                           "through an OpenAI-compatible server (vLLM, SGLang, transformers serve).")
-    a = p.add_argument
-    a("--server", required=True, help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-    a("--model", required=True, help="the model name the server serves (also the default --tokenizer)")
-    a("--data", required=True, help="input JSONL: messages | prompt+response | prompt per line")
-    a("--out", required=True, help="output JSONL of {\"messages\": [...]} lines (appended to: reruns resume)")
-    a("--tokenizer", default=None, help="the target's tokenizer, whose chat template renders each prefix: a local "
-                                        "directory or hub id (default: --model)")
-    a("--endpoint", choices=["completions", "chat"], default="completions",
-      help="completions: the prefix rendered here, the answer as generated; chat: for servers without completions "
-           "(whitespace may be normalised)")
-    a("--enable_thinking", action=argparse.BooleanOptionalAction, default=None,
-      help="passed to the chat template and recorded in each line; train and serve with the same (default: the "
-           "template's own)")
-    p.add(p, "--max_tokens", int, 2048, "the longest answer, in tokens, sent with every request", lo=1)
-    p.add(p, "--temperature", float, 0.0, "sampling temperature, always sent (0: greedy)", lo=0)
-    p.add(p, "--top_p", float, None, "nucleus sampling, sent when given", lo=0, hi=1, open_lo=True)
-    a("--keep_truncated", action="store_true", help="keep answers cut by --max_tokens, marked \"truncated\" (default: "
-      "count them and list their line numbers in OUT.truncated.jsonl, which a rerun skips)")
-    p.add(p, "--concurrency", int, 16, "requests in flight", lo=1)
-    p.add(p, "--timeout", float, 600.0, "seconds to wait for one answer", lo=0, open_lo=True)
-    p.add(p, "--retries", int, 5, "retries of a request on connection errors, timeouts and 5xx (with backoff)", lo=0)
-    a("--trust_remote_code", action="store_true", help="allow the tokenizer's custom code")
-    a("--debug", action="store_true", help="show tracebacks for input errors (or DFLASH_DEBUG=1)")
+    flag = dflash.flag
+    flag(p, "--server", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1", required=True)
+    flag(p, "--model", help="the model name the server serves (also the default --tokenizer)", required=True)
+    flag(p, "--data", help="input JSONL: messages | prompt+response | prompt per line", required=True)
+    flag(p, "--out", help="output JSONL of {\"messages\": [...]} lines (appended to: reruns resume)", required=True)
+    flag(p, "--tokenizer", None, "the target's tokenizer, whose chat template renders each prefix: a local directory "
+         "or hub id (default: --model)")
+    flag(p, "--endpoint", "completions", "completions: the prefix rendered here, the answer as generated; chat: for "
+         "servers without completions (whitespace may be normalised)", choices=["completions", "chat"])
+    flag(p, "--enable_thinking", None, "passed to the chat template and recorded in each line; train and serve with "
+         "the same (default: the template's own)", action=argparse.BooleanOptionalAction)
+    flag(p, "--max_tokens", 2048, "the longest answer, in tokens, sent with every request", int, lo=1)
+    flag(p, "--temperature", 0.0, "sampling temperature, always sent (0: greedy)", float, lo=0)
+    flag(p, "--top_p", None, "nucleus sampling, sent when given", float, lo=0, hi=1, open_lo=True)
+    flag(p, "--keep_truncated", False, "keep answers cut by --max_tokens, marked \"truncated\" (default: count them "
+         "and list their line numbers in OUT.truncated.jsonl, which a rerun skips)", action="store_true")
+    flag(p, "--concurrency", 16, "requests in flight", int, lo=1)
+    flag(p, "--timeout", 600.0, "seconds to wait for one answer", float, lo=0, open_lo=True)
+    flag(p, "--retries", 5, "retries of a request on connection errors, timeouts and 5xx (with backoff)", int, lo=0)
+    flag(p, "--trust_remote_code", False, "allow the tokenizer's custom code", action="store_true")
+    flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
 
 

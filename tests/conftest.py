@@ -262,3 +262,100 @@ def write_lines(path, lines):
     """Each line plus a newline, to the pathlib.Path path; returns str(path)."""
     path.write_text("".join(line + "\n" for line in lines))
     return str(path)
+
+
+def loss_of(drafter, target, batch, anchors, valid, gamma=4.0, **kw):
+    """dflash_loss of a plain drafter with the CE's weights (gamma) on these anchors: (loss, stats)."""
+    w = dflash.loss_weights(anchors, valid, batch["loss_mask"], drafter.cfg.block_size, gamma)
+    return dflash.dflash_loss(drafter, drafter.cfg, target, batch, anchors, valid, w, **kw)
+
+
+# -----------------------------------------------------------------------------
+# The dense eval target: a tiny Qwen3 wider than TINY_TARGET, its greedy continuations and a briefly trained
+# drafter (test_eval, test_tau_modes)
+
+NEW_TOKENS = 32
+# the tiny targets here: wider than conftest's default, with longer positions
+DENSE_TARGET = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16,
+                    max_position_embeddings=512)
+# tiny_cfg overrides for a drafter over those targets
+DENSE_DRAFTER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, head_dim=16, vocab_size=VOCAB,
+                     max_position_embeddings=512, block_size=8, mask_token_id=VOCAB - 1, target_layer_ids=[1, 2],
+                     num_target_layers=4, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
+
+
+def reference_greedy(target, prompt, n):
+    """Plain greedy decoding by the target itself (HF generate), independent of eval.py."""
+    x = torch.tensor([prompt])
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def train_on_continuations(target, drafter, prompts, continuations, steps):
+    """A few optimizer steps of the real loss on the target's own continuations (regenerated data)."""
+    batch = dflash.collate([(p + c, [0] * len(p) + [1] * len(c)) for p, c in zip(prompts, continuations)], 0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    drafter.train()
+    for step in range(steps):
+        anchors, valid = dflash.batch_anchors(batch, 24, salt=step)
+        loss, _ = loss_of(drafter, target, batch, anchors, valid, noise_std=0.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A tiny Qwen3 target, its greedy continuations of 6 random prompts, and a drafter trained on them briefly
+    (random targets fall into repetitive continuations, which a few steps teach the drafter to draft)."""
+    path = str(tmp_path_factory.mktemp("dense") / "target")
+    target = dflash.load_target(tiny_qwen3(path, **DENSE_TARGET))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB - 1, (8,), generator=g).tolist() for _ in range(6)]
+    continuations = [reference_greedy(target, p, NEW_TOKENS) for p in prompts]
+    torch.manual_seed(0)
+    drafter = dflash.DFlashDrafter(tiny_cfg(DENSE_DRAFTER))
+    drafter = train_on_continuations(target, drafter, prompts, continuations, steps=30)
+    return {"path": path, "target": target, "prompts": prompts, "continuations": continuations, "drafter": drafter}
+
+
+# -----------------------------------------------------------------------------
+# The visibility rule, written out as a brute-force oracle (test_drafter, test_windows)
+
+
+def visible(a, valid, i, kind, idx, causal, window, same_block=True):
+    """Query: offset i of the block anchored at a, at position a+i. Key: ("ctx", j) at position j, or ("blk", i')
+    at position a+i'. Context keys exist strictly before the anchor; block keys are the query's own block (only
+    i' <= i in a causal layer). A sliding layer then keeps a key only if q_pos - k_pos < W, and, when it is
+    explicitly non-causal, also k_pos - q_pos < W."""
+    if not valid:
+        return False
+    q_pos = a + i
+    if kind == "ctx":
+        k_pos, ok = idx, idx < a
+    else:
+        k_pos, ok = a + idx, same_block and (not causal or idx <= i)
+    if window is not None:
+        ok = ok and q_pos - k_pos < window
+        if not causal:
+            ok = ok and k_pos - q_pos < window
+    return ok
+
+
+# -----------------------------------------------------------------------------
+# Command lines
+
+
+def one_error(capsys, main, argv, *needles, progress=False):
+    """main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle (progress: after the
+    training bar, which also writes to stderr, the last line)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    err = err[-1:] if progress and sum(x.startswith("error:") for x in err) == 1 else err
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    for n in needles:
+        assert n in err[0], (n, err[0])
+    return err[0]

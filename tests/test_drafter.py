@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import dflash
-from conftest import TINY_CFG, ZL, tiny_cfg, write_zlab_dir, zlab_config, zlab_tensors
+from conftest import TINY_CFG, ZL, tiny_cfg, visible, write_zlab_dir, zlab_config, zlab_tensors
 from dflash import DFlashConfig, DFlashDrafter, DFlashError
 from eval import NeuralDrafter
 
@@ -248,22 +248,6 @@ def spec_layer_kind(layer_type, is_causal, window):
     return causal, (window if layer_type == "sliding_attention" else None)
 
 
-def spec_visible(a, valid, i, key, S, Bk, causal, window, same_block=True):
-    """Query = offset i of the block anchored at a (q_pos = a+i). key = ("ctx", j) or ("blk", i')."""
-    if not valid:
-        return False
-    q_pos = a + i
-    kind, idx = key
-    if kind == "ctx":
-        k_pos, ok = idx, idx < a
-    else:
-        k_pos, ok = a + idx, same_block and ((not causal) or idx <= i)
-    # a sliding layer windows every key by position, context and block keys alike (as vLLM and SGLang serve it)
-    if window is not None:
-        ok = ok and q_pos - k_pos < window and (causal or k_pos - q_pos < window)
-    return ok
-
-
 MASK_S, MASK_B = 10, 4
 MASK_ANCHORS = torch.tensor([[0, 1, 4, 9, 0], [2, 6, 7, 3, 5]])
 MASK_VALID = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
@@ -276,10 +260,9 @@ def brute_dense(anchors, valid, S, Bk, causal, window):
         for n in range(N):
             for i in range(Bk):
                 for j in range(S):
-                    out[r, n, i, j] = spec_visible(int(anchors[r, n]), bool(valid[r, n]), i, ("ctx", j), S, Bk, causal, window)
+                    out[r, n, i, j] = visible(int(anchors[r, n]), bool(valid[r, n]), i, "ctx", j, causal, window)
                 for i2 in range(Bk):
-                    out[r, n, i, S + i2] = spec_visible(int(anchors[r, n]), bool(valid[r, n]), i, ("blk", i2), S, Bk,
-                                                        causal, window)
+                    out[r, n, i, S + i2] = visible(int(anchors[r, n]), bool(valid[r, n]), i, "blk", i2, causal, window)
     return out
 
 
@@ -292,11 +275,10 @@ def brute_full(anchors, valid, S, Bk, causal, window):
             a, ok = int(anchors[r, n]), bool(valid[r, n])
             for i in range(Bk):
                 for j in range(S):
-                    out[r, n * Bk + i, j] = spec_visible(a, ok, i, ("ctx", j), S, Bk, causal, window)
+                    out[r, n * Bk + i, j] = visible(a, ok, i, "ctx", j, causal, window)
                 for n2 in range(N):
                     for i2 in range(Bk):
-                        out[r, n * Bk + i, S + n2 * Bk + i2] = spec_visible(a, ok, i, ("blk", i2), S, Bk, causal, window,
-                                                                            same_block=n2 == n)
+                        out[r, n * Bk + i, S + n2 * Bk + i2] = visible(a, ok, i, "blk", i2, causal, window, n2 == n)
     return out
 
 
@@ -535,13 +517,13 @@ def test_rope_matches_hf(rope):
     torch.testing.assert_close(d.inv_freq, hf.inv_freq, atol=0, rtol=1e-6)
 
     # config.json round trip keeps the rope (ours and the transformers-4 rope_scaling spelling)
-    back = DFlashConfig.from_json(json.loads(json.dumps(cfg.to_json())))
+    back = dflash.config_from_json(json.loads(json.dumps(dflash.config_to_json(cfg))))
     assert back == cfg
     if scaling:
-        c = cfg.to_json()
+        c = dflash.config_to_json(cfg)
         c.pop("rope_parameters")
         c["rope_scaling"] = dict(scaling)
-        assert DFlashConfig.from_json(c).rope_scaling == scaling
+        assert dflash.config_from_json(c).rope_scaling == scaling
 
 
 # -----------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def kinds(cfg):
 
 
 def read(c):
-    return DFlashConfig.from_json(json.loads(json.dumps(c)))
+    return dflash.config_from_json(json.loads(json.dumps(c)))
 
 
 def refused(c, *needles):

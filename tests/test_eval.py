@@ -11,57 +11,15 @@ import torch
 
 import dflash
 import eval as ev
-from conftest import ROOT, tiny_cfg, tiny_qwen3, tiny_qwen35, tiny_tokenizer, write_zlab_dir, zlab_config, zlab_tensors
+from conftest import (DENSE_DRAFTER as DRAFTER, DENSE_TARGET as TARGET, NEW_TOKENS, ROOT, reference_greedy, tiny_cfg,
+                      tiny_qwen3, tiny_qwen35, tiny_tokenizer, write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
-V, D, L = 96, 64, 4                       # tiny target: vocab, hidden, decoder layers
+V, D, L = 96, 64, 4                       # conftest's dense target: vocab, hidden, decoder layers
 MASK = V - 1
-NEW_TOKENS = 32
-# the tiny targets here: wider than conftest's default, with longer positions
-TARGET = dict(vocab_size=V, hidden_size=D, intermediate_size=128, num_hidden_layers=L, head_dim=16,
-              max_position_embeddings=512)
-# tiny_cfg overrides for a drafter over those targets
-DRAFTER = dict(hidden_size=D, intermediate_size=128, num_hidden_layers=2, head_dim=16, vocab_size=V,
-               max_position_embeddings=512, block_size=8, mask_token_id=MASK, target_layer_ids=[1, 2],
-               num_target_layers=L, layer_types=["sliding_attention", "full_attention"], sliding_window=16)
 
 # tiny models run fastest on one thread (and do not fight other processes for the cores), module fixtures included
 pytestmark = pytest.mark.usefixtures("one_thread_module")
-
-
-def reference_greedy(target, prompt, n):
-    """Plain greedy decoding by the target itself (HF generate), independent of eval.py."""
-    x = torch.tensor([prompt])
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)
-    return out[0, len(prompt):].tolist()
-
-
-def train_on_continuations(target, drafter, prompts, continuations, steps):
-    """A few optimizer steps of the real loss on the target's own continuations (regenerated data)."""
-    batch = dflash.collate([(p + c, [0] * len(p) + [1] * len(c)) for p, c in zip(prompts, continuations)], 0)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
-    drafter.train()
-    for step in range(steps):
-        anchors, valid = dflash.batch_anchors(batch, 24, salt=step)
-        loss, _ = dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=0.0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
-
-
-@pytest.fixture(scope="module")
-def dense(tmp_path_factory):
-    """A tiny Qwen3 target, its greedy continuations of 6 random prompts, and a drafter trained on them briefly
-    (random targets fall into repetitive continuations, which a few steps teach the drafter to draft)."""
-    path = str(tmp_path_factory.mktemp("dense") / "target")
-    target = dflash.load_target(tiny_qwen3(path, **TARGET))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, MASK, (8,), generator=g).tolist() for _ in range(6)]
-    continuations = [reference_greedy(target, p, NEW_TOKENS) for p in prompts]
-    torch.manual_seed(0)
-    drafter = train_on_continuations(target, dflash.DFlashDrafter(tiny_cfg(DRAFTER)), prompts, continuations, steps=30)
-    return {"path": path, "target": target, "prompts": prompts, "continuations": continuations, "drafter": drafter}
 
 
 # -----------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import dflash
 import eval as ev
-from conftest import (ROOT, SMALL, VOCAB, ZL, build_qwen3, tiny_qwen3, write_data, write_lines, write_zlab_dir,
-                      zlab_config, zlab_tensors)
+from conftest import (ROOT, SMALL, VOCAB, ZL, build_qwen3, one_error, tiny_qwen3, write_data, write_lines,
+                      write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -50,20 +50,6 @@ def trained(w):
     dflash.main(w["base"] + ["--out", out, "--save_every", "1"])
     assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == ["step_1", "step_2"]
     return out
-
-
-def one_error(capsys, main, argv, *needles, progress=False):
-    """main(argv) exits 2 with exactly one stderr line, an `error:` line holding every needle (progress: after the
-    training bar, which also writes to stderr, the last line)."""
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    err = err[-1:] if progress and sum(x.startswith("error:") for x in err) == 1 else err
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    for n in needles:
-        assert n in err[0], (n, err[0])
-    return err[0]
 
 
 def fails_with(capsys, argv, *needles):

@@ -44,7 +44,7 @@ for case in json.loads(sys.argv[2]):
         whole, shard = dflash.load_target(case["target"]), dflash.load_target(case["target"], shard=True)
         ids = torch.randint(0, 90, (2, 9 + 3 * rank), generator=torch.Generator().manual_seed(rank))
         (cw, fw), (cs, fs) = (dflash.target_features(t, ids, [1, 3]) for t in (whole, shard))
-        _, held = dflash.split_eval(dflash.load_samples(case["data"], None, 3072, log=lambda *a: None), *case["split"])
+        _, held = dflash.split_eval(dflash.load_samples(case["data"], None, 3072, say=lambda *a: None), *case["split"])
         walks = [dflash.held_out_walk(t, held, *case["walk"], rank, 2)[1] for t in (whole, shard)]
         res = {"context": torch.equal(cw, cs), "final": torch.equal(fw, fs),
                "labels": torch.equal(dflash.greedy_labels(fw, whole.lm_head), dflash.greedy_labels(fs, shard.lm_head)),
@@ -76,7 +76,7 @@ def pick_eos(target, data):
     """An eos token that ends the walk prompts' greedy continuations at different lengths (rank 0 walks prompts 0
     and 2, rank 1 prompt 1), so generation stops at different steps on the two ranks."""
     t = dflash.load_target(target)
-    _, held_out = dflash.split_eval(dflash.load_samples(data, None, 3072, log=lambda *a: None), EVAL_FRACTION, 0)
+    _, held_out = dflash.split_eval(dflash.load_samples(data, None, 3072, say=lambda *a: None), EVAL_FRACTION, 0)
     runs = [dflash.greedy_continuation(t, p, WALK_TOKENS, set()) for p in dflash.walk_prompts(held_out, WALK_PROMPTS)]
     for tok in runs[0][1:]:
         ends = [r.index(tok) if tok in r else len(r) for r in runs]

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dflash
-from conftest import (build_llama, build_qwen3, build_qwen35, build_qwen35_multimodal, tiny_cfg, tiny_tokenizer,
+from conftest import (build_llama, build_qwen3, build_qwen35, build_qwen35_multimodal, loss_of, tiny_cfg, tiny_tokenizer,
                       write_lines)
 from dflash import DFlashError
 
@@ -204,7 +204,7 @@ def run_forward_batch(target, drafter, cfg, batch, anchors, valid, noise_std, tr
     h1 = drafter.fc.register_forward_pre_hook(lambda m, a: seen.__setitem__("fc_in", a[0].clone()))
     h2 = drafter.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[1].clone()))
     try:
-        out = dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=noise_std if train else 0)
+        out = loss_of(drafter, target, batch, anchors, valid, noise_std=noise_std if train else 0)
     finally:
         h1.remove()
         h2.remove()
@@ -479,7 +479,7 @@ def test_load_samples(tmp_path):
         json.dumps({"input_ids": [1, 2, 3, 4, 5], "loss_mask": [1, 0, 1, 0, 1]}),  # no anchor candidate: skipped
         json.dumps({"text": "hello world a b c"}),                                # kept, truncated to max_len
     ])
-    samples = dflash.load_samples(path, tok, max_len=4, log=logs.append)
+    samples = dflash.load_samples(path, tok, max_len=4, say=logs.append)
     assert samples == [([1, 2, 3, 4], [0, 1, 1, 1]), ([13, 14, 15, 16], [1, 1, 1, 1])]
     assert len(logs) == 1 and "skipped 3" in logs[0]
 
@@ -545,7 +545,7 @@ def test_one_step_lowers_the_loss(zoo):
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
 
     def loss():
-        return dflash.dflash_loss(drafter, target, batch, anchors, valid, gamma=4.0, noise_std=0.0)[0]
+        return loss_of(drafter, target, batch, anchors, valid, noise_std=0.0)[0]
 
     l0 = loss()
     l0.backward()

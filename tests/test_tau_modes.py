@@ -10,14 +10,10 @@ import torch
 
 import dflash
 import eval as ev
-import test_eval
-from conftest import SMALL, tiny_qwen3, write_data
+from conftest import NEW_TOKENS, SMALL, one_error, reference_greedy, tiny_qwen3, write_data
 from dflash import DFlashError
-from test_eval import NEW_TOKENS, reference_greedy
-from test_hostile import one_error
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
-dense = test_eval.dense  # the tiny dense target, its greedy continuations and a briefly trained drafter
 
 
 # -----------------------------------------------------------------------------
@@ -274,7 +270,7 @@ def test_training_logs_the_tree_tau_eval_reports(tmp_path):
     _, _, tgt = dflash.train(args)
     with open(out / "metrics.jsonl") as f:
         last = [r for r in map(json.loads, f) if "eval_loss" in r][-1]
-    samples = dflash.load_samples(data, tgt.tokenizer, args.max_len, log=lambda *a: None)
+    samples = dflash.load_samples(data, tgt.tokenizer, args.max_len, say=lambda *a: None)
     prompts = dflash.walk_prompts(dflash.split_eval(samples, 0.25, args.seed)[1], 4)
     final = dflash.load_drafter(str(out / "step_6")).eval()
     r = ev.evaluate_drafters(tgt, {"final": final}, prompts, 16, tree_budgets=(6,), progress=False)["results"][0]

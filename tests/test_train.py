@@ -94,7 +94,7 @@ def test_twenty_steps_on_hybrid_target_learn(tmp_path):
     # the random target's own continuations, so the walked tau need not rise here)
     # the walked tau of the last eval == eval.py's pooled tau of the final checkpoint on the same prompts (the
     # tokens before the first loss token of the first 6 held-out samples) and the same continuation length
-    samples = dflash.load_samples(data, tgt.tokenizer, args.max_len, log=lambda *a: None)
+    samples = dflash.load_samples(data, tgt.tokenizer, args.max_len, say=lambda *a: None)
     held_out = dflash.split_eval(samples, 0.25, args.seed)[1][:6]
     prompts = [ids[:mask.index(1)] for ids, mask in held_out]
     final = dflash.load_drafter(str(out / "step_20"))
@@ -126,7 +126,7 @@ def test_default_config_matches_zlab_qwen36_27b():
     assert dflash.expected_shapes(cfg)["fc.weight"] == (5120, 25600)
     n = sum(torch.Size(s).numel() for s in dflash.expected_shapes(cfg).values())
     assert 1.70e9 < n < 1.76e9
-    j = cfg.to_json()
+    j = dflash.config_to_json(cfg)
     assert j["architectures"] == ["DFlashDraftModel"] and j["block_size"] == 16 and j["num_target_layers"] == 64
     assert j["dflash_config"]["mask_token_id"] == 248070 and j["dflash_config"]["target_layer_ids"] == [1, 16, 31, 46, 61]
     assert "partial_rotary_factor" not in json.dumps(j)  # the target's 0.25 never reaches the drafter's config

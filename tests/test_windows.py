@@ -13,7 +13,7 @@ import torch.nn as nn
 from types import SimpleNamespace
 
 import dflash
-from conftest import tiny_cfg
+from conftest import tiny_cfg, visible
 from eval import NeuralDrafter
 
 B = 8
@@ -22,25 +22,6 @@ S = 21                                   # context length: longer than every win
 ANCHORS = torch.tensor([[0, 1, 3, 7, 8, 12, 19, 20, 0]])
 VALID = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 0]], dtype=torch.bool)
 CAUSALITY = [None, False]                # None: sliding layers causal (the default); False: explicitly non-causal
-
-
-def visible(a, valid, i, kind, idx, causal, window, same_block=True):
-    """Query: offset i of the block anchored at a, at position a+i. Key: ("ctx", j) at position j, or ("blk", i')
-    at position a+i'. Context keys exist strictly before the anchor; block keys are the query's own block (only
-    i' <= i in a causal layer). A sliding layer then keeps a key only if q_pos - k_pos < W, and, when it is
-    explicitly non-causal, also k_pos - q_pos < W."""
-    if not valid:
-        return False
-    q_pos = a + i
-    if kind == "ctx":
-        k_pos, ok = idx, idx < a
-    else:
-        k_pos, ok = a + idx, same_block and (not causal or idx <= i)
-    if window is not None:
-        ok = ok and q_pos - k_pos < window
-        if not causal:
-            ok = ok and k_pos - q_pos < window
-    return ok
 
 
 def table(causal, window):
