@@ -450,22 +450,21 @@ def test_dflash2_keys_only_at_top_level_or_without_the_class(tmp_path):
 # sampling at T > 0 with the selector's q; no trees
 
 import eval as ev  # noqa: E402
-import test_eval  # noqa: E402
-from conftest import SMALL, tiny_qwen3, torch_threads, write_data  # noqa: E402
-from test_hostile import one_error  # noqa: E402
+from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, reference_greedy, tiny_qwen3,  # noqa: E402
+                      torch_threads, train_on_continuations, write_data)
 
 @pytest.fixture(scope="module")
 def dense2(tmp_path_factory):
-    """A tiny dense target (test_eval's), its greedy continuations of 4 random prompts, and a DFlash2 drafter trained
+    """A tiny dense target (the eval tests'), its greedy continuations of 4 random prompts, and a DFlash2 drafter trained
     on them for a few steps with the DFlash2 loss."""
-    target = dflash.load_target(tiny_qwen3(str(tmp_path_factory.mktemp("dense2") / "target"), **test_eval.TARGET))
+    target = dflash.load_target(tiny_qwen3(str(tmp_path_factory.mktemp("dense2") / "target"), **DENSE_TARGET))
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, test_eval.MASK, (8,), generator=g).tolist() for _ in range(4)]
-    continuations = [test_eval.reference_greedy(target, p, 24) for p in prompts]
+    prompts = [torch.randint(0, DENSE_DRAFTER["mask_token_id"], (8,), generator=g).tolist() for _ in range(4)]
+    continuations = [reference_greedy(target, p, 24) for p in prompts]
     torch.manual_seed(0)
     with torch_threads(1):
-        d2 = test_eval.train_on_continuations(target, DFlashDrafter(tiny_cfg(test_eval.DRAFTER, V2)), prompts,
-                                              continuations, steps=24)
+        d2 = train_on_continuations(target, DFlashDrafter(tiny_cfg(DENSE_DRAFTER, V2)), prompts, continuations,
+                                    steps=24)
     randomize(d2.candidate_selector, 12)  # transitions of O(1): the path leaves the unary argmax (24 steps do not)
     return {"target": target, "prompts": prompts, "continuations": continuations, "drafter2": d2}
 
