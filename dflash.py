@@ -11,6 +11,7 @@ Quick start
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
     torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
+    python dflash.py --dflash2 ...        # a DFlash2 drafter (the pieces marked "DFlash2" below; skip them for DFlash)
 
 This file stands alone: copied into an empty directory (with requirements.txt installed) it trains, evaluates
 held-out tau and resumes. The optional extras live in dflash_tools/ and are never imported at module level: the
@@ -34,6 +35,11 @@ The method in ten lines
     Training draws many anchors per sequence and runs every block in one call. The loss is hard cross-entropy
     against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
     most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
+
+DFlash2 (--dflash2) adds two pieces: a grouped dynamic causal convolution along each block's offsets on both sides
+    of every attention and MLP sublayer (identity at init), and a candidate selector that re-ranks the target head's
+    top-k tokens at each offset by S(a, b) = U(b) + <A[a] * H(h), Bc[b]> (a: the previous token of the block); the
+    drafted block is the selector's greedy path, and its CE on the teacher-forced path joins the loss.
 """
 
 import argparse
