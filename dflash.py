@@ -643,9 +643,12 @@ DFLASH2_STAT_KEYS = ("unary_correct", "unary_accepted", "covered", "sel_ce_w", "
 
 def dflash2_weighted_ce(hidden, lm_head, labels, weights, cfg, selector, pred, alpha, stop_gradient, chunk=None):
     """weighted_ce for DFlash2: sum(w * CE(z')) + alpha * sum(w * covered * CE_selector) over the block tokens, the
-    unary CE on DFlash2's unary logits z' and the selector's CE over their top-k (both from one chunked lm_head
-    pass), and the stats: the tau estimate and acc walk the selector's teacher-forced picks (while they are right
-    they are the greedy walk's), the unary argmax and the top-k recall beside them."""
+    unary CE on DFlash2's unary logits z' (the logits it serves; SpecForge trains on them too) and the selector's CE
+    over their top-k, both from one chunked lm_head pass. The caller divides the sum by the batch's sum(w): one
+    denominator for both terms (SpecForge's rule: the selector's weight follows its top-k coverage). pred (b, N, B)
+    predecessor ids (dflash2_predecessors). Stats: the tau estimate and acc walk the selector's teacher-forced
+    picks (while they are right they are the greedy walk's picks too), the unary argmax's and the top-k recall
+    beside them, and the selector's CE over the covered tokens (sel_ce_w / sel_w)."""
     w = weights.flatten()
     sel = (w > 0).nonzero().squeeze(1)
     h, y = hidden.reshape(-1, hidden.shape[-1])[sel], labels.flatten()[sel].clamp(min=0)
@@ -689,7 +692,9 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     verification accepts) or "data" (the data token, for data the target regenerated). noise_std: context-feature
     noise (0 in evaluation). Returns (loss, stats) with loss = sum(w * CE) / weight_total, weight_total defaulting to
     this batch's sum(w); training passes the sum over the whole global batch, so the split over ranks and micro-steps
-    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize)."""
+    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize).
+    DFlash2 (cfg.dflash2): selector (the drafter's CandidateSelector; default: model's own, for an unwrapped
+    drafter), selector_alpha (this step's weight of its term, see selector_alpha) and selector_stop_gradient."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
@@ -877,6 +882,7 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
 # DFlash2: the drafted block is its selector's greedy path
 
 def dflash2_top(drafter, logits):
+    """The k candidates per offset: the top-k of DFlash2's unary logits (values fp32, sorted; ids)."""
     cfg = drafter.cfg
     return unary_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping).topk(cfg.selector_top_k)
 
@@ -921,9 +927,9 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world, tree_budget=0):
     """Pooled tau of the walk over every rank's prompts, with tree_budget the pooled tau of tree verification with
-    that many nodes on the same drafts (else None), and for a DFlash2 drafter the unary argmax's (else None): each rank walks its own prompts, then the totals of
-    acceptance lengths and steps are summed over ranks. Each is None if no steps or the walk is off (walk None, the
-    same on every rank)."""
+    that many nodes on the same drafts (else None), and for a DFlash2 drafter the unary argmax's walk (else None):
+    each rank walks its own prompts, then the totals of acceptance lengths and steps are summed over ranks. Each is
+    None if no steps or the walk is off (walk None, the same on every rank)."""
     if walk is None:
         return None, None, None
     dev = target.lm_head.weight.device
@@ -1488,7 +1494,8 @@ def dflash2_problems(cfg):
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
     checks = [
         (len(on) in (0, 4), f"DFlash2 needs all of {', '.join(DFLASH2_INTS)}; only {', '.join(on)} set (a half "
-                            f"DFlash2 config is refused by z-lab's, vLLM's and SGLang's loaders); set all four or none"),
+                            f"DFlash2 config is refused by z-lab's, vLLM's and SGLang's loaders); set all four or "
+                            f"none"),
         (not K or K <= cfg.block_size, f"conv_kernel_size {K} is larger than block_size {cfg.block_size}: the "
                                        f"convolution runs along one block's offsets; use 1..{cfg.block_size}"),
         (not gs or cfg.hidden_size % gs == 0, f"conv_group_size {gs} does not divide hidden_size {cfg.hidden_size}; "
@@ -1604,8 +1611,9 @@ def config_to_json(cfg):
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
           **({"swa_window_size": cfg.sliding_window} if sliding else {}), **v2}
-    return {"architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-            "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
+    return {"architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
+            **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_from_json(d, where="config.json"):
@@ -2587,7 +2595,8 @@ def dflash2_config(cfg, args):
     something for DFlash2 are refused on a DFlash drafter, as is a tree budget on a DFlash2 one (no source defines
     tree verification for DFlash2: its selector drafts one chain). Fills in the selector loss flags' defaults."""
     geometry = {k: getattr(args, k) for k in DFLASH2_INTS}
-    loss = [f for f in ("selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio") if getattr(args, f) is not None]
+    loss = [f for f in ("selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio")
+            if getattr(args, f) is not None]
     given = [k for k, v in geometry.items() if v is not None]
     need(args.dflash2 or not given, f"--{given and given[0]} is DFlash2's; add --dflash2 (or drop it)")
     if args.dflash2 and not cfg.dflash2:

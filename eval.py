@@ -838,8 +838,8 @@ def get_parser():
     flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1)
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
-         "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one chain)",
-         type=budget_list)
+         "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
+         "chain)", type=budget_list)
     flag(p, "--enable_thinking", None, "passed to the chat template when it reads enable_thinking (default: the "
          "template's own default)", action=argparse.BooleanOptionalAction)
     flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")

@@ -455,8 +455,8 @@ from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, reference_g
 
 @pytest.fixture(scope="module")
 def dense2(tmp_path_factory):
-    """A tiny dense target (the eval tests'), its greedy continuations of 4 random prompts, and a DFlash2 drafter trained
-    on them for a few steps with the DFlash2 loss."""
+    """A tiny dense target (the eval tests'), its greedy continuations of 4 random prompts, and a DFlash2 drafter
+    trained on them for a few steps with the DFlash2 loss."""
     target = dflash.load_target(tiny_qwen3(str(tmp_path_factory.mktemp("dense2") / "target"), **DENSE_TARGET))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, DENSE_DRAFTER["mask_token_id"], (8,), generator=g).tolist() for _ in range(4)]
