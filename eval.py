@@ -228,7 +228,7 @@ class NeuralDrafter:
     def walk_dflash2(self, target, prompt, continuation, features, num_drafts, temperature=0.0):
         """DFlash2: drafts[k] (its selector's greedy path) and draft_every_anchor's details: the unary argmax drafts
         and the top-k hits of the true tokens (diagnostics), and at temperature > 0 the selector's q of each true
-        token (sampled_lengths)."""
+        token (selector_sampled_lengths)."""
         ids = torch.tensor([prompt + continuation], device=features.device)
         path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), details=True,
                                            temperature=temperature)
