@@ -2,13 +2,27 @@
 with its schedule and stop-gradient, each against an independent float64 loop reference written here from the rule;
 then the whole drafter (identity at init, flex = dense, training forward = inference, checkpoints)."""
 
+import json
 import math
+import os
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
 
-from dflash import (ChunkedLMHeadTopK, CandidateSelector, GroupedCausalConv, selector_alpha, selector_ce,
-                    unary_logits)
+import dflash
+import eval as ev
+from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, TINY_CFG, ZL, one_error, reference_greedy, tiny_cfg,
+                      tiny_qwen3, torch_threads, train_on_continuations, write_data, write_zlab_dir, zlab_config,
+                      zlab_tensors)
+from dflash import (CandidateSelector, ChunkedLMHeadTopK, DFlashDrafter, DFlashError, GroupedCausalConv,
+                    selector_alpha, selector_ce, unary_logits)
+from eval import NeuralDrafter
+from test_drafter import ANCHORS, VALID, S, block_ids, cache_kv, randomized, ref_rms, ref_rope
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest on a shared CPU
 
@@ -191,20 +205,6 @@ def test_unary_logits():
 
 # -----------------------------------------------------------------------------
 # The whole DFlash2 drafter
-
-import json  # noqa: E402
-import os  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
-import dflash  # noqa: E402
-from conftest import TINY_CFG, ZL, tiny_cfg, write_zlab_dir, zlab_config, zlab_tensors  # noqa: E402
-from dflash import DFlashDrafter, DFlashError  # noqa: E402
-from eval import NeuralDrafter  # noqa: E402
-from test_drafter import ANCHORS, VALID, S, block_ids, cache_kv, randomized, ref_rms, ref_rope  # noqa: E402
 
 V2 = dict(conv_kernel_size=2, conv_group_size=4, selector_rank=4, selector_top_k=5)
 D, HD, B, W, V = (TINY_CFG[k] for k in ("hidden_size", "head_dim", "block_size", "sliding_window", "vocab_size"))
@@ -449,9 +449,6 @@ def test_dflash2_keys_only_at_top_level_or_without_the_class(tmp_path):
 # tau with the selector: the walk (exact) = a real decoding loop drafting with the selector = plain greedy;
 # sampling at T > 0 with the selector's q; no trees
 
-import eval as ev  # noqa: E402
-from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, reference_greedy, tiny_qwen3,  # noqa: E402
-                      torch_threads, train_on_continuations, write_data)
 
 @pytest.fixture(scope="module")
 def dense2(tmp_path_factory):
@@ -520,7 +517,6 @@ def test_tree_budget_is_refused_for_dflash2(dense2):
 # Training: --dflash2 through the command line, checkpoints, exact resume, --init_from a DFlash checkpoint
 
 def run_cli(args):
-    from conftest import torch_threads
     with torch_threads(1):
         dflash.main(args)
 
@@ -558,7 +554,6 @@ def test_cli_trains_dflash2_and_resumes_exactly(runs, tmp_path):
     # resume from step_2 in a fresh directory: the same step_4, bit for bit
     resumed = tmp_path / "b"
     os.makedirs(resumed)
-    import shutil
     shutil.copytree(out / "step_2", resumed / "step_2")
     (resumed / "latest").write_text("step_2\n")
     run_cli(["--target", runs["q3"], "--data", runs["data"], *SMALL[:-6], *TRAIN, *V2_FLAGS, "--save_every", "2",
