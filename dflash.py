@@ -43,6 +43,7 @@ DFlash2 (--dflash2) adds two pieces: a grouped dynamic causal convolution along 
 """
 
 import argparse
+import difflib
 import gzip
 import hashlib
 import heapq
@@ -448,6 +449,25 @@ class CandidateSelector(nn.Module):
             path.append(pred)
         return torch.stack(path, 1) if path else anchor_ids.new_zeros(len(anchor_ids), 0)
 
+@torch.no_grad()
+def start_off_mask(drafter, target):
+    """A tied target's lm_head scores every token by its own input embedding, so a fresh drafter, whose output at a
+    masked offset is mostly its input e_M (its layers start small), would draft the mask token everywhere, a token
+    the target never emits: a first loss near 3 ln V and tau 1 for the first tens of steps. Its final norm's weight
+    g starts instead at 1 - (1.u / u.u) u, u = W_M * rmsnorm(e_M), so that the mask token's logit of that output,
+    W_M . (g * rmsnorm(e_M)), is 0 and the others are as random as under an untied lm_head. Nothing else changes:
+    the drafter, the loss and what an engine serves are the same."""
+    M = drafter.cfg.mask_token_id
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
+    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
+    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
+        g = torch.ones_like(u)
+        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
+
+def tied(target):
+    """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
+    return target.lm_head.weight is target.embed.weight
+
 
 # -----------------------------------------------------------------------------
 # The target: frozen; forward hooks capture the context features h[t] and the final hidden state f, whose greedy
@@ -546,6 +566,12 @@ def block_input_ids(input_ids, anchors, B, mask_token_id):
     ids = torch.full((*anchors.shape, B), mask_token_id, dtype=torch.long, device=anchors.device)
     ids[..., 0] = input_ids.gather(1, anchors)
     return ids
+
+def embed_blocks(target, ids):
+    """The target's embedding rows of ids, from the raw table: what vLLM and SGLang feed the drafter for the block
+    tokens, also for a target whose embedding module scales its output (Gemma's sqrt(D)), so that the checkpoint
+    needs no scale for the engines to serve what was trained."""
+    return F.embedding(ids, target.embed.weight)
 
 def block_labels(labels_all, anchors, B):
     """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
@@ -702,7 +728,7 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
     with torch.no_grad():
-        x = target.embed(ids)
+        x = embed_blocks(target, ids)
     context = add_context_noise(context, noise_std, len(cfg.target_layer_ids), batch["keys"])  # never on f or y
     if pad_to and pad_to > context.shape[1]:  # fixed drafter shapes for compiled kernels (padding is never visible)
         context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
@@ -855,7 +881,7 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         valid = torch.ones(n, dtype=torch.bool, device=ids.device)
         if flex and n < chunk:
             a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
-        x = target.embed(block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
+        x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
         if cfg.dflash2:  # DFlash2: the selector's greedy path from the anchor token
@@ -1073,14 +1099,21 @@ def train(args):
     run = check_run(args, world, device, master)  # the drafter config, where to resume from, the data's digest
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
                          shard=args.shard_target and world > 1)
+    trained_for = target_record(target)  # what each checkpoint records, and what a drafter to go on must match
+    for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
+        if d:
+            check_trained_against(d, trained_for, what, args.allow_other_target)
     train_samples, eval_samples = read_data(args, target, say)
+    if not args.show_data:
+        check_mask_unused(train_samples + eval_samples, run.cfg.mask_token_id, target,
+                          "--data" + (" and --eval_data" if args.eval_data else ""))
     if args.show_data:  # look at the loss masks before spending anything on training
         return show_data(train_samples, target.tokenizer, args.show_data) if master else None
     batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
                       getattr(target.tokenizer, "pad_token_id", None) or 0)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
     check_resume(args.out, run, batches.global_batch, master)
-    drafter, model, optimizer, loss_kw = build_drafter(args, run, world, device, say)
+    drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
     say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
@@ -1094,7 +1127,7 @@ def train(args):
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest},
-            world, say)
+            world, say, trained_for)
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
@@ -1102,7 +1135,8 @@ def train(args):
     if step == 0:
         held_out(0)
     stopped, t_last, tokens = False, time.time(), 0
-    with StopFlag(args.out, say) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=not master,
+    bar_off = not master or args.no_progress or not sys.stderr.isatty()  # redirected: the log lines alone
+    with StopFlag(args.out, say) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=bar_off,
                                                   dynamic_ncols=True) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
@@ -1420,7 +1454,7 @@ def config_problems(cfg):
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
          f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
          f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
-         f"{[k for k in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % k == 0]}"),
+         f"{[k for k in range(1, min(cfg.num_attention_heads, 1024) + 1) if cfg.num_attention_heads % k == 0]}"),
         (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
          f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
          f"--mask_token_id with an id the target's embedding has"),
@@ -1556,45 +1590,137 @@ def dflash2_shapes(cfg):
             shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * K * D // cfg.conv_group_size, D)
     return shapes
 
-def not_implemented(d, dc, rope):
+def not_implemented(d, dc, ec, rope):
     """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
-    places = (("", d), ("dflash_config.", dc), ("rope_parameters.", rope), ("rope_scaling.", d.get("rope_scaling")))
-    return [f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this drafter; refusing it rather than ignoring it"
-            for k, (plain, meaning) in NOT_IMPLEMENTED.items() for place, src in places
-            if isinstance(src, dict) and k in src and src[k] not in plain]
+    places = (("", d), ("dflash_config.", dc), ("eagle_config.", ec), ("rope_parameters.", rope),
+              ("rope_scaling.", d.get("rope_scaling")))
+    found = {}  # (key, value): the first place; transformers copies a top-level RoPE key into rope_parameters
+    for k, (plain, meaning) in NOT_IMPLEMENTED.items():
+        for place, src in places:
+            if isinstance(src, dict) and k in src and src[k] not in plain:
+                found.setdefault((k, repr(src[k])), f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this "
+                                                    f"drafter; refusing it rather than ignoring it")
+    return list(found.values())
 
-def read_attention(d, dc, n):
-    """(layer_types, sliding_window, is_causal, problems) of a config.json as vLLM and SGLang read it. Both read
-    layer_types (missing: every layer full and bidirectional), sliding_window and the top-level is_causal (missing: a
-    layer is causal iff it is sliding). vLLM alone also reads dflash_config.causal (below is_causal), use_swa (every
-    layer sliding when layer_types has none) and swa_window_size (over sliding_window): where that changes a layer,
-    the two engines would serve different masks, and that is a problem."""
-    types, causal, problems = d.get("layer_types"), d.get("is_causal"), []
-    if types is None:
-        types = ["full_attention"] * n if is_int(n) else []
-        if causal:
-            problems.append("is_causal is true but layer_types is missing: SGLang serves such a drafter "
-                            "bidirectionally and vLLM causally; list layer_types")
-    sliding = [t == "sliding_attention" for t in types] if isinstance(types, list) else []
+def transformers_config(d, where):
+    """config.json as both engines hold it: transformers' own config class for its model_type (AutoConfig), which owns
+    the defaults and derived fields (Qwen3: head_dim 128 and 32 kv heads when missing, no sliding_window unless
+    use_sliding_window, layer_types from max_window_layers on when missing, rope_parameters from rope_theta)."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import CONFIG_MAPPING, AutoConfig
+    need(isinstance(d, dict), f"{where}: expected a JSON object")
+    kind = d.get("model_type")
+    need(isinstance(kind, str) and kind in CONFIG_MAPPING, f"{where}: model_type {kind!r} is not a transformers "
+         f"config class (both engines build the drafter's config from it); write \"model_type\": \"qwen3\"")
+    try:
+        c = AutoConfig.for_model(**d)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise DFlashError(f"{where}: transformers' {CONFIG_MAPPING[kind].__name__} refuses it: "
+                          f"{' '.join(str(e).split())}") from None
+    need(c.get_text_config() is c, f"{where}: model_type {kind!r} nests sub-configs; a DFlash drafter is a plain "
+         f"decoder config: write \"model_type\": \"qwen3\"")
+    return c
+
+def vllm_aux_ids(c, dc, ec):
+    """(key, its ids, the aux hidden states vLLM captures: target id + 1) from the first of these keys that is set, as
+    vLLM reads them; (None, None, None) when none is (vLLM then takes the target model's own default layers)."""
+    top = lambda k: getattr(c, k, None)  # noqa: E731
+    for key, ids, plus in (("eagle_aux_hidden_state_layer_ids", top("eagle_aux_hidden_state_layer_ids"), 0),
+                           ("dflash_config.target_layer_ids", dc.get("target_layer_ids"), 1),
+                           ("dspark_target_layer_ids", top("dspark_target_layer_ids"), 1),
+                           ("target_layer_ids", top("target_layer_ids"), 1),
+                           ("dflash_config.layer_ids", dc.get("layer_ids"), 0),
+                           ("eagle_config.layer_ids", ec.get("layer_ids"), 0)):
+        if ids:
+            return key, ids, [t + plus for t in ids] if isinstance(ids, list) and all(map(is_int, ids)) else ids
+    return None, None, None
+
+def engines_differ(d, c, dc, ec, ids, num_target):
+    """One line per key of transformers' config object c that vLLM and SGLang would serve differently (or that both
+    refuse), saying what each does and what to write instead. ids: the target layers as SGLang reads them
+    (dflash_config, then the top level; None when neither has them)."""
+    out, D = [], c.hidden_size
+    act, width, scale = getattr(c, "hidden_act", "silu"), getattr(c, "target_hidden_size", None), \
+        getattr(c, "logit_scale", None)
+    if act != "silu":
+        out.append(f"hidden_act={act!r}: both engines serve DFlash drafters with silu only (and so does this drafter); "
+                   f"write \"hidden_act\": \"silu\"")
+    if width not in (None, D):
+        out.append(f"target_hidden_size={width!r} differs from hidden_size {D}: vLLM sizes fc for target layers of "
+                   f"width {width}, SGLang for {D}; drop it (the drafter's hidden_size is the target's)")
+    if scale not in (None, 1):
+        out.append(f"logit_scale={scale!r}: vLLM scales the drafter's logits by it, SGLang ignores it; drop it")
+    top = getattr(c, "mask_token_id", None)
+    vllm_mask, sglang_mask = {**ec, **dc}.get("mask_token_id", top), dc.get("mask_token_id", top)
+    if vllm_mask != sglang_mask:
+        out.append(f"eagle_config.mask_token_id={vllm_mask!r} is read by vLLM only (SGLang reads dflash_config, then "
+                   f"the top level: {sglang_mask!r}); write the mask token id as dflash_config.mask_token_id")
+    if getattr(c, "draft_vocab_size", None) not in (None, c.vocab_size):
+        out.append(f"draft_vocab_size={c.draft_vocab_size} (a reduced draft vocabulary vLLM maps through d2t, SGLang "
+                   f"ignores) is not implemented by this drafter; refusing it rather than ignoring it")
+    key, raw, aux = vllm_aux_ids(c, dc, ec)
+    if ids is None:
+        vllm = f"{key} {raw}" if key else "the target model's own default layers"
+        L, n = num_target, c.num_hidden_layers
+        example = f", e.g. {valid_target_layer_ids(L, n)}" if is_int(L) and L > 0 else ""
+        out.append(f"target_layer_ids is missing: vLLM would capture {vllm}, SGLang its spread of layers 1..L-3; "
+                   f"write dflash_config.target_layer_ids{example}")
+    elif isinstance(ids, list) and all(map(is_int, ids)) and aux != [t + 1 for t in ids]:
+        out.append(f"{key} {raw} names other target layers than target_layer_ids {ids}: vLLM would serve the first, "
+                   f"SGLang the second; make them equal (eagle_aux ids and layer_ids are target ids + 1)")
+    return out + attention_differs(d, c, dc)
+
+def attention_differs(d, c, dc):
+    """The attention keys of c that the engines serve differently or both refuse. Both read layer_types,
+    sliding_window and the top-level is_causal (absent: a layer is causal iff it is sliding); vLLM alone also reads
+    dflash_config.causal (below is_causal), use_swa (every layer sliding when layer_types lists none) and
+    swa_window_size (over sliding_window)."""
+    types, W, out = getattr(c, "layer_types", None) or [], getattr(c, "sliding_window", None), []
+    sliding = [t == "sliding_attention" for t in types]
+    given = d.get("sliding_window") or dc.get("swa_window_size")
+    if any(sliding) and W is None:
+        also = ("SGLang then refuses a sliding layer without it (vLLM falls back to dflash_config.swa_window_size)"
+                if "swa_window_size" in dc else "both engines then refuse a sliding layer without it")
+        out.append(f"layer_types has sliding layers, sliding_window {given} but use_sliding_window "
+                   f"{str(d.get('use_sliding_window')).lower() if 'use_sliding_window' in d else 'missing'}: "
+                   f"transformers drops the window, {also}; set \"use_sliding_window\": true" if given else
+                   "layer_types has sliding layers but no sliding_window: both engines refuse it; set sliding_window "
+                   "and \"use_sliding_window\": true")
     if dc.get("use_swa") and not any(sliding):
-        problems.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding "
-                        "layers in layer_types instead")
-    window = dc.get("swa_window_size", d.get("sliding_window"))
-    if any(sliding) and d.get("sliding_window") not in (None, window):
-        problems.append(f"dflash_config.swa_window_size {window} (vLLM) differs from sliding_window "
-                        f"{d['sliding_window']} (SGLang); make them equal")
-    if causal is None and dc.get("causal") is not None:
-        if any(s != bool(dc["causal"]) for s in sliding):
-            problems.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal "
-                            f"iff it is sliding); state it as the top-level is_causal, which both read")
-        causal = dc["causal"]
-    return list(types), window, causal, problems  # (a TypeError for a non-list: the caller's one line)
+        out.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding layers "
+                   "in layer_types instead")
+    if any(sliding) and W is not None and dc.get("swa_window_size", W) != W:
+        out.append(f"dflash_config.swa_window_size {dc['swa_window_size']} (vLLM) differs from sliding_window {W} "
+                   f"(SGLang); make them equal")
+    if getattr(c, "is_causal", None) is None and dc.get("causal") is not None \
+            and any(s != bool(dc["causal"]) for s in sliding):
+        out.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal iff it "
+                   f"is sliding); state it as the top-level is_causal, which both read")
+    return out
 
+def engine_problems(cfg):
+    """Layouts that are legal drafters here (their masks are well defined) but that one engine would serve as another
+    drafter: refused when read, before training starts, and by the writer, each with the flag that fixes it."""
+    n, B, W, L, ids, out = cfg.num_hidden_layers, cfg.block_size, cfg.sliding_window, cfg.num_target_layers, \
+        cfg.target_layer_ids, []
+    both_sides = [i for i in range(n) if cfg.layer_kind(i) == (False, W) and W is not None]
+    if both_sides and B > W:
+        out.append(f"layers {both_sides} are bidirectional sliding layers (is_causal false) with block_size {B} > "
+                   f"sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left only "
+                   f"(later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}")
+    if ids[-1] == L - 1:
+        fixed = sorted({min(t, L - 2) for t in ids})
+        out.append(f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang cannot "
+                   f"capture it (it captures layer inputs); pass --target_layer_ids {','.join(map(str, fixed))}")
+    return out
 
 def config_to_json(cfg):
     """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
-    every key vLLM and SGLang read (see read_attention), so that no engine default decides what it means.
-    Nothing is copied from the target config but the fields above (never partial_rotary_factor)."""
+    every key vLLM and SGLang read (see attention_differs), so that no engine default decides what it means.
+    Nothing is copied from the target config but the fields above (never partial_rotary_factor). A layout one engine
+    would serve as another drafter (engine_problems) is never written."""
+    bad = engine_problems(cfg)
+    need(not bad, "\n".join(bad))
     d = asdict(cfg)
     v2 = dflash2_json(cfg, d)  # DFlash2's keys go to dflash_config
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
@@ -1617,63 +1743,45 @@ def config_to_json(cfg):
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_from_json(d, where="config.json"):
-    """Read a z-lab, NeMo, SpecForge or our config.json the way vLLM and SGLang read it: dflash_config over the top
-    level for mask_token_id, target_layer_ids, num_target_layers and block_size; the attention by read_attention;
-    RoPE from rope_parameters (transformers 5) or rope_theta + rope_scaling (transformers 4); target_layer_ids
-    missing: the default spread. A key this drafter does not implement, or one the two engines would serve
-    differently, is refused (one line each), never ignored."""
-    need(isinstance(d, dict), f"{where}: expected a JSON object")
-    dc = d.get("dflash_config") or {}
-    need(isinstance(dc, dict), f"{where}: dflash_config must be a JSON object")
-    get = lambda k, default=None: dc[k] if k in dc else d.get(k, default)  # noqa: E731
-    rope = d.get("rope_parameters") or {}
-    need(not (rope and "rope_theta" not in rope and all(isinstance(v, dict) for v in rope.values())),
-         f"{where}: per-layer-type rope_parameters are not supported")
-    bad = not_implemented(d, dc, rope)
+    """Read a z-lab, NeMo, SpecForge or our config.json as vLLM and SGLang serve it: through transformers' config
+    class (transformers_config), then the DFlash keys from that object in the engines' order (dflash_config, then the
+    top level). A key this drafter does not implement (not_implemented) or that the engines serve differently
+    (engines_differ, engine_problems) is refused, one line each, never ignored."""
+    c = transformers_config(d, where)
+    n, dc, ec = c.num_hidden_layers, *(getattr(c, k, None) or {} for k in ("dflash_config", "eagle_config"))
+    need(isinstance(dc, dict) and isinstance(ec, dict), f"{where}: dflash_config and eagle_config must be JSON objects")
+    get = lambda k, default=None: dc[k] if k in dc else getattr(c, k, default)  # noqa: E731
+    rope = dict(c.rope_parameters or {})
+    need("rope_theta" in rope, f"{where}: per-layer-type rope_parameters are not supported")
+    ids, num_target = get("target_layer_ids"), get("num_target_layers")
+    bad = [msg for ok, msg in ((num_target is not None, "num_target_layers is missing; set it to the target's number "
+                                                        "of decoder layers"),
+                               (get("mask_token_id") is not None, "mask_token_id is missing (expected in "
+                                                                  "dflash_config)")) if not ok]
+    bad += not_implemented(d, dc, ec, rope) + engines_differ(d, c, dc, ec, ids, num_target)
     v2, v2_problems = dflash2_fields(d, dc, where)  # DFlash2's keys
     bad += v2_problems
-    scaling = d.get("rope_scaling") or {k: v for k, v in rope.items() if k != "rope_theta"} or None
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    num_target, ids = get("num_target_layers"), get("target_layer_ids")
-    need(num_target is not None, f"{where}: num_target_layers is missing; set it to the target's number of "
-         f"decoder layers" + ("" if ids else " (target_layer_ids cannot be derived without it)"))
-    need(get("mask_token_id") is not None, f"{where}: mask_token_id is missing (expected in dflash_config)")
-    try:
-        n, heads = d["num_hidden_layers"], d["num_attention_heads"]
-        layer_types, window, is_causal, differ = read_attention(d, dc, n)
-        ids = ids if isinstance(ids, list) else ids or []
-        if ids == [] and is_int(num_target) and is_int(n) and n > 0:
-            ids = default_target_layer_ids(num_target, n)
-        for key, other in (("dflash_config.layer_ids", dc.get("layer_ids")), ("eagle_aux_hidden_state_layer_ids",
-                           [t - 1 for t in d["eagle_aux_hidden_state_layer_ids"]]
-                           if isinstance(d.get("eagle_aux_hidden_state_layer_ids"), list) else None)):
-            if other is not None and other != ids:  # vLLM reads these before target_layer_ids, SGLang never
-                differ.append(f"{key} names target layers {other}, target_layer_ids {ids}: vLLM would serve the "
-                              f"first, SGLang the second; make them equal (eagle_aux ids are target ids + 1)")
-        if d.get("draft_vocab_size") not in (None, d["vocab_size"]):
-            bad.append(f"draft_vocab_size={d['draft_vocab_size']} (a reduced draft vocabulary mapped through d2t) "
-                       f"is not implemented by this drafter; refusing it rather than ignoring it")
-        kw = dict(
-            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_hidden_layers=n,
-            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e4))), rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            attention_bias=d.get("attention_bias", False), block_size=get("block_size", 16),
-            mask_token_id=get("mask_token_id"), num_target_layers=num_target, target_layer_ids=ids,
-            layer_types=layer_types, sliding_window=window, is_causal=is_causal, **v2)
-    except KeyError as e:
-        raise DFlashError(f"{where}: required field {e.args[0]!r} is missing") from None
-    except (TypeError, ValueError) as e:
-        raise DFlashError(f"{where}: a field has the wrong type ({e})") from None
-    need(not bad + differ, "\n".join(f"{where}: {p}" for p in bad + differ))
-    try:
-        return DFlashConfig(**kw)
+    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    try:  # a config class of another model_type may lack a field Qwen3's has
+        cfg = DFlashConfig(
+            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=n,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // max(c.num_attention_heads, 1),
+            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"],
+            rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None,
+            max_position_embeddings=c.max_position_embeddings, attention_bias=getattr(c, "attention_bias", False),
+            block_size=get("block_size", 16), mask_token_id=get("mask_token_id"), num_target_layers=num_target,
+            target_layer_ids=ids, layer_types=getattr(c, "layer_types", None) or ["full_attention"] * n,
+            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None), **v2)
+    except AttributeError as e:
+        raise DFlashError(f"{where}: required field {e.name!r} is missing") from None
     except DFlashError as e:
-        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) \
-            from None
+        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) from None
+    bad = engine_problems(cfg)
+    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
+    return cfg
+
 
 
 def dflash2_from(drafter, cfg):
@@ -1722,6 +1830,9 @@ def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
     cfg_path = os.path.join(path, "config.json")
     need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
+    need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
+         f"mask token's embedding with it, SGLang does not (it embeds mask_token_id with the target's table, as "
+         f"training here does); remove it from the drafter directory")
     return config_from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
 
 def safetensors_files(path):
@@ -1791,7 +1902,8 @@ def atomic_dir(path):
     shutil.rmtree(old, ignore_errors=True)
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """Write config.json + model.safetensors (bf16 or fp32) and any {name: torch object} extra files, atomically."""
+    """Write config.json + model.safetensors (bf16 or fp32) and any {name: object} extra files (name.json: as JSON,
+    else torch.save), atomically."""
     from safetensors.torch import save_file
     with atomic_dir(path) as tmp:
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
@@ -1799,8 +1911,40 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump({**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
         for name, obj in (extra_files or {}).items():
-            torch.save(obj, os.path.join(tmp, name))
+            if name.endswith(".json"):
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(obj, f, indent=2)
+            else:
+                torch.save(obj, os.path.join(tmp, name))
     return path
+
+TARGET_RECORD = "target.json"  # in our checkpoints: {"target": name, "fingerprint": target_fingerprint}
+
+def target_fingerprint(target):
+    """12 hex digits of sha256 over the target's family and sizes and 256 rows of its embedding table (in bf16): the
+    same target in any dtype or directory gives the same, another target of the same shape another."""
+    from safetensors.torch import save
+    tc, V = target.model.config.get_text_config(), target.vocab_size
+    rows = target.embed.weight[torch.linspace(0, V - 1, min(256, V)).long().to(target.embed.weight.device)]
+    h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
+    h.update(save({"rows": rows.detach().to("cpu", torch.bfloat16).contiguous()}))
+    return h.hexdigest()[:12]
+
+def target_record(target):
+    return {"target": target.name, "fingerprint": target_fingerprint(target)}
+
+def check_trained_against(path, record, what, allow=False):
+    """A drafter of ours names the target it was trained against (TARGET_RECORD; z-lab's name none): one for another
+    target, even of the same shape, drafts for the wrong model (tau ~1 without a word), so it is refused unless
+    allow, and then said on stderr."""
+    f = os.path.join(path, TARGET_RECORD)
+    saved = read_json(f, "target record") if os.path.isfile(f) else {}
+    if saved.get("fingerprint") in (None, record["fingerprint"]):
+        return
+    msg = f"{what} was trained against {saved.get('target')!r} (fingerprint {saved['fingerprint']}), not " \
+          f"{record['target']!r} ({record['fingerprint']})"
+    need(allow, f"{msg}; pass --allow_other_target to use it anyway")
+    print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
 def resolve_drafter(path, flag="--drafter"):
     """A drafter directory, or a hub id (owner/name) downloaded once into the Hugging Face cache."""
@@ -1885,7 +2029,8 @@ def fallback_hint(out, corrupt=None):
     if prev:
         return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
                f"{latest}) and resume"
-    return f"there is no earlier complete checkpoint in {out}: drop --resume (or use a new --out) to start anew"
+    return f"there is no earlier complete checkpoint in {out}: --resume auto starts anew in it (nothing there can " \
+           f"be continued), or give a new --out"
 
 def latest_checkpoint(out):
     """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
@@ -1936,17 +2081,19 @@ def keep_metrics(out, step):
             f.writelines(kept)
         os.replace(path + ".tmp", path)
 
-def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print):
+def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
     """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically by rank 0; then
     <out>/latest is switched to it (atomically too), so latest never names a partial checkpoint. Called on every
-    rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write."""
+    rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write.
+    record: the target it is trained against (target_record), written as TARGET_RECORD."""
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
     if not dist.is_initialized() or dist.get_rank() == 0:
         d = os.path.join(out, f"step_{step}")
         try:
             save_drafter(drafter, d, save_dtype, extra_files={
-                "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state}})
+                "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state},
+                **({TARGET_RECORD: record} if record else {})})
             write_latest(out, os.path.basename(d))
         except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
             raise DFlashError(f"cannot write checkpoint {d} ({e.strerror}); {last_complete(out)}") from None
@@ -1967,6 +2114,8 @@ def last_complete(out):
 # -----------------------------------------------------------------------------
 # Loading the target (AutoModelForCausalLM), and --shard_target
 
+SUPPORTED_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5/3.6, Llama, Mistral, Gemma3, Phi3, Olmo2 (and others of that kind)"
+
 def find_decoder(model):
     """The text decoder stack, found by inspection rather than by model name: the module holding `layers` (a
     ModuleList), a final `norm` and the input embedding. Qwen3/Llama/Qwen3.5 text: model.model; the Qwen3.5/3.6
@@ -1976,8 +2125,9 @@ def find_decoder(model):
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
                 and any(c is embed for c in m.children())):
             return m
-    raise DFlashError(f"cannot find the decoder layers of {type(model).__name__}: no submodule holds `layers`, "
-                      f"`norm` and the input embedding")
+    raise DFlashError(f"target family {model.config.model_type} ({type(model).__name__}) is not supported: dflash "
+                      f"hooks a decoder stack of the Llama kind (decoder layers, then a final norm); supported: "
+                      f"{SUPPORTED_FAMILIES}")
 
 def load_tokenizer(name, trust_remote_code=False):
     """The target's tokenizer, or None when it has none (a target without one still works with pre-tokenized data;
@@ -2303,7 +2453,8 @@ class Batches:
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
             raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size")
+                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
+                              f"--grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
@@ -2463,7 +2614,7 @@ def file_digest(path):
 
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
-def resume_point(args, data_digest):
+def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
     Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
     data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
@@ -2472,13 +2623,20 @@ def resume_point(args, data_digest):
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        raise DFlashError(f"--resume: {e}") from None
+        if mode != "auto" or previous_checkpoint(out) is not None:
+            raise DFlashError(f"--resume: {e}") from None
+        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
+        if master:
+            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
     if d is None:
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); drop --resume "
-             f"to start")
-        earlier = None if mode else earlier_run(out)
-        need(not earlier, f"--out {out!r} already holds a run ({earlier}); pass --resume to continue it, or give a new "
-             f"--out (a run is never started over in place)")
+        earlier = earlier_run(out)
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); " + (
+            f"it holds {earlier}: --resume auto starts anew in it, or give a new --out" if earlier else
+            "drop --resume to start"))
+        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
+            "pass --resume to continue it" if previous_checkpoint(out) else "it has no complete checkpoint to "
+            "continue: pass --resume auto to start anew in it") + ", or give a new --out (a run is never started "
+             "over in place without --resume)")
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
@@ -2492,31 +2650,76 @@ def resume_point(args, data_digest):
          f"restore the file, or pass --allow_data_change to continue on the new data")
     return d, state
 
-def mask_token_hint(target):
-    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row."""
+def mask_token_hint(target, free=None):
+    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row, else (free)
+    ids the data never uses, counted (free_ids); z-lab's ids only where they fit the vocabulary."""
     used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
     rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
-        if used is not None and used < V else "pick an id your data never uses"
-    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}; z-lab uses 248070 for " \
-           f"Qwen3.5/3.6 targets, 151669 for Qwen3)"
+        if used is not None and used < V else \
+        f"every embedding row is a token; ids the data never uses, counted: {', '.join(map(str, free))}, e.g. " \
+        f"--mask_token_id {free[0]}" if free else "pick an id your data never uses"
+    zlab = [f"{i} for {what}" for i, what in ((248070, "Qwen3.5/3.6 targets"), (151669, "Qwen3")) if i < V]
+    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}" + \
+        (f"; z-lab uses {', '.join(zlab)}" if zlab else "") + ")"
+
+def has_spare_row(target):
+    """Whether the embedding has rows that are no token of the tokenizer (unknown without a tokenizer)."""
+    return target.tokenizer is None or len(target.tokenizer) < target.vocab_size
+
+def free_ids(samples, target, n=3):
+    """Up to n token ids the samples never use, counted: spare embedding rows first (no token of the tokenizer),
+    then the highest ids of the vocabulary the data does not contain."""
+    used = {t for ids, _ in samples for t in ids}
+    V = target.vocab_size
+    first_spare = min(len(target.tokenizer), V) if target.tokenizer is not None else V
+    spare = (i for i in range(first_spare, V) if i not in used)
+    rest = (i for i in range(first_spare - 1, -1, -1) if i not in used)
+    return list(itertools.islice(itertools.chain(spare, rest), n))
+
+def check_mask_unused(samples, mask_token_id, target, where):
+    """The mask token must be no token of the data: its embedding is the drafter's only sign that an offset is to be
+    drafted, and a data token of that id (an anchor, a label) would carry the same sign. Counted once the samples
+    are encoded; a refusal names ids the data never uses."""
+    n = sum(ids.count(mask_token_id) for ids, _ in samples)
+    if n == 0:
+        return
+    free = free_ids(samples, target)
+    raise DFlashError(f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be one the "
+                      f"data never uses; pass one of {', '.join(map(str, free))} (never in the data), e.g. "
+                      f"--mask_token_id {free[0]}" if free else f"--mask_token_id {mask_token_id} occurs {n} times "
+                      f"in {where}, and so does every other id of the vocabulary; the mask needs an id the data never "
+                      f"uses")
+
+def target_rope(tc):
+    """(rope_theta, note) of the target's full-attention layers, whose geometry a new drafter takes: rope_parameters
+    is one dict, or one per layer type (Gemma3: sliding 1e4, full 1e6), then note says which one was taken."""
+    rope = getattr(tc, "rope_parameters", None)
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
+        kind = "full_attention" if "full_attention" in rope else next(iter(rope))
+        theta = float(rope[kind].get("rope_theta", 1e4))
+        others = ", ".join(f"{k} {float(v.get('rope_theta', 1e4)):.0f}" for k, v in rope.items() if k != kind)
+        return theta, f"drafter RoPE: rope_theta {theta:.0f}, the target's {kind} layers' (its layer types differ: " \
+                      f"{others})"
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return float(theta if theta is not None else getattr(tc, "rope_theta", None) or 1e4), None
 
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                       intermediate_size=None):
-    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps/rope_theta from the target, and unless
-    given its attention geometry (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP
-    width; plain RoPE over the full head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types
-    says otherwise. Every problem of these flags with this target is raised at once, each with a value that works."""
+                       intermediate_size=None, free=None, say=print):
+    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps from the target, rope_theta from its
+    full-attention layers (target_rope; said when the layer types differ), and unless given its attention geometry
+    (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP width; plain RoPE over the full
+    head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise. Every problem of
+    these flags with this target is raised at once, each with a value that works (free: ids the data never uses,
+    for the mask token hint)."""
     tc = target.model.config.get_text_config()
-    rope = getattr(tc, "rope_parameters", None)
-    rope_theta = (rope or {}).get("rope_theta", getattr(tc, "rope_theta", 1e4)) if isinstance(rope, dict | None) \
-        else 1e4
+    rope_theta, rope_note = target_rope(tc)
     n, L, problems = num_draft_layers, target.num_layers, []
     heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
     if mask_token_id is None:
-        problems.append(mask_token_hint(target))
+        problems.append(mask_token_hint(target, free))
     ids = target_layer_ids or default_target_layer_ids(L, n)
     if not target_layer_ids and len(set(ids)) < len(ids):
         good = valid_target_layer_ids(L, n)
@@ -2537,7 +2740,11 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
     except DFlashError as e:
         problems += str(e).splitlines()
+    else:
+        problems += engine_problems(cfg)  # before any weights load: check_run calls this on the meta target
     need(not problems, "\n".join(problems))
+    if rope_note:
+        say(rope_note)
     return cfg
 
 @dataclass
@@ -2550,6 +2757,15 @@ class RunSetup:
     data_digest: dict | None = None
     init_from: str | None = None
 
+def flag_problems(args):
+    """Flags that each pass their own check but not together: what is wrong, and which to change."""
+    problems = []
+    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
+                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or "
+                        f"--eval_walk_tree_budget")
+    return problems
+
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
@@ -2558,14 +2774,17 @@ def check_run(args, world, device, master):
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL file" for path, flag in
-                ((args.data, "--data"), (args.eval_data, "--eval_data")) if path and not args.plan and
-                not os.path.isfile(path)]
+    problems = [f"{flag} {path!r} is a directory, not a data file; pass {flag} with a JSONL file (.jsonl or "
+                f".jsonl.gz)" if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a "
+                f"JSONL file" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
+                if path and not args.plan and not os.path.isfile(path)] + flag_problems(args)
+    # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
+    args.num_anchors = min(args.num_anchors, args.max_len - 1)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
     data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
-    resume_dir, state = resume_point(args, data_digest) if writes else (None, None)
+    resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
         import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
@@ -2575,7 +2794,8 @@ def check_run(args, world, device, master):
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
     try:
         cfg = read_drafter_config(init_from) if init_from else \
-            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS})
+            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, free=mask_candidates(args, meta),
+                               say=print if master else lambda *a: None)
         cfg = dflash2_config(cfg, args)
         check_compatible(cfg, meta)
     except DFlashError as e:
@@ -2616,6 +2836,18 @@ def dflash2_config(cfg, args):
 
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
+def mask_candidates(args, meta):
+    """Ids --data never uses, counted, for the mask token hint: only when one is needed (no --mask_token_id, none in
+    the tokenizer) and the vocabulary has no spare row to suggest; None otherwise."""
+    if args.mask_token_id is not None or getattr(meta.tokenizer, "mask_token_id", None) is not None or \
+            has_spare_row(meta) or args.init_from or not os.path.isfile(args.data or ""):
+        return None
+    try:
+        return free_ids(load_samples(args.data, meta.tokenizer, args.max_len, say=lambda *a: None,
+                                     enable_thinking=args.enable_thinking, eos_ids=meta.eos_ids()), meta)
+    except DFlashError:  # bad data is said where the data loads
+        return None
+
 def check_resume(out, run, global_batch, master):
     """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
     Then (a refused resume changes nothing) rank 0 cuts metrics.jsonl back to the checkpoint's step (all of it on a
@@ -2646,7 +2878,7 @@ def read_data(args, target, say):
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
 
-def build_drafter(args, run, world, device, say=print):
+def build_drafter(args, run, target, world, device, say=print):
     """The drafter (new, --init_from's, or the checkpoint's), its AdamW (with --zero under torchrun its moments are
     split over the ranks), the model the loop calls (compiled with --compile, wrapped in DDP under torchrun), and the
     loss's keyword arguments (flex and compiled runs pad every batch to one of a few lengths: fewer recompilations)."""
@@ -2659,6 +2891,10 @@ def build_drafter(args, run, world, device, say=print):
         drafter = dflash2_from(drafter, cfg)
     if cfg.dflash2 and args.selector_alpha == 0:  # no selector objective: the selector is not trained
         drafter.candidate_selector.requires_grad_(False)
+    if not source and tied(target):
+        start_off_mask(drafter, target)
+        say("tied embeddings: the new drafter's final norm starts off the mask token's row (its first drafts would "
+            "otherwise all be the mask token, which the tied lm_head scores highest)")
     drafter.grad_checkpoint = args.grad_checkpoint
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.zero and world > 1:
@@ -2787,14 +3023,24 @@ class HelpFormatter(argparse.HelpFormatter):
         return h
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error."""
+    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error. Flags are
+    exact (argparse would take --max_step for --max_steps, silently); an unknown one names the closest flag."""
 
     def __init__(self, **kw):
-        super().__init__(formatter_class=HelpFormatter, **kw)
+        super().__init__(formatter_class=HelpFormatter, allow_abbrev=False, **kw)
 
     def error(self, message):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+
+    def parse_args(self, args=None, namespace=None):
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
+            close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
+            self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
+                       if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
+        return args
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
     """Every flag of both scripts is declared by this, one line each: kind int or float gets number()'s range-checked
@@ -2804,6 +3050,8 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
     group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
+                        # of a bigger tree grows past any run's patience
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
@@ -2822,11 +3070,15 @@ def get_parser():
          "a used --out is refused")
     flag(g, "--allow_data_change", False, "with --resume: continue although --data changed since the checkpoint was "
          "written (the data order then differs)", action="store_true")
+    flag(g, "--allow_other_target", False, "use an --init_from drafter (or resume a checkpoint) recorded as "
+         "trained against another target", action="store_true")
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1)
-    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2)
+    # the geometry's upper bounds are far above any drafter's (a few layers, B 8-16) and keep a mistyped value from
+    # allocating without end
+    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
+    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
@@ -2834,19 +3086,21 @@ def get_parser():
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
-         lo=1)
-    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1)
-    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2)
-    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1)
+         lo=1, hi=256)
+    flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
+    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
+    flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     flag(g, "--dflash2", False, "a DFlash2 drafter: DFlash plus grouped dynamic causal convolutions around each "
          "sublayer and a candidate selector over the target head's top-k (with --init_from a DFlash drafter: that "
          "drafter, its DFlash2 pieces fresh)", action="store_true")
     flag(g, "--conv_kernel_size", None, "with --dflash2: K, the convolution's taps along the block (default 2)", int,
-         lo=1)
+         lo=1, hi=256)
     flag(g, "--conv_group_size", None, "with --dflash2: channels sharing one dynamic tap, a divisor of the hidden "
-         "size (default 16)", int, lo=1)
-    flag(g, "--selector_rank", None, "with --dflash2: rank of the selector's codebooks (default 256)", int, lo=1)
-    flag(g, "--selector_top_k", None, "with --dflash2: candidates per drafted offset (default 16)", int, lo=1)
+         "size (default 16)", int, lo=1, hi=65536)
+    flag(g, "--selector_rank", None, "with --dflash2: rank of the selector's codebooks (default 256)", int, lo=1,
+         hi=8192)
+    flag(g, "--selector_top_k", None, "with --dflash2: candidates per drafted offset (default 16)", int, lo=1,
+         hi=1024)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -2896,11 +3150,13 @@ def add_system_flags(p):
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     flag(g, "--seed", 0, "random seed", int)
     flag(g, "--log_every", 10, "log every N steps", int, lo=1)
+    flag(g, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal: a redirected log has "
+         "one line per logged step)", action="store_true")
     flag(g, "--eval_every", 500, "held-out evaluation every N steps (0: only at the start and the end)", int)
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
     flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-         "(DDTree's rule) with this many draft nodes per step (0: off)", int)
+         "(DDTree's rule) with this many draft nodes per step (0: off)", int, hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")

@@ -264,7 +264,7 @@ class NeuralDrafter:
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
         anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
-        x = t.embed(ids).to(self.drafter.fc.weight.dtype)
+        x = dflash.embed_blocks(t, ids).to(self.drafter.fc.weight.dtype)
         return self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv,
                                    self.length)[0, 0, 1:]
 
@@ -296,6 +296,9 @@ def select_layers(features, union, layer_ids):
 # at T is tau_walk over sampled continuations, averaged over several per prompt.
 
 
+MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
+
+
 @dataclass
 class Sampling:
     """How the target samples: temperature (> 0), top_p (1: off), top_k (0: off); samples continuations per
@@ -310,15 +313,18 @@ class Sampling:
 def sampling_probs(logits, s):
     """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
     to the smallest set of most likely tokens that holds top_p of the mass, renormalised (the order vLLM and
-    transformers apply them in)."""
-    z = logits.float() / s.temperature
+    transformers apply them in). In float64 from the largest logit down, so every temperature and top_p the flags
+    accept works: the top logit stays 0 however small the temperature (the others go to -inf, not inf - inf), and
+    neither rounds to 0 as it would in float32 (below ~1e-45)."""
+    logits = logits.double()
+    z = (logits - logits.max(-1, keepdim=True).values) / s.temperature
     if 0 < s.top_k < z.shape[-1]:
         z = z.masked_fill(z < z.topk(s.top_k).values[..., -1:], -math.inf)
     if s.top_p < 1:
         p, order = z.softmax(-1).sort(-1, descending=True)
         drop = p.cumsum(-1) - p >= s.top_p  # the more likely tokens already hold top_p
         z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return z.softmax(-1)
+    return z.softmax(-1).float()
 
 
 @torch.no_grad()
@@ -711,11 +717,11 @@ def print_report(report, file=None):
         print_trees(results, report["tree_budgets"], w, out)
     out()
     out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
-    cw = 18
-    out(f"{'L':>3}  " + "  ".join(f"{r['drafter'][-cw:]:>{cw}}" for r in results))
+    cws = [max(18, len(r["drafter"])) for r in results]  # a column as wide as its drafter's whole name
+    out(f"{'L':>3}  " + "  ".join(f"{r['drafter']:>{cw}}" for r, cw in zip(results, cws)))
     for L in range(1, max(r["block_size"] for r in results) + 1):
         cells = []
-        for r in results:
+        for r, cw in zip(results, cws):
             if L > r["block_size"]:
                 cells.append(" " * cw)
                 continue
@@ -767,16 +773,19 @@ def write_json(report, path):
 # Command line
 
 
-def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
+def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", allow_other_target=False):
     """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
-    weights are read; the prompt-lookup baseline is included unless prompt_lookup is False."""
-    drafters = {}
+    weights are read (its shape, and the target it records it was trained against: another one is refused unless
+    allow_other_target); the prompt-lookup baseline is included unless prompt_lookup is False."""
+    drafters, record = {}, None
     for name in names:
         if name == PROMPT_LOOKUP:
             drafters[name] = PromptLookupDrafter()
             continue
         path = dflash.resolve_drafter(name)  # a local directory, or a hub id downloaded once
         dflash.check_compatible(dflash.read_drafter_config(path), target, where=f"drafter {name}")
+        record = record or dflash.target_record(target)
+        dflash.check_trained_against(path, record, f"drafter {name}", allow_other_target)
         drafters[name] = NeuralDrafter(dflash.load_drafter(path, target.lm_head.weight.device, dtype, attention).eval())
     if prompt_lookup and PROMPT_LOOKUP not in drafters:
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
@@ -784,13 +793,14 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense"):
 
 
 def budget_list(s):
-    """--tree_budget: comma-separated node counts, each >= 1."""
+    """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
     try:
         budgets = tuple(int(x) for x in s.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
-    if min(budgets) < 1:
-        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 draft node")
+    if min(budgets) < 1 or max(budgets) > dflash.TREE_BUDGET_MAX:
+        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most "
+                                         f"{dflash.TREE_BUDGET_MAX} draft nodes")
     return budgets
 
 
@@ -812,6 +822,8 @@ def get_parser():
     flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does)", required=True)
     flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
+    flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
+         "the one it was trained against (refused otherwise)", action="store_true")
     flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
          action="store_true")
     flag(p, "--prompts", None, "JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in "
@@ -835,7 +847,8 @@ def get_parser():
          "the walk along continuations sampled from the target (0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
-    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1)
+    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
+         hi=MAX_SAMPLES)
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
          "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
@@ -851,7 +864,8 @@ def get_parser():
          choices=list(dflash.DTYPES))
     flag(p, "--device", None, "device (default: cuda if available, else cpu)")
     flag(p, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
-    flag(p, "--no_progress", False, "no progress bar", action="store_true")
+    flag(p, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal)",
+         action="store_true")
     flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
 
@@ -879,17 +893,19 @@ def run(args):
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
-    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention)
+    drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention,
+                             args.allow_other_target)
+    progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=not args.no_progress, tree_budgets=args.tree_budget)
+                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget)
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
         if args.limit:
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
-                                   args.dump_drafts, progress=not args.no_progress, sampling=sampling,
+                                   args.dump_drafts, progress=progress, sampling=sampling,
                                    tree_budgets=args.tree_budget)
         print_report(report)
     if args.json:

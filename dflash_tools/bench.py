@@ -624,8 +624,7 @@ def shard_memory(args):
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="Speed and memory of DFlash training and evaluation, side by side.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = dflash.ArgumentParser(description="Speed and memory of DFlash training and evaluation, side by side.")
     p.add_argument("--quick", action="store_true", help="one timed repeat, none after a first run over 2 s")
     p.add_argument("--parts", default="train,loss,attention,tau", type=lambda s: s.split(","),
                    help="the CPU sections to run, comma-separated: train, loss, attention, tau")

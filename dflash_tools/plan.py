@@ -34,6 +34,14 @@ def count_params(*modules):
     return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
 
 
+def params_text(n):
+    """A parameter count in the unit that fits it: 1.73B, 8.19M, 45.1K, 512."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.{2 if n < 100 * size else 0}f}{unit}"
+    return f"{n:,.0f}"
+
+
 def activation_elems(d, T, b, S, attention, grad_checkpoint):
     """Elements the drafter saves for backward (d: drafter sizes; T block tokens, b sequences, S context length).
     Returns (elements, bool-mask bytes, elements of one decoder layer)."""
@@ -75,15 +83,15 @@ def plan_rows(target, drafter, run):
     chunk = dflash.vocab_chunk(V)
     # one chunk of logits in fp32 (and its bf16 original when the lm_head is bf16)
     logits = lambda rows: min(chunk, rows) * V * (4 + (tb if tb != 4 else 0))  # noqa: E731
-    weights = ("target weights", target["params"] * tb, f"{target['params'] / 1e9:.2f}B params x {tb} bytes")
+    weights = ("target weights", target["params"] * tb, f"{params_text(target['params'])} params x {tb} bytes")
     gathered = ("gathered target layers", 0, "not sharded")
     if run.get("shard_target") and R > 1:  # (target: also decoder_params, layer_params: the largest layer)
         decoder, rest = target["decoder_params"], target["params"] - target["decoder_params"]
         weights = ("target weights", (decoder / R + rest) * tb,
-                   f"{decoder / 1e9:.2f}B decoder / {R} ranks + {rest / 1e9:.2f}B whole, {tb} bytes")
+                   f"{params_text(decoder)} decoder / {R} ranks + {params_text(rest)} whole, {tb} bytes")
         gathered = ("gathered target layers", 2 * target["layer_params"] * tb, "the running layer and the next one")
     rows = [weights,
-            ("drafter weights", Pd * 4, f"{Pd / 1e9:.3f}B params, fp32"),
+            ("drafter weights", Pd * 4, f"{params_text(Pd)} params, fp32"),
             ("drafter gradients", Pd * 4, "fp32"),
             ("DDP gradient buckets", 0, "views of the gradients (gradient_as_bucket_view)" if R > 1 else "one rank"),
             ("AdamW moments", 2 * Pd * 4 / (R if run["zero"] and R > 1 else 1),

@@ -284,8 +284,11 @@ def make_regenerated_data(target_path: str, out_jsonl: str, num_samples: int = 5
     with open(tmp, "w") as f:
         for i in range(0, num_samples, batch_size):
             x = torch.tensor(prompts[i:i + batch_size])
+            # the mask token is never a word of the corpus: a trained target never emits it, a target of a few
+            # pretraining steps (the tests') could, and dflash.py refuses a mask id the data uses
             out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=response_tokens, pad_token_id=tokenizer.pad_token_id)
+                                 max_new_tokens=response_tokens, pad_token_id=tokenizer.pad_token_id,
+                                 suppress_tokens=[tokenizer.mask_token_id])
             for prompt, row in zip(prompts[i:i + batch_size], out[:, x.shape[1]:].tolist()):
                 # keep up to and including the first end-of-text: the rest is generate()'s padding
                 cut = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))
@@ -307,7 +310,8 @@ def make_regenerated_data(target_path: str, out_jsonl: str, num_samples: int = 5
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(description="Build the tiny Qwen3.5 target and its drafter data.")
+    ap = argparse.ArgumentParser(description="Build the tiny Qwen3.5 target and its drafter data.",
+                                 allow_abbrev=False)  # exact flags: a prefix is never taken for a flag
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
     ap.add_argument("--cache_dir", default=os.path.join(root, ".cache"))
     ap.add_argument("--train_steps", type=int, default=300, help="pretraining steps of 16 x 256 tokens")

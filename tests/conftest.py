@@ -24,7 +24,7 @@ CYCLE = [7, 23, 41, 60, 88]
 
 # dflash.py command-line flags for a small drafter over tiny_qwen3()'s default geometry
 SMALL = ["--mask_token_id", str(VOCAB - 1), "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "8",
-         "--num_draft_layers", "2", "--target_layer_ids", "1,3", "--block_size", "4", "--sliding_window", "8",
+         "--num_draft_layers", "2", "--target_layer_ids", "1,2", "--block_size", "4", "--sliding_window", "8",
          "--num_anchors", "6", "--lr", "3e-3", "--warmup_ratio", "0.1", "--log_every", "1", "--eval_every", "0",
          "--save_every", "0", "--eval_fraction", "0"]
 
@@ -107,6 +107,45 @@ def build_qwen35_multimodal(**config):
     torch.manual_seed(0)
     return Qwen3_5ForConditionalGeneration(Qwen3_5Config(
         text_config=text, vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]}))
+
+
+# Other families, as a new user's own small model would be (tests/test_families.py): name -> (config class, model
+# class, the config fields that make the family what it is on top of TINY_TARGET). Token ids 0-2 are pad, bos and eos
+# (the families' defaults lie outside a 96-token vocabulary).
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),  # Llama-3.2, Qwen3-0.6B..4B
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # tied, sqrt(D)-scaled embedding, sliding and full layers with a RoPE base each (rope_parameters per layer type)
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(sliding_window=8, layer_types=["sliding_attention"] * 3 + ["full_attention"], **IDS)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", IDS),             # fused qkv_proj and gate_up_proj
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", IDS),          # norms after attention and MLP, q/k norm over heads
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+}
+
+
+def build_family(name, **config):
+    """A tiny model of FAMILIES[name] (seeded), config overriding its fields."""
+    import transformers
+    config_cls, model_cls, fields = FAMILIES[name]
+    torch.manual_seed(0)
+    return getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY_TARGET, **fields, **config}))
+
+
+def tiny_family(path, name, **config):
+    build_family(name, **config).save_pretrained(path)
+    return str(path)
+
+
+def tiny_gpt2(path):
+    """GPT-2 (transformer.h, ln_f, learned positions): a family dflash does not support."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=256, **IDS)
+                    ).save_pretrained(path)
+    return str(path)
 
 
 def tiny_qwen3(path, **config):
@@ -359,3 +398,21 @@ def one_error(capsys, main, argv, *needles, progress=False):
     for n in needles:
         assert n in err[0], (n, err[0])
     return err[0]
+
+
+# -----------------------------------------------------------------------------
+# Flags
+
+
+def flag_edges(action):
+    """(smallest, largest) value a numeric flag's rule accepts ("an integer >= 1", "a number > 0 and <= 1"): the
+    next representable value above an open bound, and a huge one (10**18, the largest float) where there is no
+    upper bound."""
+    import math
+    import re
+    m = re.fullmatch(r"(an integer|a number) (>=|>) (\S+)(?: and <= (\S+))?", action.type.text)
+    assert m, action.type.text
+    if m[1] == "an integer":
+        return int(m[3]) + (m[2] == ">"), int(m[4]) if m[4] else 10 ** 18
+    lo = float(m[3])
+    return math.nextafter(lo, math.inf) if m[2] == ">" else lo, float(m[4]) if m[4] else sys.float_info.max

@@ -375,7 +375,7 @@ ZL2 = dict(conv_group_size=8, conv_kernel_size=2, selector_rank=6, selector_top_
 
 def zlab_dflash2(tmp_path, name="z2", over=None, dc_over=None, drop=()):
     """A DFlash2 directory as z-lab releases it: their config.json keys and tensor names, written by hand."""
-    c = zlab_config(**{"architectures": ["DFlash2DraftModel"], "is_causal": False,
+    c = zlab_config(**{"architectures": ["DFlash2DraftModel"], "is_causal": False, "sliding_window": 2 * ZL["Bs"],
                        "layer_types": ["sliding_attention"] * ZL["layers"], **(over or {})})
     c["dflash_config"] = {**c["dflash_config"], "block_size": ZL["Bs"], **ZL2, "output_multiplier": 0.25,
                           "final_logit_softcapping": 20.0, **(dc_over or {})}
@@ -401,7 +401,7 @@ def test_zlab_dflash2_directory_loads_and_drafts(tmp_path):
     cfg = d.cfg
     assert cfg.dflash2 and {k: getattr(cfg, k) for k in ZL2} == ZL2
     assert (cfg.output_multiplier, cfg.final_logit_softcapping, cfg.input_embedding_scale) == (0.25, 20.0, 1.0)
-    assert cfg.layer_kind(0) == (False, ZL["Wz"])  # is_causal false: bidirectional sliding layers
+    assert cfg.layer_kind(0) == (False, 2 * ZL["Bs"])  # is_causal false: bidirectional sliding layers
     sd = d.state_dict()
     assert all(torch.equal(sd[k], v.float()) for k, v in t.items())
     g = torch.Generator().manual_seed(3)

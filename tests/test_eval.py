@@ -138,7 +138,7 @@ def test_hybrid_target_exact_method(tmp_path):
 
 
 # z-lab geometry (conftest.ZL's keys) for a drafter over the dense target, and its files: fp32 tensors
-ZLAB = dict(D=D, layers=3, heads=4, kv=2, hd=16, inter=96, V=V, M=MASK, T=[0, 2, 3], L=L, Bs=6, Wz=5)
+ZLAB = dict(D=D, layers=3, heads=4, kv=2, hd=16, inter=96, V=V, M=MASK, T=[0, 1, 2], L=L, Bs=6, Wz=5)
 ZLAB_CONFIG = dict(torch_dtype="float32", max_position_embeddings=512)
 ZLAB_TENSORS = dict(scale=0.05, norm_scale=0.1, dtype=torch.float32)
 
@@ -221,7 +221,7 @@ def test_prompts_jsonl_formats_and_errors(tmp_path):
 
 
 def test_cli_mismatched_drafter_is_one_error_line(dense, tmp_path):
-    geometry = {**ZLAB, "L": 8, "T": [1, 4, 7]}
+    geometry = {**ZLAB, "L": 8, "T": [1, 4, 6]}
     other = write_zlab_dir(str(tmp_path / "other"), zlab_config(geometry, **ZLAB_CONFIG),
                            zlab_tensors(geometry, **ZLAB_TENSORS))
     env = {**{k: v for k, v in os.environ.items() if k != "DFLASH_DEBUG"}, "OMP_NUM_THREADS": "1"}

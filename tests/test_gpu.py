@@ -99,7 +99,7 @@ def test_evaluation_compiles_flex_once():
     its block masks, no recompile-limit hit, never unfused (the warning is an error here)."""
     target = tiny_qwen3_target()
     target.model.to("cuda", torch.bfloat16)
-    cfg = dflash.new_drafter_config(target, 3, mask_token_id=511, target_layer_ids=[1, 2, 3], num_heads=4,
+    cfg = dflash.new_drafter_config(target, 3, mask_token_id=511, target_layer_ids=[0, 1, 2], num_heads=4,
                                     num_kv_heads=2, head_dim=16, sliding_window=64)
     drafter = dflash.DFlashDrafter(cfg, "flex").cuda().eval()
     g = torch.Generator().manual_seed(0)
@@ -129,7 +129,7 @@ def tiny_run(tmp_path):
     return ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--batch_size", "2",
             "--grad_accum", "1", "--eval_fraction", "0.2", "--max_len", "512", "--mask_token_id", "511",
             "--num_heads", "4", "--num_kv_heads", "2", "--head_dim", "16", "--sliding_window", "64", "--num_anchors",
-            "16", "--log_every", "1", "--num_draft_layers", "3", "--target_layer_ids", "1,2,3"]
+            "16", "--log_every", "1", "--num_draft_layers", "3", "--target_layer_ids", "0,1,2"]
 
 
 def test_end_to_end_then_resume(tiny_run, tmp_path):

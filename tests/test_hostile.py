@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 PARSERS = {"dflash": (dflash.get_parser, []), "eval": (ev.get_parser, ["--target", "t"])}
 HOSTILE = ["0", "-1", "nan", "inf", "-inf", "1e30", str(10**30), "-1e30", "1.5", "0x10", ""]
-Z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 3])  # a z-lab drafter geometry that fits tiny_qwen3()
+Z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 2])  # a z-lab geometry over tiny_qwen3(), not its last layer
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_config_json_with_nonsense_values(tmp_path):
     for over, field in [(dict(num_key_value_heads=0), "num_key_value_heads"), (dict(hidden_size=-4), "hidden_size"),
                         (dict(head_dim="8"), "head_dim"), (dict(head_dim=7), "head_dim"),
                         (dict(sliding_window=-3), "sliding_window"), (dict(rms_norm_eps=None), "rms_norm_eps"),
-                        (dict(rope_theta="x"), "wrong type"), (dict(layer_types=5), "wrong type"),
+                        (dict(rope_theta="x"), "rope_theta"), (dict(layer_types=5), "layer_types"),
                         (dict(dflash_config={"mask_token_id": "x", "target_layer_ids": [1, 3]}), "mask_token_id"),
                         (dict(dflash_config={"mask_token_id": 1, "target_layer_ids": "13"}), "target_layer_ids")]:
         d = write_zlab_dir(str(tmp_path / field.replace(" ", "_")), zlab_config(Z, **over), {})
@@ -654,7 +654,7 @@ def test_the_demo_reruns_in_its_own_out_and_refuses_another_used_out(w, capsys, 
     monkeypatch.setattr(tiny_target, "heldout_prompts", lambda *a, **k: [[5, 6, 7, 8]])
     monkeypatch.setattr(demo, "check_walked_tau", lambda *a: None)
     quick = ["--demo", "--max_steps", "2", "--batch_size", "2", "--mask_token_id", str(VOCAB - 1),
-             "--target_layer_ids", "1,3", "--eval_fraction", "0", "--eval_walk_prompts", "0"]
+             "--target_layer_ids", "1,2", "--eval_fraction", "0", "--eval_walk_prompts", "0"]
     demo.main(quick)
     first = listing(demo.DEMO_OUT)
     assert "demo_eval.json" in first and latest_name(demo.DEMO_OUT) == "step_2"

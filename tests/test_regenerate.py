@@ -222,7 +222,9 @@ def test_every_turn_is_the_targets_greedy_answer(served, regenerated, thinking):
     cut by --max_tokens dropped and counted."""
     run = regenerated["runs"][thinking]
     expected = expected_lines(served, INPUT, thinking)
-    assert read_lines(run["out"]) == expected
+    lines = read_lines(run["out"])
+    assert [{k: v for k, v in r.items() if k != "key"} for r in lines] == expected
+    assert len({r["key"] for r in lines}) == len(lines)  # the key resume goes by: one per sample
     s = run["summary"]
     assert (s["written"], s["truncated"], s["failed"], s["skipped_done"]) == (len(expected), len(INPUT) - len(expected),
                                                                              0, 0)
@@ -276,14 +278,14 @@ def test_resume_refuses_another_thinking_mode(served, regenerated, capsys):
 def test_a_refused_sample_goes_to_failed_jsonl_and_the_run_goes_on(served, regenerated, tmp_path, monkeypatch):
     """A 4xx for one sample (here the real server's 422, provoked by an unexpected field in that one request) is
     written to OUT.failed.jsonl with the error; the others are written as usual."""
-    real = urllib.request.urlopen
+    real = rg.exchange
 
-    def urlopen(req, timeout):
-        if req.data and b"print('hi')" in req.data:
-            req.data = json.dumps({**json.loads(req.data), "not_a_field": 1}).encode()
-        return real(req, timeout=timeout)
+    def exchange(url, data, timeout):
+        if data and b"print('hi')" in data:
+            data = json.dumps({**json.loads(data), "not_a_field": 1}).encode()
+        return real(url, data, timeout)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "exchange", exchange)
     out = tmp_path / "out.jsonl"
     s = regen(served, regenerated["data"], out, "--no-enable_thinking")
     failed = read_lines(str(out) + ".failed.jsonl")
@@ -296,17 +298,17 @@ def test_a_refused_sample_goes_to_failed_jsonl_and_the_run_goes_on(served, regen
 def test_connection_errors_and_5xx_are_retried(served, regenerated, tmp_path, monkeypatch):
     """A reset connection and a 503 on the first requests are retried (with backoff) and lose nothing. Every request
     says temperature 0 and max_tokens (a server would otherwise apply the model's sampling generation_config)."""
-    real, calls = urllib.request.urlopen, []
+    real, calls = rg.exchange, []
 
-    def urlopen(req, timeout):
-        calls.append(json.loads(req.data))
+    def exchange(url, data, timeout):
+        calls.append(json.loads(data))
         if len(calls) == 2:
             raise ConnectionResetError(104, "Connection reset by peer")
         if len(calls) == 3:
-            raise urllib.error.HTTPError(req.full_url, 503, "Service Unavailable", {}, None)
-        return real(req, timeout=timeout)
+            return 503, {}, b"Service Unavailable"
+        return real(url, data, timeout)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "exchange", exchange)
     monkeypatch.setattr(rg, "BACKOFF_S", 0.01)
     out = tmp_path / "out.jsonl"
     regen(served, regenerated["data"], out, "--no-enable_thinking", "--concurrency", "1")
@@ -450,14 +452,127 @@ def test_a_template_bos_is_not_sent_twice():
 
 def test_sampling_flags_are_sent(served, tmp_path, monkeypatch):
     """--temperature / --top_p for sampled data reach every request."""
-    real, sent = urllib.request.urlopen, []
+    real, sent = rg.exchange, []
 
-    def urlopen(req, timeout):
-        sent.append(json.loads(req.data))
-        return real(req, timeout=timeout)
+    def exchange(url, data, timeout):
+        sent.append(json.loads(data))
+        return real(url, data, timeout)
 
-    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(rg, "exchange", exchange)
     data = write_input(tmp_path / "one.jsonl", INPUT[:1])
     regen(served, data, tmp_path / "out.jsonl", "--temperature", "0.7", "--top_p", "0.9", "--keep_truncated")
     assert len(sent) == 2 and all(c["temperature"] == 0.7 and c["top_p"] == 0.9 for c in sent)
     assert len(read_lines(tmp_path / "out.jsonl")) == 1
+
+
+# -----------------------------------------------------------------------------
+# The same server behind a proxy that spoils some replies, and reruns after the input changed
+
+
+def proxy(served, spoil):
+    """A local proxy (tests/test_regenerate_hostile.py's bounded server) in front of transformers serve: each reply
+    passed through spoil(request, reply json) -> Reply, or None to pass it on as it is."""
+    from test_regenerate_hostile import Hostile, Reply
+
+    def answer(req, n):
+        status, _, body = rg.exchange(served["url"] + "/completions", json.dumps(req).encode(), 60)
+        spoilt = spoil(req, json.loads(body)) if status == 200 else None
+        return spoilt or Reply(body, status=status)
+
+    return Hostile(answer)
+
+
+def test_spoilt_replies_of_a_real_server_fail_only_their_samples(served, regenerated, tmp_path, capsys):
+    """Behind the proxy, one sample's text becomes null and another's reply loses its choices: those two are in
+    OUT.failed.jsonl with the reason, every other line is the real server's; with every reply spoilt the run is
+    one error line naming what came back."""
+    from test_regenerate_hostile import Reply
+
+    def spoil(req, r):
+        if "print('hi')" in req["prompt"]:
+            r["choices"][0]["text"] = None
+            return Reply(r)
+        if "x = [1, 2]" in req["prompt"]:
+            return Reply({k: v for k, v in r.items() if k != "choices"})
+
+    p = proxy(served, spoil)
+    try:
+        out = tmp_path / "out.jsonl"
+        s = rg.main(["--server", p.url, "--model", served["target"], "--data", regenerated["data"], "--out", str(out),
+                     "--max_tokens", str(MAX_TOKENS), "--no-enable_thinking"])
+        failed = {f["source_line"]: f["error"] for f in read_lines(str(out) + ".failed.jsonl")}
+        assert failed.keys() == {5, 6} and "text is null" in failed[5] and "no choices" in failed[6]
+        assert read_lines(out) == [r for r in read_lines(regenerated["runs"][False]["out"])
+                                   if r["source_line"] not in (5, 6)] and s["failed"] == 2
+    finally:
+        p.close()
+    p = proxy(served, lambda req, r: Reply({"choices": []}) if req["max_tokens"] > 1 else None)
+    try:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            rg.main(["--server", p.url, "--model", served["target"], "--data", regenerated["data"], "--out",
+                     str(tmp_path / "all.jsonl"), "--max_tokens", str(MAX_TOKENS)])
+        err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+        assert e.value.code == 2 and len(err) == 1 and "every one of the 8 samples sent failed" in err[0]
+        assert "no choices (an empty list)" in err[0]
+    finally:
+        p.close()
+
+
+def test_resume_by_key_on_a_real_server(served, regenerated, tmp_path):
+    """The input reordered, one line removed, one inserted: the rerun writes exactly the new prompt's sample, whose
+    answer is the target's own; the truncated samples come back with a larger --max_tokens."""
+    run = regenerated["runs"][False]
+    out = tmp_path / "out.jsonl"
+    shutil.copy(run["out"], out)
+    shutil.copy(str(run["out"]) + ".truncated.jsonl", str(out) + ".truncated.jsonl")
+    new = {"prompt": "y = 3"}
+    changed = [INPUT[4], new, *INPUT[5:], *INPUT[:3]]  # INPUT[3] removed, the rest moved
+    data = write_input(tmp_path / "in.jsonl", changed)
+    s = regen(served, data, out, "--no-enable_thinking")
+    added = read_lines(out)[len(read_lines(run["out"])):]
+    assert s["skipped_done"] == len(changed) - 1 and s["written"] + s["truncated"] == 1
+    if added:
+        assert added[0]["source_line"] == 2 and added[0]["messages"] == expected_lines(served, [new], False)[0][
+            "messages"]
+    keys = {k for _, k, _ in rg.keyed(rg.read_input(data), data)}
+    cut = [r["key"] for r in read_lines(str(out) + ".truncated.jsonl") if r["key"] in keys]
+    assert cut  # some samples of this input were cut at MAX_TOKENS
+    s = regen(served, data, out, "--no-enable_thinking", "--max_tokens", str(4 * MAX_TOKENS))
+    assert s["written"] + s["truncated"] == len(cut) and s["skipped_done"] == len(changed) - len(cut)
+    lines = read_lines(out)
+    assert len({r["key"] for r in lines}) == len(lines)
+    assert {r["key"] for r in lines[len(lines) - s["written"]:]} <= set(cut)
+
+
+def test_retry_after_lock_and_timeout_on_a_real_server(served, regenerated, tmp_path, capsys, monkeypatch):
+    """Behind the proxy the first sample request gets a 503 with Retry-After: 1; the retry comes after it and the
+    file equals the direct run's. While another run holds OUT.lock, a run is refused naming its pid (and touches
+    nothing); once it is released the same command runs. (A --timeout shorter than its answers: see
+    test_bad_input_is_one_error_line.)"""
+    from test_regenerate_hostile import Reply
+    monkeypatch.setattr(rg, "BACKOFF_S", 0.01)
+    times = []
+
+    def spoil(req, r):
+        if req["max_tokens"] > 1:
+            times.append(time.monotonic())
+            if len(times) == 1:
+                return Reply(b"busy", status=503, headers={"Retry-After": "1"})
+
+    p = proxy(served, spoil)
+    try:
+        out = tmp_path / "out.jsonl"
+        argv = ["--server", p.url, "--model", served["target"], "--data", regenerated["data"], "--out", str(out),
+                "--max_tokens", str(MAX_TOKENS), "--no-enable_thinking", "--concurrency", "1"]
+        held = rg.OutLock(str(out))  # as another run would hold it
+        try:
+            with pytest.raises(SystemExit):
+                rg.main(argv)
+            assert f"pid {os.getpid()}" in capsys.readouterr().err and not out.exists()
+        finally:
+            held.release()
+        rg.main(argv)
+        assert times[1] - times[0] >= 0.95 and out.read_bytes() == regenerated["runs"][False]["out"].read_bytes()
+    finally:
+        p.close()
