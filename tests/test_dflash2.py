@@ -586,3 +586,25 @@ def test_dflash2_flag_problems_are_one_line(runs, tmp_path, capsys):
               "divide hidden_size 32")
     one_error(capsys, dflash.main, [*base, "--dflash2", "--conv_kernel_size", "5"], "larger than block_size 4")
     one_error(capsys, dflash.main, [*base, "--selector_top_k", "4"], "--selector_top_k", "--dflash2")
+
+
+def test_demo_runs_dflash2_at_reduced_size(tmp_path, monkeypatch, capsys):
+    """`python dflash.py --demo --dflash2` end to end at a size of seconds: the tiny target, its data, a DFlash2
+    drafter trained by the loop, tau by eval.py (the selector's path, the unary argmax's beside it)."""
+    from dflash_tools import demo, tiny_target
+    monkeypatch.setattr(demo, "CACHE", str(tmp_path / "cache"))
+    for name, value in (("DEMO_PRETRAIN_STEPS", 2), ("DEMO_TRAIN_SAMPLES", 48), ("DEMO_PROMPTS", 2),
+                        ("DEMO_NEW_TOKENS", 8)):
+        monkeypatch.setattr(demo, name, value)
+    monkeypatch.setattr(tiny_target, "CORPUS_MAX_BYTES", 300_000)
+    monkeypatch.setattr(tiny_target, "TOKENIZER_MAX_BYTES", 300_000)
+    out = tmp_path / "demo"
+    with torch_threads(1):
+        dflash.main(["--demo", "--dflash2", "--out", str(out), "--max_steps", "3", "--eval_walk_prompts", "2",
+                     "--eval_walk_tokens", "8"])
+    assert "a DFlash2 drafter" in capsys.readouterr().out
+    report = json.load(open(out / "demo_eval.json"))
+    trained = next(r for r in report["results"] if r["drafter"] == "trained")
+    assert trained["tau"] >= 1 and trained["unary_tau"] >= 1 and 0 <= trained["topk_recall"] <= 1
+    with open(out / "step_3" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["DFlash2DraftModel"]
