@@ -591,7 +591,8 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
 
 
 # -----------------------------------------------------------------------------
-# The corrected loss: hard cross-entropy, weighted by block offset, normalised over the whole global batch
+# The corrected loss: hard cross-entropy, weighted by block offset (--loss ce, the paper's) or by the drafter's own
+# confidence (--loss dpace, D-PACE), normalised over the whole global batch
 
 MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
 
@@ -605,24 +606,51 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None):
+LOSSES = ("ce", "dpace", "dpace-prefix", "dpace-continuation")  # --loss: the paper's CE, D-PACE, D-PACE's 2 factors
+
+def dpace_weights(q, valid, alpha, loss="dpace"):
+    """D-PACE's weights (b, N, B) from q, the drafter's probability of each label (detached), on the valid positions
+    (0 elsewhere). A block's expected number of accepted drafts is sum_m P_m, P_j = prod_{i<=j} s_i the chance its
+    first j drafts all pass, with the confidence smoothed to s_i = (1-alpha) q_i + alpha (an invalid position counts
+    as 1); offset j weighs what it moves in that sum, w_j = sum_{m>=j, m valid} P_m ("dpace") = P_j times the value
+    of continuing; "dpace-prefix" keeps P_j alone, "dpace-continuation" w_j / P_j alone."""
+    s = torch.where(valid, (1 - alpha) * q + alpha, 1.0)
+    prefix = s.cumprod(-1)                                                         # P_j
+    if loss == "dpace-prefix":
+        return prefix * valid
+    suffix = (prefix * valid).flip(-1).cumsum(-1).flip(-1)                         # sum_{m>=j, m valid} P_m
+    if loss == "dpace":
+        return suffix * valid
+    return suffix / prefix.clamp(min=torch.finfo(prefix.dtype).tiny) * valid     # dpace-continuation
+
+def loss_normaliser(loss, weights):
+    """The loss's denominator over a batch (weights from loss_weights); train_step sums it over the global batch.
+    ce: sum(w), a mean over weighted tokens; D-PACE: the number of sequences (rows with a real anchor), as SpecForge."""
+    return weights.sum() if loss == "ce" else (weights > 0).flatten(1).any(1).sum().float()
+
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss="ce", dpace_alpha=0.5):
     """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
-    hidden (b, N, B, D), labels/weights (b, N, B). stats holds sums to all-reduce: w, ce_w, correct[i] / count[i]
-    per offset, accepted (sum of leading runs of correct drafts: what greedy verification accepts), blocks."""
+    hidden (b, N, B, D), labels/weights (b, N, B): w = weights for "ce"; for a D-PACE loss, dpace_weights of the
+    drafter's own probability of each label where weights > 0. stats holds sums to all-reduce: w (the normaliser,
+    loss_normaliser), ce_w, correct[i] / count[i] per offset, accepted (sum of leading runs of correct drafts: what
+    greedy verification accepts), blocks; these metrics (the tau estimate) never depend on the loss's weights."""
     w = weights.flatten()
     sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
     ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
                                      labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
-    ce_w = (ce * w[sel]).sum()
     valid = weights > 0
+    if loss != "ce":  # D-PACE: q = exp(-CE), the drafter's probability of the label; the weights get no gradient
+        q = torch.zeros_like(w).index_put((sel,), ce.detach().neg().exp()).view_as(weights)
+        w = dpace_weights(q, valid, dpace_alpha, loss).flatten()
+    ce_w = (ce * w[sel]).sum()
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
     correct[sel] = pred == labels.flatten()[sel]
     correct = correct.view_as(valid) & valid
     blocks = valid[..., 1]  # a block counts if its first draft position is valid
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
-    return ce_w, {"w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
-                  "count": valid.sum((0, 1)).float(), "accepted": (accepted * blocks).sum().float(),
-                  "blocks": blocks.sum().float()}
+    return ce_w, {"w": loss_normaliser(loss, weights).detach(), "ce_w": ce_w.detach(),
+                  "correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
+                  "accepted": (accepted * blocks).sum().float(), "blocks": blocks.sum().float()}
 
 # DFlash2: the selector's term of the loss, beside weighted_ce's
 
@@ -710,17 +738,19 @@ def dflash2_summary(stats):
             "topk_recall": (stats["covered"][1:].sum() / stats["count"][1:].sum().clamp(min=1)).item()}
 
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
-                labels="target", pad_to=None, selector=None, selector_alpha=1.0, selector_stop_gradient=False):
+                labels="target", pad_to=None, loss="ce", dpace_alpha=0.5, selector=None, selector_alpha=1.0,
+                selector_stop_gradient=False):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
 
     model: the drafter (or its compiled / DDP wrapper), cfg its config. anchors, anchor_valid (b, N) from
     batch_anchors; weights (b, N, B) from loss_weights. labels: "target" (the target's greedy token at a+i: what
     verification accepts) or "data" (the data token, for data the target regenerated). noise_std: context-feature
-    noise (0 in evaluation). Returns (loss, stats) with loss = sum(w * CE) / weight_total, weight_total defaulting to
-    this batch's sum(w); training passes the sum over the whole global batch, so the split over ranks and micro-steps
-    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize).
-    DFlash2 (cfg.dflash2): selector (the drafter's CandidateSelector; default: model's own, for an unwrapped
-    drafter), selector_alpha (this step's weight of its term, see selector_alpha) and selector_stop_gradient."""
+    noise (0 in evaluation). loss, dpace_alpha: "ce" or a D-PACE loss (weighted_ce). Returns (loss, stats) with
+    loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's loss_normaliser; training passes the
+    sum over the whole global batch, so the split over ranks and micro-steps cannot dilute or reweight the loss.
+    stats holds numerators and denominators to all-reduce (see summarize). DFlash2 (cfg.dflash2; loss "ce"):
+    selector (the drafter's CandidateSelector; default: model's own, for an unwrapped drafter), selector_alpha (this
+    step's weight of its term, see selector_alpha) and selector_stop_gradient."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
@@ -738,8 +768,8 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
         ce_w, stats = dflash2_weighted_ce(hidden, target.lm_head, y, w, cfg, selector or model.candidate_selector,
                                           dflash2_predecessors(ids, y), selector_alpha, selector_stop_gradient)
     else:
-        ce_w, stats = weighted_ce(hidden, target.lm_head, y, w)
-    return ce_w / (w.sum() if weight_total is None else weight_total).clamp(min=1e-9), stats
+        ce_w, stats = weighted_ce(hidden, target.lm_head, y, w, loss=loss, dpace_alpha=dpace_alpha)
+    return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
 
 STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
 
@@ -992,24 +1022,25 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
+def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, loss="ce",
+               **loss_kw):
     """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
     step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
     skips it: grads are all-reduced and the loss summed, so every rank skips together).
     The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
-    the sum of weights over the whole global batch: sum(w * CE) / sum(w), whatever the split."""
+    the whole global batch's loss_normaliser (sum(w), or its number of sequences for D-PACE), whatever the split."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
-    w_total = sum(w.sum() for w in weights).to(device)
+    w_total = sum(loss_normaliser(loss, w) for w in weights).to(device)
     w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
     total = None
     for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
         # no gradient all-reduce until the last micro-step, around forward *and* backward
         sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
         with sync:
-            loss, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, **loss_kw)
-            loss.backward()
+            out, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, loss=loss, **loss_kw)
+            out.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     total = all_reduce_sum(total, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -1047,12 +1078,13 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
                                              **{**loss_kw, "noise_std": 0})[1])
     return summarize(all_reduce_sum(total, world))
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, selector_alpha=None):
-    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats)."""
+def step_record(step, total, lr, grad_norm, tokens_per_s, device, loss="ce", selector_alpha=None):
+    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats; loss: the
+    --loss that trained it)."""
     m, mem = summarize(total), peak_memory_mb(device)
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
             f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
-    record = {"step": step, "loss": m["loss"], "tau": m["tau"], "acc": m["acc"], "lr": lr,
+    record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
               "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
     if selector_alpha is not None:  # DFlash2: the selector's figures and its term's weight this step
         line += dflash2_said(m)
@@ -1079,15 +1111,15 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
                  **loss_kw)
     walked, tree_walked, unary_walked = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
     drafter.train()
-    say(f"step {step}: eval loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
         + (f"  walked tau {walked:.3f}" if walked is not None else "")
         + (f"  tree ({args.eval_walk_tree_budget} nodes) {tree_walked:.3f}" if tree_walked is not None else "")
         + (dflash2_said(m, unary_walked) if drafter.cfg.dflash2 else ""))
     tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
     v2 = {"eval_walk_unary_tau": unary_walked, **{f"eval_{k}": m[k] for k in DFLASH2_LOGGED}} \
         if drafter.cfg.dflash2 else {}  # DFlash2: tau walks its selector's path; the unary argmax's beside it
-    log_metrics({"step": step, "eval_loss": m["loss"], "eval_tau": m["tau"], "eval_acc": m["acc"],
-                 "eval_walk_tau": walked, **tree, **v2})
+    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **v2})
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -1117,7 +1149,8 @@ def train(args):
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
     os.makedirs(args.out, exist_ok=True)
     say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
-        f"{batches.global_batch} samples, {world} rank(s) on {device.type}")
+        f"{batches.global_batch} samples, {world} rank(s) on {device.type}; loss {args.loss} "
+        f"({f'gamma {args.gamma}' if args.loss == 'ce' else f'alpha {args.dpace_alpha}'})")
     log_metrics = (lambda record: append_metrics(args.out, record)) if master else (lambda record: None)
 
     def held_out(step):
@@ -1126,7 +1159,8 @@ def train(args):
 
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
-            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest},
+            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
+            "loss": args.loss, "dpace_alpha": args.dpace_alpha},
             world, say, trained_for)
 
     # --- the loop
@@ -1159,7 +1193,7 @@ def train(args):
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
                 line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device, loss_kw.get("selector_alpha"))
+                                           device, args.loss, loss_kw.get("selector_alpha"))
                 say(line)
                 log_metrics(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
@@ -2617,8 +2651,9 @@ RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data
 def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
     Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
-    data or with another flag that decides the data order is refused (a mismatch is never a fresh start). The drafter
-    geometry and the global batch are checked once the target is loaded."""
+    data, with another flag that decides the data order, or with another loss (--loss, and --dpace_alpha for
+    D-PACE; a checkpoint without them was trained with the CE) is refused (a mismatch is never a fresh start). The
+    drafter geometry and the global batch are checked once the target is loaded."""
     mode, out = resume_mode(args), args.out
     try:
         d = latest_checkpoint(out) if mode else None
@@ -2643,6 +2678,12 @@ def resume_point(args, data_digest, master=True):
     for k in RESUME_SAME:
         need(old.get(k, getattr(args, k)) == getattr(args, k), f"cannot resume {d}: it was made with --{k} {old.get(k)}"
              f", this run has --{k} {getattr(args, k)} (it decides the data order); use {old.get(k)} or a new --out")
+    loss, alpha = state.get("loss", "ce"), state.get("dpace_alpha")  # the objective (none recorded: the CE)
+    need(loss == args.loss, f"cannot resume {d}: it was trained with --loss {loss}, this run has --loss {args.loss} "
+         f"(another objective); use --loss {loss}, or a new --out")
+    need(loss == "ce" or alpha == args.dpace_alpha, f"cannot resume {d}: it was trained with --dpace_alpha {alpha}, "
+         f"this run has --dpace_alpha {args.dpace_alpha} (another objective); use --dpace_alpha {alpha}, or a new "
+         f"--out")
     saved = state.get("data")
     need(not saved or not data_digest or saved == data_digest or args.allow_data_change,
          f"cannot resume {d}: --data {args.data} changed since it was written ({saved and saved['size']} -> "
@@ -2829,6 +2870,8 @@ def dflash2_config(cfg, args):
          f"shapes DFlash2's selector loss; add --dflash2 (or drop it)")
     need(not (cfg.dflash2 and args.eval_walk_tree_budget), "--eval_walk_tree_budget: a DFlash2 drafter's selector "
          "drafts one chain, and no tree verification is defined for it; drop --eval_walk_tree_budget")
+    need(not (cfg.dflash2 and args.loss != "ce"), f"--loss {args.loss} with a DFlash2 drafter is not implemented (its "
+         f"selector's term is defined beside the CE); drop --loss")
     for f, default in (("selector_alpha", 1.0), ("selector_warmup_ratio", 0.0), ("selector_ramp_ratio", 0.0)):
         if getattr(args, f) is None:
             setattr(args, f, default)
@@ -2913,8 +2956,8 @@ def build_drafter(args, run, target, world, device, say=print):
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels,
-                   pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    loss_kw = dict(gamma=args.gamma, loss=args.loss, dpace_alpha=args.dpace_alpha, noise_std=args.noise_std,
+                   labels=args.labels, pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
     if cfg.dflash2:  # DFlash2: its selector (the raw module: the wrappers' forward is the drafter's) and its term
         loss_kw.update(selector=drafter.candidate_selector, selector_alpha=args.selector_alpha,
                        selector_stop_gradient=args.selector_stop_gradient)
@@ -3111,7 +3154,13 @@ def get_parser():
          "evaluation)", float, hi=0.5)
     flag(g, "--eval_data", help="held-out JSONL (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
-    flag(g, "--gamma", 4.0, "loss decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
+    flag(g, "--loss", "ce", "ce (default): the paper's CE weighted exp(-(i-1)/gamma) at block offset i, over sum(w); "
+         "dpace: D-PACE, the CE weighted by the expected accepted drafts each offset moves (from the drafter's own "
+         "confidence, without gradient), per sequence; dpace-prefix, dpace-continuation: its two factors alone",
+         choices=LOSSES)
+    flag(g, "--gamma", 4.0, "--loss ce's decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
+    flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing: confidence (1-alpha) q + alpha of the drafter's probability q "
+         "of the label (0: q itself; 1: no confidence, a linear decay)", float, hi=1)
     flag(g, "--labels", "target", "target: the target's greedy token (teacher-forced); data: the data token",
          choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)

@@ -309,10 +309,13 @@ def test_flags_are_exact_with_the_closest_suggested(capsys, main, argv, typo, fl
     assert line.count("--") <= 3, line
 
 
+REGENERATE = ["--server", "http://127.0.0.1:1/v1", "--model", "m", "--data", "d", "--out", "o"]
+
+
 @pytest.mark.parametrize("tool,argv,typo,flag", [
     ("bench", [], "--jsn", "--json"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--endpont", "--endpoint"),
-    ("regenerate", ["--server", "s", "--model", "m", "--data", "d", "--out", "o"], "--modle", "--model"),
+    ("regenerate", REGENERATE, "--endpont", "--endpoint"),
+    ("regenerate", REGENERATE, "--modle", "--model"),
 ])
 def test_tool_parsers_are_exact_too(capsys, tool, argv, typo, flag):
     import importlib

@@ -133,6 +133,8 @@ def runs(tmp_path_factory):
     v2 = ["--target", targets["dense"], *common, *DFLASH2, "--zero"]  # DFlash2 under DDP + ZeRO, and sharded
     for name, extra in (("v2_ddp", []), ("v2_shard", ["--shard_target"])):
         cases.append({"kind": "train", "out": str(d / name), "argv": v2 + ["--out", str(d / name), *extra]})
+    cases.append({"kind": "train", "out": str(d / "dense_dpace"),  # D-PACE: 1 row x grad_accum 2 per rank
+                  "argv": ["--target", targets["dense"], *common, "--loss", "dpace", "--out", str(d / "dense_dpace")]})
     cases.append({"kind": "train", "out": str(d / "no_decoder"),
                   "argv": ["--target", gpt2(d / "gpt2"), "--shard_target", *common, "--out", str(d / "no_decoder")]})
     (d / "worker.py").write_text(WORKER)
@@ -191,23 +193,29 @@ def test_sharded_training_equals_unsharded(runs, kind):
     assert records(resumed) == rs  # steps 4-6 and the final eval appended to the step-3 records
 
 
-def test_two_ranks_equal_one_process(runs, tmp_path):
+@pytest.mark.parametrize("loss", ["ce", "dpace"])
+def test_two_ranks_equal_one_process(runs, tmp_path, loss):
     """DDP over 2 gloo ranks, global batch 4: 1 row x grad_accum 2 per rank (no gradient all-reduce on the first
     micro-step), or 2 rows per rank, equal one process with 2 rows x grad_accum 2: the same training losses,
-    held-out figures and final weights."""
+    held-out figures and final weights. With --loss dpace too (normalised by the global batch's number of
+    sequences, all-reduced before backward: the split over ranks and micro-steps changes nothing)."""
     d, _, common = runs
     one = tmp_path / "one"
     with torch_threads(1):
-        dflash.main(["--target", str(d / "q3"), *common, "--batch_size", "2", "--grad_accum", "2", "--out", str(one)])
+        dflash.main(["--target", str(d / "q3"), *common, "--batch_size", "2", "--grad_accum", "2", "--loss", loss,
+                     "--out", str(one)])
     mine = records(one)
     assert len([r for r in mine if "loss" in r]) == 6 and mine[1]["loss"] != mine[-2]["loss"]  # it trained
-    for ddp in (d / "dense_plain", d / "dense_rows"):
+    assert {r["loss_type"] for r in mine} == {loss}
+    for ddp in (d / "dense_plain", d / "dense_rows") if loss == "ce" else (d / "dense_dpace",):
         theirs = records(ddp)
         assert [sorted(r) for r in theirs] == [sorted(r) for r in mine]
         for a, b in zip(theirs, mine):
             for k in ("loss", "eval_loss", "tau", "eval_tau", "eval_walk_tau"):
                 if k in a:
                     assert a[k] == pytest.approx(b[k], abs=1e-5), (ddp.name, a["step"], k)
+            if "grad_norm" in a:  # the gradient's scale too (AdamW's update hardly sees it): the same normaliser
+                assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (ddp.name, a["step"])
         w, wo = final_weights(ddp), final_weights(one)
         assert max((w[k] - wo[k]).abs().max().item() for k in w) < 1e-5
 

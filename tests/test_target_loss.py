@@ -195,9 +195,9 @@ def run_forward_batch(target, drafter, cfg, batch, anchors, valid, noise_std, tr
         seen["final"] = final.clone()
         return real_greedy(final, lm_head, chunk)
 
-    def loss(hidden, lm_head, labels, weights, chunk=None):
+    def loss(hidden, lm_head, labels, weights, chunk=None, **kw):
         seen["labels"], seen["weights"] = labels.clone(), weights.clone()
-        return real_loss(hidden, lm_head, labels, weights, chunk)
+        return real_loss(hidden, lm_head, labels, weights, chunk, **kw)
 
     monkeypatch.setattr(dflash, "greedy_labels", greedy)
     monkeypatch.setattr(dflash, "weighted_ce", loss)
