@@ -981,15 +981,16 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
-def walk_tau(drafter, target, walk, world, tree_budget=0):
+def walk_tau(drafter, target, walk, world, tree_budget=0, unary=False):
     """Pooled tau of the walk over every rank's prompts, with tree_budget the pooled tau of tree verification with
-    that many nodes on the same drafts (else None), and for a DFlash2 drafter the unary argmax's walk (else None):
-    each rank walks its own prompts, then the totals of acceptance lengths and steps are summed over ranks. Each is
-    None if no steps or the walk is off (walk None, the same on every rank)."""
+    that many nodes on the same drafts (else None), and the chain's acceptance by block offset: [P(draft k accepted)
+    for k = 1..B-1] over all steps, as eval.py reports it; with unary=True (a DFlash2 drafter) also the unary
+    argmax's walked tau. Each rank walks its own prompts, then the totals of acceptance lengths and steps are summed
+    over ranks. Each is None if no steps or the walk is off (walk None, the same on every rank)."""
     if walk is None:
-        return None, None, None
-    dev = target.lm_head.weight.device
-    total = torch.zeros(6, device=dev)  # sum of acceptance lengths, steps: chain, tree, DFlash2's unary argmax
+        return (None,) * (4 if unary else 3)
+    dev, B = target.lm_head.weight.device, drafter.cfg.block_size
+    total = torch.zeros(6 + B - 1, device=dev)  # acceptance lengths, steps: chain, tree, unary; steps accepting >= k
     K = min(tree_budget, target.vocab_size)
     for prompt, continuation in zip(*walk):
         ids = torch.tensor([prompt + continuation], device=dev)
@@ -1005,10 +1006,14 @@ def walk_tau(drafter, target, walk, world, tree_budget=0):
         if not drafter.cfg.dflash2:
             unary = []
         lengths = tau_walk(continuation, drafts.tolist())
-        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree), sum(unary), len(unary)], device=dev)
+        accepted = [sum(n > k for n in lengths) for k in range(1, B)]  # lengths are accepted drafts + 1
+        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree), sum(unary), len(unary), *accepted],
+                              device=dev)
     if world > 1:
         dist.all_reduce(total)
-    return tuple((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2, 4))
+    tau, tree_tau, unary_tau = ((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2, 4))
+    acceptance = (total[6:] / total[1]).tolist() if total[1] > 0 else None
+    return (tau, tree_tau, acceptance, unary_tau) if unary else (tau, tree_tau, acceptance)
 
 
 # -----------------------------------------------------------------------------
@@ -1101,15 +1106,18 @@ def dflash2_said(m, unary_walked=None):
 DFLASH2_LOGGED = ("selector_loss", "unary_tau", "unary_acc", "topk_recall")
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say,
-                  log_metrics):
-    """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau (walk_tau) and, with
-    --eval_walk_tree_budget, the tree's; said (the console) and logged (metrics.jsonl). Nothing without eval_samples."""
+                  log_metrics, measured=None):
+    """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau and acceptance by
+    block offset (walk_tau) and, with --eval_walk_tree_budget, the tree's; said (the console) and logged
+    (metrics.jsonl), the walk with how it was measured (measurement). Nothing without eval_samples."""
     if not eval_samples:
         return
     drafter.eval()
     m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank, world,
                  **loss_kw)
-    walked, tree_walked, unary_walked = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
+    walked, tree_walked, walk_acceptance, *unary = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget,
+                                                            unary=drafter.cfg.dflash2)
+    unary_walked = unary[0] if unary else None  # DFlash2: the unary argmax's walked tau
     drafter.train()
     say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
         + (f"  walked tau {walked:.3f}" if walked is not None else "")
@@ -1118,8 +1126,9 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
     v2 = {"eval_walk_unary_tau": unary_walked, **{f"eval_{k}": m[k] for k in DFLASH2_LOGGED}} \
         if drafter.cfg.dflash2 else {}  # DFlash2: tau walks its selector's path; the unary argmax's beside it
+    walk = {"eval_walk_acceptance": walk_acceptance, "measured": measured} if walked is not None else {}
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **v2})
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **walk, **v2})
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -1129,6 +1138,9 @@ def train(args):
     master = rank == 0
     say = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
     run = check_run(args, world, device, master)  # the drafter config, where to resume from, the data's digest
+    # rank 0's trackers start before any weights load (a W&B login problem is one line, not a loaded 27B target)
+    trackers = Trackers(report_to(args) if master and run.cfg else [], args.out,
+                        {"args": vars(args), "drafter": asdict(run.cfg) if run.cfg else None}, run.state)
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
                          shard=args.shard_target and world > 1)
     trained_for = target_record(target)  # what each checkpoint records, and what a drafter to go on must match
@@ -1147,20 +1159,26 @@ def train(args):
     check_resume(args.out, run, batches.global_batch, master)
     drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
+    walk_settings = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
+                                prompts=walk_prompts(eval_samples, args.eval_walk_prompts))
     os.makedirs(args.out, exist_ok=True)
     say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
         f"{batches.global_batch} samples, {world} rank(s) on {device.type}; loss {args.loss} "
         f"({f'gamma {args.gamma}' if args.loss == 'ce' else f'alpha {args.dpace_alpha}'})")
-    log_metrics = (lambda record: append_metrics(args.out, record)) if master else (lambda record: None)
+
+    def log_metrics(record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
+        if master:
+            append_metrics(args.out, record)
+            trackers.log(record)
 
     def held_out(step):
         held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, say,
-                      log_metrics)
+                      log_metrics, walk_settings)
 
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "loss": args.loss, "dpace_alpha": args.dpace_alpha},
+            "loss": args.loss, "dpace_alpha": args.dpace_alpha, "wandb_id": trackers.wandb_id},
             world, say, trained_for)
 
     # --- the loop
@@ -1211,6 +1229,7 @@ def train(args):
     elif step > start:  # (a resumed run that had already finished has nothing left to do)
         held_out(step)
         save(step)
+    trackers.close()
     if world > 1:
         dist.destroy_process_group()
     return drafter, run.cfg, target
@@ -2267,8 +2286,9 @@ def check_compatible(cfg, target, where="drafter"):
 
 
 # -----------------------------------------------------------------------------
-# Data files: JSONL -> (input_ids, loss_mask) per sample with exact chat loss masks; one sample per row (HF targets
-# do not separate packed samples); the held-out split and the batches
+# Data files: JSONL, JSON arrays, Parquet or a datasets.save_to_disk directory -> (input_ids, loss_mask) per sample
+# with exact chat loss masks; one sample per row (HF targets do not separate packed samples); the held-out split and
+# the batches
 
 def read_jsonl(path, what, hint=""):
     """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line.
@@ -2291,6 +2311,115 @@ def read_jsonl(path, what, hint=""):
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
         raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}") \
             from None
+
+def optional_package(module, package, why):
+    """An optional package's module, or one error line naming the package and the pip command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DFlashError(f"{why} needs the {package} package: pip install {package}") from None
+
+def data_package(path):
+    """(module, package, what the data is) that reading the data at path needs; None for JSONL and JSON arrays (the
+    standard library)."""
+    if os.path.isdir(path):
+        return "datasets", "datasets", "a datasets.save_to_disk directory"
+    try:
+        with open(path, "rb") as f:
+            return ("pyarrow.parquet", "pyarrow", "Parquet") if f.read(4) == b"PAR1" else None
+    except OSError:  # unreadable: read_jsonl says so
+        return None
+
+def read_records(path, what, hint=""):
+    """Yield (where, record) for each record of a data file, every problem one error naming the file and the line
+    or row: JSONL (or .jsonl.gz; "file:line"), a JSON array (as many published ShareGPT sets; "file item i"), Parquet
+    (found by its magic bytes; "file row i") or a directory written by datasets' save_to_disk ("dir row i").
+    pyarrow and datasets are imported only for those. A table's row drops its null fields: columns that only other
+    rows' formats fill."""
+    if os.path.isdir(path):
+        yield from read_saved_dataset(path, what)
+        return
+    need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
+    if data_package(path):
+        yield from read_parquet(path, what)
+        return
+    try:
+        with open(path, "rb") as f:
+            array = f.read(4096).lstrip()[:1] == b"["
+    except OSError:  # unreadable: read_jsonl says so
+        array = False
+    if not array:
+        yield from read_jsonl(path, what, hint)
+        return
+    try:
+        with open(path, "rb") as f:
+            items = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot read {what} file {path!r} as a JSON array: {first_line(e)}") from None
+    for i, rec in enumerate(items):
+        yield f"{path} item {i}", rec
+
+def drop_nulls(x):
+    if isinstance(x, dict):
+        return {k: drop_nulls(v) for k, v in x.items() if v is not None}
+    return [drop_nulls(v) for v in x] if isinstance(x, list) else x
+
+def read_parquet(path, what):
+    pq = optional_package("pyarrow.parquet", "pyarrow", f"{what} file {path!r} is Parquet: reading it")
+    import pyarrow
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        rows = (row for batch in batches for row in batch.to_pylist())
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", drop_nulls(row)
+    except (OSError, pyarrow.ArrowException) as e:
+        raise DFlashError(f"cannot read {what} file {path!r} as Parquet: {first_line(e)}") from None
+
+def saved_dataset(path):
+    """Whether path is a directory written by datasets' save_to_disk (a Dataset's state.json, a DatasetDict's
+    dataset_dict.json)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("state.json",
+                                                                                        "dataset_dict.json"))
+
+def read_saved_dataset(path, what):
+    """The rows of a datasets.save_to_disk directory: a Dataset, or a DatasetDict's only split (else say which)."""
+    need(saved_dataset(path), f"{what} {path!r} is a directory but not one written by datasets' save_to_disk (no "
+         f"state.json or dataset_dict.json); pass a JSONL or Parquet file")
+    datasets = optional_package("datasets", "datasets", f"{what} {path!r} is a datasets.save_to_disk directory: "
+                                f"reading it")
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # the library's own errors for a damaged directory
+        raise DFlashError(f"cannot read {what} {path!r} with datasets.load_from_disk: {first_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        need(len(ds) == 1, f"{what} {path!r} holds the splits {', '.join(ds)}; pass one of them: "
+             f"{os.path.join(path, next(iter(ds)))}")
+        path, ds = os.path.join(path, next(iter(ds))), next(iter(ds.values()))
+    for i, row in enumerate(ds):
+        yield f"{path} row {i}", drop_nulls(row)
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool"}
+
+def chat_record(record, where):
+    """ShareGPT's {"conversations": [{"from": human | gpt | system | tool, "value": ...}, ...]} (or turns of
+    role/content) -> {"messages": [...]}, encoded as any chat; every other record as it is."""
+    if not isinstance(record, dict) or "conversations" not in record or "messages" in record:
+        return record
+    turns = record["conversations"]
+    need(isinstance(turns, list) and turns, f"{where}: conversations must be a non-empty list of {{\"from\": ..., "
+         f"\"value\": ...}} turns")
+    messages = []
+    for j, t in enumerate(turns):
+        need(isinstance(t, dict), f"{where}: conversations[{j}] is not an object")
+        if "role" in t:
+            messages.append(t)
+            continue
+        need(t.get("from") in SHAREGPT_ROLES, f"{where}: conversations[{j}] has from {t.get('from')!r}; expected "
+             f"human, gpt, system or tool (or role/content turns)")
+        need(isinstance(t.get("value"), str), f"{where}: conversations[{j}] has no string value")
+        messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+    return {"messages": messages}
 
 def check_ids(ids, vocab_size, where):
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
@@ -2405,11 +2534,13 @@ def record_kind(record, where, tokenizer, kinds):
     return kind
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
-    """One JSONL record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
-    Formats: {"messages": [...]} (loss on the assistant turns), {"prompt", "response"}, {"text"} (loss everywhere),
-    {"input_ids", "loss_mask"?} (pre-tokenized; ids checked against vocab_size when given). Chat data is rendered
-    as at inference (enable_thinking passed as eval.py passes it); a turn ends at the tokenizer's eos or any of
-    eos_ids (e.g. the target's generation_config.eos_token_id). The stable entry point for every format."""
+    """One record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
+    Formats: {"messages": [...]} (loss on the assistant turns; ShareGPT's {"conversations": [...]} the same way),
+    {"prompt", "response"}, {"text"} (loss everywhere), {"input_ids", "loss_mask"?} (pre-tokenized; ids checked
+    against vocab_size when given). Chat data is rendered as at inference (enable_thinking passed as eval.py passes
+    it); a turn ends at the tokenizer's eos or any of eos_ids (e.g. the target's generation_config.eos_token_id).
+    The stable entry point for every format."""
+    record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
         ids = check_ids(record["input_ids"], vocab_size, where)
@@ -2432,9 +2563,11 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
     return ids, [1] * len(ids)
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
-    """Read a JSONL file through encode_sample; truncate to max_len; skip (and count) samples with nothing to learn."""
+    """Read a data file (read_records) through encode_sample; truncate to max_len; skip (and count) samples with
+    nothing to learn."""
     samples, skipped, lines = [], 0, 0
-    for where, rec in read_jsonl(path, "data", "; pass --data with a JSONL file"):
+    for where, rec in read_records(path, "data", "; pass --data with a JSONL or Parquet file or a save_to_disk "
+                                   "directory"):
         lines += 1
         ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)  # checks input_ids
         if "input_ids" not in rec:  # a tokenizer may have more tokens than the target's embedding rows
@@ -2445,7 +2578,7 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
         else:
             skipped += 1
     if not lines:
-        raise DFlashError(f"data file {path!r} is empty; it needs one JSON object per line")
+        raise DFlashError(f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
     if not samples:
         raise DFlashError(f"{path}: no usable samples ({skipped} skipped: fewer than 2 tokens or no two consecutive "
                           f"response tokens); check the file and the loss_mask")
@@ -2646,6 +2779,20 @@ def file_digest(path):
     with open(path, "rb") as f:
         return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
+def dir_digest(path):
+    """{size, sha256} of a directory's files (names and bytes, in name order): a save_to_disk data set's digest."""
+    h, size = hashlib.sha256(), 0
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            d = file_digest(os.path.join(root, name))
+            h.update(f"{os.path.relpath(os.path.join(root, name), path)}\0{d['sha256']}\n".encode())
+            size += d["size"]
+    return {"size": size, "sha256": h.hexdigest()}
+
+def path_digest(path):
+    """file_digest of a data file, dir_digest of a save_to_disk directory."""
+    return dir_digest(path) if os.path.isdir(path) else file_digest(path)
+
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
 def resume_point(args, data_digest, master=True):
@@ -2815,16 +2962,19 @@ def check_run(args, world, device, master):
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"{flag} {path!r} is a directory, not a data file; pass {flag} with a JSONL file (.jsonl or "
-                f".jsonl.gz)" if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a "
-                f"JSONL file" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
-                if path and not args.plan and not os.path.isfile(path)] + flag_problems(args)
+    problems = [f"{flag} {path!r} is a directory, not a data file or a datasets.save_to_disk directory (no "
+                f"state.json or dataset_dict.json); pass {flag} with a JSONL (.jsonl, .jsonl.gz) or Parquet file"
+                if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a JSONL or Parquet "
+                f"file or a save_to_disk directory" for path, flag in ((args.data, "--data"), (args.eval_data,
+                "--eval_data")) if path and not args.plan and not (os.path.isfile(path) or saved_dataset(path))] \
+        + flag_problems(args) + data_package_problems(args)  # Parquet or save_to_disk data without its package
     # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
     args.num_anchors = min(args.num_anchors, args.max_len - 1)
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
-    data_digest = file_digest(args.data) if writes and os.path.isfile(args.data) else None
+        check_trackers(report_to(args))
+    data_digest = path_digest(args.data) if writes and os.path.exists(args.data) else None
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
@@ -2878,6 +3028,18 @@ def dflash2_config(cfg, args):
     return cfg
 
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+def data_package_problems(args):
+    """One line per --data / --eval_data whose format needs a package that is not installed."""
+    problems = []
+    for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")):
+        needs = data_package(path) if path and not args.plan and os.path.exists(path) else None
+        if needs:
+            try:
+                optional_package(needs[0], needs[1], f"{flag} {path!r} is {needs[2]}: reading it")
+            except DFlashError as e:
+                problems.append(str(e))
+    return problems
 
 def mask_candidates(args, meta):
     """Ids --data never uses, counted, for the mask token hint: only when one is needed (no --mask_token_id, none in
@@ -2969,6 +3131,135 @@ def append_metrics(out, record):
             f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
+
+
+# -----------------------------------------------------------------------------
+# How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
+# depends on besides the drafter, so two tau measured differently are never compared unknowingly
+
+def short_hash(text):
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+def generation_prompt(tokenizer, kw):
+    """What the chat template appends after a user turn to start the assistant's (add_generation_prompt=True),
+    under the template keyword arguments kw; None where it cannot render a probe turn."""
+    turn = [{"role": "user", "content": "hi"}]
+    try:
+        base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
+                      for g in (False, True))
+    except Exception:  # a template that refuses the probe turn: its text alone is hashed
+        return None
+    return full[len(base):] if full.startswith(base) else full
+
+def thinking_mode(tokenizer, enable_thinking):
+    """on | off, as the template renders it (its default found by comparing generation prompts), or n/a for a
+    template without enable_thinking (or none)."""
+    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
+        return "n/a"
+    if enable_thinking is not None:
+        return "on" if enable_thinking else "off"
+    default = generation_prompt(tokenizer, {})
+    for value in (True, False):
+        if default == generation_prompt(tokenizer, {"enable_thinking": value}):
+            return "on" if value else "off"
+    return "template default"
+
+def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
+    """The settings a walked tau depends on besides the drafter: thinking on/off, max_new_tokens, the serving mode
+    (greedy, or the target's sampling: an object with temperature, top_p, top_k), a short hash of the chat template
+    with the generation prompt it renders ("none" without a template), and with prompts (token-id lists) theirs."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if template:
+        kw = template_kwargs(tokenizer, enable_thinking)
+        template = short_hash(f"{template}\n--- generation prompt ---\n{generation_prompt(tokenizer, kw)}")
+    s = sampling if sampling is not None and sampling.temperature > 0 else None
+    m = {"thinking": thinking_mode(tokenizer, enable_thinking), "max_new_tokens": max_new_tokens,
+         "serving": f"sampled T={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k}" if s else "greedy",
+         "template": template or "none"}
+    if prompts is not None:
+        m["prompts"] = short_hash(json.dumps([[int(t) for t in p] for p in prompts]))
+    return m
+
+
+# -----------------------------------------------------------------------------
+# Trackers (--report_to): every metrics.jsonl record also goes to TensorBoard and/or Weights & Biases, from rank 0
+
+TRACKERS = ("tensorboard", "wandb")  # --report_to names, each the package it needs
+
+def tracker_list(s):
+    """--report_to: a comma list of none | tensorboard | wandb (repeatable)."""
+    names = [n.strip() for n in s.split(",") if n.strip()]
+    bad = [n for n in names if n != "none" and n not in TRACKERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected none, tensorboard or wandb (a comma list)")
+    return [n for n in names if n != "none"]
+
+def report_to(args):
+    """The trackers asked for, in order, each once (--report_to may repeat)."""
+    return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
+
+def check_trackers(names):
+    """Each tracker's package imports, before any weights load; else one line naming it and the pip command."""
+    for name in names:
+        try:
+            importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else "wandb")
+        except ImportError:
+            raise DFlashError(f"--report_to {name} needs the {name} package: pip install {name}") from None
+
+def scalars(record):
+    """A metrics record -> {name: number}: lists become name/k per block offset k = 1.. (acc/1 is acc[0]), and what
+    is not a number (None, the measurement settings) is left out; the step is the tracker's own axis."""
+    out = {}
+    for k, v in record.items():
+        if k == "step":
+            continue
+        for name, x in ([(f"{k}/{i + 1}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                out[name] = x
+    return out
+
+class Trackers:
+    """Rank 0's trackers. A resumed run continues the same curves: TensorBoard writes into <out>/tensorboard again,
+    purging any event after the checkpoint's step (a run killed after its last checkpoint logged steps that are
+    logged again); W&B continues the run whose id the checkpoint saved (train_state's "wandb_id")."""
+
+    def __init__(self, names, out, config, state):
+        self.tb = self.wandb = None
+        step = state["step"] if state else -1
+        if names:
+            os.makedirs(out, exist_ok=True)
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=step + 1)
+            self.tb.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", step + 1)
+        if "wandb" in names:
+            import wandb
+            run_id = (state or {}).get("wandb_id")  # None: a new run, its id chosen by wandb
+            try:
+                self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dflash"), dir=out, id=run_id,
+                                        resume="allow", name=os.path.basename(os.path.abspath(out)), config=config)
+            except Exception as e:  # not logged in, no network: one line, before any weights load
+                raise DFlashError(f"--report_to wandb: wandb.init failed ({first_line(e)}); run `wandb login`, or "
+                                  f"set WANDB_MODE=offline to write the run locally") from None
+
+    @property
+    def wandb_id(self):
+        return self.wandb.id if self.wandb else None
+
+    def log(self, record):
+        values = scalars(record)
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, record["step"])
+            self.tb.flush()  # on disk as metrics.jsonl is, should the run be killed
+        if self.wandb:
+            self.wandb.log(values, step=record["step"])
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 # -----------------------------------------------------------------------------
@@ -3103,8 +3394,9 @@ def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
     g = p.add_argument_group("run")
     flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
-    flag(g, "--data", help="training JSONL (.jsonl or .jsonl.gz): messages | prompt+response | text | "
-         "input_ids(+loss_mask) per line")
+    flag(g, "--data", help="training data: JSONL (.jsonl, .jsonl.gz) or a JSON array of messages | conversations "
+         "(ShareGPT) | prompt+response | text | input_ids(+loss_mask) records; or Parquet, or a datasets.save_to_disk "
+         "directory, of the same (pyarrow / datasets needed only for those)")
     flag(g, "--out", "out", "output directory for checkpoints and metrics.jsonl")
     flag(g, "--init_from", help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
     flag(g, "--resume", nargs="?", const="must", choices=["must", "auto"],
@@ -3152,7 +3444,7 @@ def get_parser():
          "train)", int)
     flag(g, "--eval_fraction", 0.01, "held-out fraction of --data, at least 16 samples, at most half (0: no held-out "
          "evaluation)", float, hi=0.5)
-    flag(g, "--eval_data", help="held-out JSONL (instead of --eval_fraction)")
+    flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
     flag(g, "--loss", "ce", "ce (default): the paper's CE weighted exp(-(i-1)/gamma) at block offset i, over sum(w); "
          "dpace: D-PACE, the CE weighted by the expected accepted drafts each offset moves (from the drafter's own "
@@ -3199,6 +3491,9 @@ def add_system_flags(p):
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     flag(g, "--seed", 0, "random seed", int)
     flag(g, "--log_every", 10, "log every N steps", int, lo=1)
+    flag(g, "--report_to", None, "also send every metrics.jsonl record to: none | tensorboard (<out>/tensorboard) | "
+         "wandb (project $WANDB_PROJECT, default dflash); a comma list, or repeat it (default: none)",
+         type=tracker_list, action="append")
     flag(g, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal: a redirected log has "
          "one line per logged step)", action="store_true")
     flag(g, "--eval_every", 500, "held-out evaluation every N steps (0: only at the start and the end)", int)

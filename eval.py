@@ -20,13 +20,18 @@ speculative decoding loop instead (KV-cache targets only) and checks it reproduc
     # a real speculative decoding loop (dense targets: Qwen3, Llama): tokens/s against plain greedy decoding
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000 --mode loop
 
+    # saved reports in one table (refused unless measured alike), and the acceptance-length histograms drawn
+    python eval.py --compare a.json --compare b.json --plot hist.png
+
 As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
 PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json`
 saves.
 
 Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is
 pooled (all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each
-prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length").
+prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length"). Every report
+also says how its tau was measured ("measured": thinking mode, max_new_tokens, serving mode, a hash of the chat
+template with its generation prompt, a hash of the prompts): tau measured differently are never put in one table.
 """
 
 import argparse
@@ -77,6 +82,7 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     through the chat template (raw text when the tokenizer has none); {"messages": [...]} goes through the chat
     template, trailing assistant turns dropped (the target writes its own); {"text": str} is raw text;
     {"input_ids": [...]} is used as is. Every id is checked against vocab_size when given (the target's vocabulary)."""
+    rec = dflash.chat_record(rec, where)  # ShareGPT's conversations: messages
     kind = dflash.record_kind(rec, where, tokenizer, ("input_ids", "messages", "prompt", "text"))
     if kind == "input_ids":
         dflash.need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
@@ -97,8 +103,8 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
 
 
 def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
-    """A JSONL file (or None: the built-in coding prompts) -> list of prompt token-id lists, each id checked
-    against vocab_size when given."""
+    """A data file in any format dflash.py reads (read_records; or None: the built-in coding prompts) -> list of
+    prompt token-id lists, each id checked against vocab_size when given."""
     kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
         if tokenizer is None:
@@ -107,7 +113,7 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
         return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw, vocab_size)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
     prompts = [encode_prompt(rec, tokenizer, where, kw, vocab_size)
-               for where, rec in dflash.read_jsonl(path, "prompts")]
+               for where, rec in dflash.read_records(path, "prompts")]
     if not prompts:
         raise DFlashError(f"{path}: no prompts")
     return prompts
@@ -128,6 +134,32 @@ def acceptance_stats(lengths, block_size):
     per_offset = [sum(n > k for n in lengths) / steps if steps else 0.0 for k in range(1, block_size)]
     return {"tau": sum(lengths) / steps if steps else None, "steps": steps, "histogram": histogram,
             "per_offset_acceptance": per_offset}
+
+
+# -----------------------------------------------------------------------------
+# How a tau was measured (dflash.measurement): two tau are comparable only when all of its settings agree
+
+
+def measured_line(m):
+    """The settings as the table's one line."""
+    return "measured: " + ", ".join(f"{k} {v}" for k, v in m.items())
+
+
+def check_same_measurement(reports):
+    """{name: report} -> the shared settings; refuses (one error line per difference) tau measured differently."""
+    (first, m0), *rest = ((n, r.get("measured")) for n, r in reports.items())
+    problems = []
+    for name, m in rest:
+        if m is None or m0 is None:
+            problems.append(f"{first if m0 is None else name} has no measurement settings (made by an older eval.py); "
+                            f"measure both again")
+            continue
+        for k in sorted(set(m0) | set(m)):
+            if m0.get(k) != m.get(k):
+                problems.append(f"{name} was measured with {k} {m.get(k)}, {first} with {m0.get(k)}: their tau are not "
+                                f"comparable; measure them under the same settings (one eval.py call)")
+    dflash.need(not problems, "\n".join(problems))
+    return m0
 
 
 # -----------------------------------------------------------------------------
@@ -449,7 +481,7 @@ def check_modes(mode, sampled, tree_budgets, given_continuations):
 
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
-                      progress=True, continuations=None, sampling=None, tree_budgets=()):
+                      progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None):
     """tau of each drafter on the same prompts and the same target continuations.
 
     drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
@@ -457,7 +489,9 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     continuations: the target's greedy continuations if already known (else generated here, once per prompt, shared
     by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
     walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
-    walk tree verification with each number of draft nodes (greedy, neural drafters). Returns the JSON-shaped report."""
+    walk tree verification with each number of draft nodes (greedy, neural drafters). enable_thinking: what the prompts
+    were rendered with (recorded in the report's "measured" settings, see dflash.measurement). Returns the JSON-shaped
+    report."""
     from tqdm import tqdm
     if not drafters:
         raise DFlashError("no drafters to evaluate")
@@ -505,8 +539,9 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                                  samples if sampled else None) for name, (_, B) in drafters.items()]
     return {"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
             "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets), "timing": timing,
-            "results": results}
+            **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
+            "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling, prompts),
+            "timing": timing, "results": results}
 
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
@@ -644,19 +679,22 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     for name, samples in bench.items():
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
         r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
-                              continuations=continuations, tree_budgets=tree_budgets)
+                              continuations=continuations, tree_budgets=tree_budgets,
+                              enable_thinking=bool(enable_thinking))
         reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
     average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
                    for k in ("tau", "tau_per_prompt")} for d in names}
-    return {"benchmarks": reports, "average": average}
+    measured = dflash.measurement(target.tokenizer, bool(enable_thinking), max_new_tokens)
+    return {"measured": {**measured, "benchmarks": ",".join(bench)}, "benchmarks": reports, "average": average}
 
 
 def print_bench(result, file=None):
     """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
     file = file or sys.stdout
     reports = result["benchmarks"]
+    print(measured_line(result["measured"]), file=file)
     for name, rep in reports.items():
         print(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns", file=file)
         print_report(rep, file)
@@ -686,6 +724,8 @@ def print_report(report, file=None):
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
         f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
         + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
+    if report.get("measured"):
+        out(measured_line(report["measured"]))
     w = max(16, *(len(r["drafter"]) for r in results))
     loop = report["mode"] == "loop"
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
@@ -751,6 +791,29 @@ def check_output_file(path, flag):
     if os.path.isdir(path) or path.endswith(os.sep):
         raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
+
+
+def compare_reports(paths):
+    """--compare: saved --json reports -> one report holding all their drafters (named FILE:drafter when two share
+    a name), refused unless every report was measured on the same target under the same settings."""
+    reports = {}
+    for path in paths:
+        r = dflash.read_json(path, "eval.py report")
+        dflash.need(isinstance(r, dict) and isinstance(r.get("results"), list),
+                    f"{path}: not an eval.py --json report of drafters (a --bench report: measure the drafters in "
+                    f"one --bench run)")
+        reports[path] = r
+    measured = check_same_measurement(reports)
+    for key in ("target", "mode", "tree_budgets"):  # the table's columns, or what was measured, would differ
+        seen = {json.dumps(r.get(key)) for r in reports.values()}
+        dflash.need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); table "
+                    f"reports of one target, mode and --tree_budget")
+    names = [res["drafter"] for r in reports.values() for res in r["results"]]
+    results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
+               for path, r in reports.items() for res in r["results"]]
+    timing = {k: sum(r["timing"][k] for r in reports.values()) for k in ("generate_s", "features_s")}
+    return {**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
+            "compared": list(paths)}
 
 
 def write_json(report, path):
@@ -819,15 +882,16 @@ def get_parser():
     p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
                                           "their target.")
     flag = dflash.flag
-    flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does)", required=True)
+    flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does); required unless "
+         "--compare")
     flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
     flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
          "the one it was trained against (refused otherwise)", action="store_true")
     flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
          action="store_true")
-    flag(p, "--prompts", None, "JSONL of {prompt} | {messages} | {text} | {input_ids} lines (default: 8 built-in "
-         "coding prompts)")
+    flag(p, "--prompts", None, "{prompt} | {messages} | {conversations} (ShareGPT) | {text} | {input_ids} records "
+         "in JSONL, a JSON array, Parquet or a datasets.save_to_disk directory (default: 8 built-in coding prompts)")
     flag(p, "--limit", 0, "use only the first N prompts (0: all)", int)
     flag(p, "--max_new_tokens", None, "greedy continuation length per prompt (stops early at eos); default 256, or "
          "2048 with --bench (z-lab's)", int, lo=1)
@@ -858,6 +922,12 @@ def get_parser():
     flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")
     flag(p, "--dump_drafts", False, "also write every verification step's drafted tokens to --json",
          action="store_true")
+    flag(p, "--plot", None, "draw each drafter's acceptance-length histogram (share of verification steps at each "
+         "length 0..B, as z-lab's benchmark prints it) side by side into this PNG (needs matplotlib)",
+         metavar="FILE.png")
+    flag(p, "--compare", [], "no measuring: print the drafters of saved --json reports in one table (repeat it); "
+         "refused unless all were measured on the same target with the same thinking mode, max_new_tokens, serving "
+         "mode, chat template and prompts", action="append", metavar="REPORT.json")
     flag(p, "--attention", "auto", "drafter attention path for the exact method (auto: flex on CUDA, dense "
          "elsewhere)", choices=["auto", "flex", "dense"])
     flag(p, "--dtype", "auto", "target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)",
@@ -871,6 +941,16 @@ def get_parser():
 
 
 def run(args):
+    if args.plot:
+        check_output_file(args.plot, "--plot")
+        dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads
+    if args.compare:
+        given = next((f"--{k}" for k in ("target", "drafter", "prompts", "bench") if getattr(args, k)), None)
+        dflash.need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
+        report = compare_reports(args.compare)
+        print_report(report)
+        return finish(report, args)
+    dflash.need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
     device = dflash.pick_device(args.device)
     sampling = sampling_args(args)
     if args.tree_budget and PROMPT_LOOKUP in args.drafter:
@@ -906,10 +986,17 @@ def run(args):
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
                                    args.dump_drafts, progress=progress, sampling=sampling,
-                                   tree_budgets=args.tree_budget)
+                                   tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking)
         print_report(report)
+    return finish(report, args)
+
+
+def finish(report, args):
+    """The report to --json and its histograms to --plot, as asked."""
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
+    if args.plot:
+        print(f"wrote {dflash.import_tool('plot', '--plot').plot_histograms(report, args.plot)}")
     return report
 
 

@@ -97,19 +97,23 @@ def run_demo(argv):
 
 def check_walked_tau(args, data, target, drafter):
     """The walked tau logged by the last held-out evaluation of training (eval_walk_tau) against eval.py's pooled
-    tau of the final drafter on the same prompts and continuation length: the same walk, so the same number."""
+    tau of the final drafter on the same prompts and continuation length: the same walk, so the same number (and
+    eval.py refuses the comparison if the two were measured under different settings)."""
     import eval as tau_eval
     with open(os.path.join(args.out, "metrics.jsonl")) as f:
-        logged = [r["eval_walk_tau"] for r in map(json.loads, f) if r.get("eval_walk_tau") is not None]
+        logged = [r for r in map(json.loads, f) if r.get("eval_walk_tau") is not None]
     if not logged:
         return
     samples = dflash.load_samples(data, target.tokenizer, args.max_len, say=lambda *a: None,
                                   enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(),
                                   vocab_size=target.vocab_size)
     prompts = dflash.walk_prompts(dflash.split_eval(samples, args.eval_fraction, args.seed)[1], args.eval_walk_prompts)
-    report = tau_eval.evaluate_drafters(target, {"trained": drafter}, prompts, args.eval_walk_tokens, progress=False)
-    print(f"walked tau of the last training eval {logged[-1]:.4f}; eval.py on the same {len(prompts)} held-out "
-          f"prompts, {args.eval_walk_tokens}-token continuations: {report['results'][0]['tau']:.4f}")
+    report = tau_eval.evaluate_drafters(target, {"trained": drafter}, prompts, args.eval_walk_tokens, progress=False,
+                                        enable_thinking=args.enable_thinking)
+    tau_eval.check_same_measurement({"eval.py": report, "training's eval_walk_tau": logged[-1]})
+    print(f"walked tau of the last training eval {logged[-1]['eval_walk_tau']:.4f}; eval.py on the same "
+          f"{len(prompts)} held-out prompts, {args.eval_walk_tokens}-token continuations: "
+          f"{report['results'][0]['tau']:.4f}")
 
 
 def main(argv=None):

@@ -376,10 +376,12 @@ def regenerate(server, line, key, turns, stop):
 
 
 def read_input(path):
-    """[(line number, turns)] of the whole input file, every line checked first: a bad line is an error before any
-    request is sent."""
-    return [(int(where.rsplit(":", 1)[1]), conversation(rec, where))
-            for where, rec in dflash.read_jsonl(path, "data", "; pass --data with a JSONL file")]
+    """[(line number, turns)] of the whole input, every record checked first: a bad one is an error before any
+    request is sent. Any format dflash.py trains on (dflash.read_records: JSONL, a JSON array, Parquet, a
+    save_to_disk directory; ShareGPT conversations as messages); a table's "line" is its row number."""
+    return [(int(where.rsplit(" ", 1)[-1].rsplit(":", 1)[-1]), conversation(dflash.chat_record(rec, where), where))
+            for where, rec in dflash.read_records(path, "data", "; pass --data with a JSONL or Parquet file or a "
+                                                  "save_to_disk directory")]
 
 
 def keyed(samples, data):

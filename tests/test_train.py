@@ -100,6 +100,9 @@ def test_twenty_steps_on_hybrid_target_learn(tmp_path):
     final = dflash.load_drafter(str(out / "step_20"))
     report = ev.evaluate_drafters(tgt, {"final": final.eval()}, prompts, 16, progress=False)
     assert report["results"][0]["tau"] == pytest.approx(last["eval_walk_tau"], abs=1e-6), (report, evals)
+    # measured alike, and so recorded: the same settings and prompts; the same acceptance by block offset
+    assert last["measured"] == report["measured"] and last["measured"]["max_new_tokens"] == 16
+    assert last["eval_walk_acceptance"] == pytest.approx(report["results"][0]["per_offset_acceptance"], abs=1e-6)
     state = torch.load(out / "step_20" / "train_state.pt", weights_only=True)  # safe-loadable training state
     assert state["step"] == 20 and state["args"]["max_steps"] == 20
 

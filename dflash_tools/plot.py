@@ -1,0 +1,193 @@
+"""
+Pictures of a training run and of a tau measurement (matplotlib, optional: `pip install matplotlib`).
+
+    python -m dflash_tools.plot runs/q3-8b                  # -> runs/q3-8b/metrics.png
+    python -m dflash_tools.plot runs/q3-8b --out run.png
+
+A run's picture is drawn from <out>/metrics.jsonl alone (what dflash.py logs at every --log_every step and every
+held-out evaluation): training and held-out loss; the tau estimate (training and held out) beside the walked tau
+(the exact walk eval.py does) and the tree's; acceptance by block offset at the last held-out evaluation (the
+walk's P(draft k accepted), beside the estimate's accuracy at each offset); the learning rate. eval.py --plot FILE.png draws each drafter's
+acceptance-length histogram side by side (plot_histograms).
+"""
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script too: dflash.py is in the repository root
+
+import dflash  # noqa: E402
+from dflash import DFlashError  # noqa: E402
+
+# (record key, label) of the curves on each panel
+LOSS_CURVES = (("loss", "training loss"), ("eval_loss", "held-out loss"))
+TAU_CURVES = (("tau", "training tau estimate"), ("eval_tau", "held-out tau estimate"),
+              ("eval_walk_tau", "walked tau (held out, exact)"), ("eval_walk_tree_tau", "tree tau (held out)"))
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only backend (no display needed), or one error line saying how to get it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise DFlashError("plots need matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def read_metrics(out):
+    """The records of <out>/metrics.jsonl (or of a metrics.jsonl path given directly), in file order."""
+    path = os.path.join(out, "metrics.jsonl") if os.path.isdir(out) else out
+    hint = "; give a run's --out directory (it holds metrics.jsonl)" if not os.path.isdir(out) else ""
+    records = [r for _, r in dflash.read_jsonl(path, "metrics", hint)]
+    dflash.need(records, f"{path} is empty: the run has logged nothing yet")
+    return records
+
+
+def curve(records, key):
+    """(steps, values) of one logged quantity, in step order; a step logged twice (a run resumed from an earlier
+    checkpoint without cutting the log) keeps its last value."""
+    last = {r["step"]: r[key] for r in records if isinstance(r, dict) and r.get(key) is not None and "step" in r}
+    steps = sorted(last)
+    return steps, [last[s] for s in steps]
+
+
+def last_offsets(records):
+    """The last held-out evaluation's figures by block offset: (step, {label: values}) with the walk's acceptance
+    P(draft k accepted) (exact, as eval.py reports it) and the estimate's accuracy at each offset; the last training
+    step's accuracy when there was no held-out evaluation; None if nothing was logged."""
+    for keys in ((("eval_walk_acceptance", "acceptance (walk, exact)"), ("eval_acc", "accuracy at offset k (estimate)")),
+                 (("acc", "accuracy at offset k (training)"),)):
+        steps, _ = curve(records, keys[-1][0])
+        if steps:
+            at = next(r for r in reversed(records) if r.get("step") == steps[-1] and r.get(keys[-1][0]) is not None)
+            return steps[-1], {label: at[k] for k, label in keys if at.get(k) is not None}
+    return None
+
+
+def plot_run(out, path=None):
+    """Draw a run's metrics.jsonl into path (default <out>/metrics.png); returns the path written."""
+    records = read_metrics(out)
+    path = path or os.path.join(out if os.path.isdir(out) else os.path.dirname(out) or ".", "metrics.png")
+    fig = draw_run(records, os.path.basename(os.path.abspath(out)))
+    save(fig, path)
+    pyplot().close(fig)
+    return path
+
+
+def draw_run(records, title=""):
+    """The figure of a run's records: loss, tau, accuracy by block offset, lr (axes in that order)."""
+    plt = pyplot()
+    fig, ((ax_loss, ax_tau), (ax_acc, ax_lr)) = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, curves, name in ((ax_loss, LOSS_CURVES, "loss (weighted CE)"),
+                             (ax_tau, TAU_CURVES, "tau: tokens per verification step")):
+        for key, label in curves:
+            steps, values = curve(records, key)
+            if steps:
+                ax.plot(steps, values, "-" if key in ("loss", "tau") else "o-", label=label, ms=3)
+        ax.set(title=name, xlabel="step")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    offsets = last_offsets(records)
+    if offsets:
+        step, figures = offsets
+        for i, (label, values) in enumerate(figures.items()):
+            k = range(1, len(values) + 1)
+            if i == 0:
+                ax_acc.bar(k, values, color="tab:green", label=label)
+            else:
+                ax_acc.plot(k, values, "o", color="black", label=label)
+        ax_acc.set(title=f"by block offset k (step {step})", xlabel="offset k", ylim=(0, 1), xticks=k)
+        ax_acc.legend(fontsize=8)
+    steps, lr = curve(records, "lr")
+    ax_lr.plot(steps, lr, color="tab:purple")
+    ax_lr.set(title="learning rate", xlabel="step")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    for ax in (ax_loss, ax_tau, ax_acc, ax_lr):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def histogram_shares(result):
+    """z-lab's acceptance-length histogram of one drafter's result: the share of verification steps with acceptance
+    length b = accepted drafts + 1, for b = 0..B (b = 0 never happens: the target's own token always counts)."""
+    steps = max(result["steps"], 1)
+    return [0.0] + [n / steps for n in result["histogram"]]
+
+
+def plot_histograms(report, path):
+    """eval.py's report -> path (eval.py --plot); returns the path written."""
+    fig = draw_histograms(report)
+    save(fig, path)
+    pyplot().close(fig)
+    return path
+
+
+def draw_histograms(report):
+    """Each drafter's acceptance-length histogram (share of steps, b = 0..B) side by side, titled with its tau and
+    the measurement settings. A --bench report draws its benchmarks' turns pooled per drafter."""
+    results = report_results(report)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results) + 0.8, 3.4), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], results):
+        shares = histogram_shares(r)
+        ax.bar(range(len(shares)), [100 * s for s in shares], color="tab:blue")
+        tau = "-" if r["tau"] is None else f"{r['tau']:.2f}"
+        ax.set(title=f"{r['drafter']}\ntau {tau} ({r['steps']} steps)", xlabel="acceptance length",
+               xticks=range(0, len(shares), max(1, len(shares) // 8)))
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].set_ylabel("% of verification steps")
+    m = report.get("measured") or next(iter(report.get("benchmarks", {}).values()), {}).get("measured") or {}
+    if m:
+        fig.suptitle(", ".join(f"{k} {v}" for k, v in m.items()), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def report_results(report):
+    """The per-drafter results of a report; a --bench report's benchmarks pooled per drafter (histograms summed)."""
+    if "results" in report:
+        return report["results"]
+    pooled = {}
+    for rep in report["benchmarks"].values():
+        for r in rep["results"]:
+            p = pooled.setdefault(r["drafter"], {"drafter": r["drafter"], "histogram": [0] * len(r["histogram"]),
+                                                 "steps": 0, "lengths": 0})
+            p["histogram"] = [a + b for a, b in zip(p["histogram"], r["histogram"])]
+            p["steps"] += r["steps"]
+            p["lengths"] += sum(n * (L + 1) for L, n in enumerate(r["histogram"]))
+    for p in pooled.values():
+        p["tau"] = p.pop("lengths") / p["steps"] if p["steps"] else None
+    return list(pooled.values())
+
+
+def save(fig, path):
+    """fig -> path (a PNG, or any format matplotlib knows by the suffix), its directory made; one error line if not."""
+    dflash.need(not os.path.isdir(path), f"cannot write the plot {path!r}: it is a directory; give a file path "
+                f"such as {os.path.join(path, 'metrics.png')}")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fig.savefig(path, dpi=100)
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot write the plot {path!r}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def get_parser():
+    p = dflash.ArgumentParser(description="Draw a training run's curves from its metrics.jsonl.")
+    p.add_argument("run", metavar="OUT", help="the run's --out directory (or its metrics.jsonl)")
+    p.add_argument("--out", default=None, help="the picture to write (default: OUT/metrics.png)")
+    return p
+
+
+def main(argv=None):
+    def run(args):
+        print(f"wrote {plot_run(args.run, args.out)}")
+    return dflash.run_main(run, get_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
