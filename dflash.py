@@ -11,6 +11,7 @@ Quick start
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
     torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
+    python dflash.py --dflash2 ...        # a DFlash2 drafter (the pieces marked "DFlash2" below; skip them for DFlash)
 
 This file stands alone: copied into an empty directory (with requirements.txt installed) it trains, evaluates
 held-out tau and resumes. The optional extras live in dflash_tools/ and are never imported at module level: the
@@ -34,6 +35,11 @@ The method in ten lines
     Training draws many anchors per sequence and runs every block in one call. The loss is hard cross-entropy
     against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
     most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
+
+DFlash2 (--dflash2) adds two pieces: a grouped dynamic causal convolution along each block's offsets on both sides
+    of every attention and MLP sublayer (identity at init), and a candidate selector that re-ranks the target head's
+    top-k tokens at each offset by S(a, b) = U(b) + <A[a] * H(h), Bc[b]> (a: the previous token of the block); the
+    drafted block is the selector's greedy path, and its CE on the teacher-forced path joins the loss.
 """
 
 import argparse
@@ -99,6 +105,19 @@ class DFlashConfig:
     layer_types: list = field(default_factory=lambda: ["sliding_attention"] * 4 + ["full_attention"])
     sliding_window: int | None = 2048    # W
     is_causal: bool | None = None        # None: a layer is causal iff it is a sliding layer
+    # DFlash2 (all four 0: plain DFlash): the grouped convolutions around each sublayer and the candidate selector
+    conv_kernel_size: int = 0            # K taps along the block offsets (released: 2)
+    conv_group_size: int = 0             # channels sharing one dynamic tap (released: 16)
+    selector_rank: int = 0               # r of the selector's codebooks (released: 256)
+    selector_top_k: int = 0              # k candidates per drafted offset (released: 16)
+    output_multiplier: float = 1.0       # DFlash2's unary logits c * tanh(m * z / c): m
+    final_logit_softcapping: float | None = None  # c (None: no cap)
+    input_embedding_scale: float = 1.0   # on the block embeddings
+
+    @property
+    def dflash2(self):
+        """A DFlash2 drafter: its four integers set (config_problems refuses a half-set one)."""
+        return self.selector_top_k > 0
 
     def __post_init__(self):
         """Every config, from config.json or from flags, passes through here: all its problems at once. is_causal is
@@ -285,6 +304,65 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+# DFlash2: the grouped dynamic causal convolution around each sublayer
+
+class GroupedCausalConv(nn.Module):
+    """DFlash2's convolution along the offsets of each block, one per sublayer (attention_conv, mlp_conv): side 0
+    convolves the normed sublayer input, side 1 the sublayer's output. For offset t and channel c of group
+    g(c) = c // group_size:  out[t, c] = sum_j (base_kernel[side, j, c] + delta[t, side, j, g(c)]) * x[t - j, c],
+    x[t - j] = 0 for t < j: the taps read offsets t, t-1, ..., t-K+1 of the same block and never the previous block
+    or the context. delta = kernel_projection(u[t]) (both sides from the same normed input u, at the output offset).
+    Initialised as the identity (tap 0 = 1, the others 0, the projection 0): a fresh DFlash2 drafter is DFlash."""
+
+    def __init__(self, hidden_size, kernel_size, group_size):
+        super().__init__()
+        self.K, self.gs, self.G = kernel_size, group_size, hidden_size // group_size
+        base = torch.zeros(2, kernel_size, hidden_size)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)                                         # (side, tap, channel)
+        with torch.random.fork_rng(devices=[]):  # built drawing nothing: the same seed gives DFlash's backbone
+            self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.G, bias=False)  # side*K*G + j*G + g
+        self.kernel_projection.identity_init = True  # DFlashDrafter's normal init leaves it at zero
+        self.reset_identity()
+
+    def reset_identity(self):
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def dynamic(self, u):
+        """u (b, N, B, D) normed sublayer input -> delta (b, N, B, 2, K, G): each group's dynamic taps, both sides."""
+        return self.kernel_projection(u).unflatten(-1, (2, self.K, self.G))
+
+    def forward(self, x, delta, side):
+        """x (b, N, B, D) -> (b, N, B, D), convolved along dim -2 (the block offsets) with zero left padding."""
+        B, out = x.shape[-2], 0
+        for j in range(self.K):
+            xj = F.pad(x, (0, 0, j, 0))[..., :B, :] if j else x                # x[t - j]: zero for t < j
+            dyn = (delta[..., side, j, :, None] * xj.unflatten(-1, (self.G, self.gs))).flatten(-2)
+            out = out + self.base_kernel[side, j] * xj + dyn
+        return out.to(x.dtype)
+
+class DFlash2DecoderLayer(DecoderLayer):
+    """DFlash2's decoder layer: DecoderLayer with a GroupedCausalConv on both sides of each sublayer, inside the
+    residual branch after the pre-norm: x + conv1(attn(conv0(norm(x)))), then the same around the MLP. The block's
+    queries, keys and values come from the convolved input; the context keys/values are untouched."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.attention_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.mlp_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
+        u = self.input_layernorm(x)
+        delta = self.attention_conv.dynamic(u)
+        y = self.self_attn(self.attention_conv(u, delta, 0), cos, sin, k_ctx, v_ctx, mask)
+        x = x + self.attention_conv(y, delta, 1)
+        u = self.post_attention_layernorm(x)
+        delta = self.mlp_conv.dynamic(u)
+        return x + self.mlp_conv(self.mlp(self.mlp_conv(u, delta, 0)), delta, 1)
+
 class DFlashDrafter(nn.Module):
     """Holds no embedding and no lm_head: both are the target's (frozen, passed in by the caller).
     attention: "flex" (block-sparse, CUDA) or "dense" (two_part_attention: [context ; own block]; anywhere, also
@@ -297,15 +375,18 @@ class DFlashDrafter(nn.Module):
             compile_flex()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList((DFlash2DecoderLayer if cfg.dflash2 else DecoderLayer)(cfg)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and not getattr(m, "identity_init", False):  # (DFlash2's stay at zero)
                 nn.init.normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+        if cfg.dflash2:  # DFlash2: its selector, initialised after DFlash's weights (a seed gives the same backbone)
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank)
 
     def context_kv(self, context_features, start=0):
         """(b, S, m*D) concatenated target features h[t] -> ctx = hidden_norm(fc(.)), the same for every layer,
@@ -324,6 +405,8 @@ class DFlashDrafter(nn.Module):
 
     def blocks(self, x, anchors, anchor_valid, kv, S):
         """The decoder layers over the blocks, given per-layer context keys/values for S positions."""
+        if self.cfg.input_embedding_scale != 1:  # DFlash2's scale on the block embeddings
+            x = x * self.cfg.input_embedding_scale
         pos = anchors[..., None] + torch.arange(self.cfg.block_size, device=anchors.device)  # (b, N, B): a+i
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, pos, x.dtype)
         masks = build_masks(self.cfg, anchors, anchor_valid, S, self.attention)
@@ -333,6 +416,38 @@ class DFlashDrafter(nn.Module):
                 if self.grad_checkpoint and self.training else layer(*a)
         return self.norm(x)
 
+
+# DFlash2: the candidate selector over the target head's top-k
+
+class CandidateSelector(nn.Module):
+    """DFlash2's re-ranking of the k best unary tokens at each drafted offset: S(a, b) = U(b) + <A[a] * H(h), Bc[b]>,
+    a the predecessor token (the anchor for offset 1, then the previous pick), U the unary logit of candidate b, A and
+    Bc low-rank codebooks (V, r), H a projection of the drafter's final-normed hidden state h. Bc starts at zero, so
+    a fresh selector ranks by U alone: its greedy path is the unary argmax."""
+
+    def __init__(self, hidden_size, vocab_size, rank):
+        super().__init__()
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+        # plain parameters, not nn.Embedding: the released files name them without ".weight"
+        self.predecessor_codebook = nn.Parameter(torch.randn(vocab_size, rank) * 0.02)
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))  # 0: the unary ranking at first
+
+    def scores(self, h, pred, cand, unary):
+        """h (..., D), pred (...,) predecessor ids, cand (..., k) candidate ids, unary (..., k) -> S (..., k) fp32."""
+        a = self.predecessor_codebook[pred] * self.hidden_projection(h)                   # (..., r)
+        dt = unary.dtype  # fp32 (float64 in the tests)
+        return unary + torch.einsum("...r,...kr->...k", a.to(dt), self.successor_codebook[cand].to(dt))
+
+    def greedy_path(self, h, cand, unary, anchor_ids):
+        """The drafted block at T = 0: h (n, B-1, D), cand/unary (n, B-1, k), anchor_ids (n,) -> (n, B-1) ids, each
+        offset's argmax over its candidates given the previous pick (lowest candidate slot on ties)."""
+        pred, path = anchor_ids, []
+        for i in range(cand.shape[1]):
+            s = self.scores(h[:, i], pred, cand[:, i], unary[:, i])
+            pred = cand[:, i].gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
+            path.append(pred)
+        return torch.stack(path, 1) if path else anchor_ids.new_zeros(len(anchor_ids), 0)
 
 @torch.no_grad()
 def start_off_mask(drafter, target):
@@ -537,8 +652,94 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss="ce", dpace_a
                   "correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
                   "accepted": (accepted * blocks).sum().float(), "blocks": blocks.sum().float()}
 
+# DFlash2: the selector's term of the loss, beside weighted_ce's
+
+def unary_logits(logits, multiplier=1.0, softcap=None):
+    """DFlash2's unary logits z' = c * tanh(m * z / c) (m * z without a cap), in fp32: what its top-k, the selector's
+    U and the base CE read."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if multiplier != 1:
+        z = z * multiplier
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z
+
+def selector_ce(selector, h, pred, vals, idx, labels, stop_gradient=False):
+    """DFlash2's teacher-forced selector term per token: h (T, D) final-normed hidden states, pred (T,) predecessor
+    ids, vals/idx (T, k) the unary top-k, labels (T,). Returns ce (T,) (0 where the label is not a candidate: a
+    recall miss is the backbone's, it carries no selector gradient), covered (T,) bool, and pick (T,) the selector's
+    argmax. stop_gradient: the selector CE trains the selector alone (h and U detached here only)."""
+    if stop_gradient:
+        h, vals = h.detach(), vals.detach()
+    s = selector.scores(h, pred, idx, vals)                                             # (T, k)
+    hit = idx == labels[:, None]
+    covered = hit.any(-1)
+    ce = s.logsumexp(-1) - torch.where(hit, s, 0.0).sum(-1)
+    pick = idx.gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
+    return torch.where(covered, ce, 0.0), covered, pick
+
+def selector_alpha(step, total_steps, alpha, warmup_ratio=0.0, ramp_ratio=0.0):
+    """The selector term's weight at (0-based) optimizer step `step`: 0 during the first floor(warmup_ratio * total)
+    steps, then a linear ramp over floor(ramp_ratio * total) steps up to alpha (at once when that is 0)."""
+    warm, ramp = math.floor(total_steps * warmup_ratio), math.floor(total_steps * ramp_ratio)
+    if step < warm:
+        return 0.0
+    if ramp <= 0:
+        return alpha
+    return alpha * min(max((step - warm + 1) / ramp, 0.0), 1.0)
+
+def dflash2_predecessors(block_ids, labels):
+    """Teacher-forced predecessors (b, N, B): offset 1's is the anchor token, offset i >= 2's the label of offset i-1
+    (the target's greedy token under --labels target: what the walk's pick is while its drafts are accepted)."""
+    return torch.cat([block_ids[..., :1], block_ids[..., :1], labels[..., 1:-1].clamp(min=0)], -1)
+
+DFLASH2_STAT_KEYS = ("unary_correct", "unary_accepted", "covered", "sel_ce_w", "sel_w")
+
+def dflash2_weighted_ce(hidden, lm_head, labels, weights, cfg, selector, pred, alpha, stop_gradient, chunk=None):
+    """weighted_ce for DFlash2: sum(w * CE(z')) + alpha * sum(w * covered * CE_selector) over the block tokens, the
+    unary CE on DFlash2's unary logits z' (the logits it serves; SpecForge trains on them too) and the selector's CE
+    over their top-k, both from one chunked lm_head pass. The caller divides the sum by the batch's sum(w): one
+    denominator for both terms (SpecForge's rule: the selector's weight follows its top-k coverage). pred (b, N, B)
+    predecessor ids (dflash2_predecessors). Stats: the tau estimate and acc walk the selector's teacher-forced
+    picks (while they are right they are the greedy walk's picks too), the unary argmax's and the top-k recall
+    beside them, and the selector's CE over the covered tokens (sel_ce_w / sel_w)."""
+    w = weights.flatten()
+    sel = (w > 0).nonzero().squeeze(1)
+    h, y = hidden.reshape(-1, hidden.shape[-1])[sel], labels.flatten()[sel].clamp(min=0)
+    ce, unary_pred, vals, idx = ChunkedLMHeadTopK.apply(h, lm_head.weight, lm_head.bias, y,
+                                                        chunk or vocab_chunk(lm_head.weight.shape[0]),
+                                                        cfg.selector_top_k, cfg.output_multiplier,
+                                                        cfg.final_logit_softcapping)
+    sce, covered, pick = selector_ce(selector, h, pred.flatten()[sel], vals, idx, y, stop_gradient)
+    ce_w, sel_w = (ce * w[sel]).sum(), (sce * w[sel]).sum()
+    valid = weights > 0
+
+    def per_token(hit):  # (b, N, B) bool, False off the selected tokens
+        full = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
+        full[sel] = hit
+        return full.view_as(valid) & valid
+    blocks = valid[..., 1]
+    run = lambda c: (torch.cumprod(c[..., 1:].long(), -1).sum(-1) * blocks).sum().float()  # noqa: E731
+    correct, unary_correct, cov = per_token(pick == y), per_token(unary_pred == y), per_token(covered)
+    return ce_w + alpha * sel_w, {
+        "w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
+        "count": valid.sum((0, 1)).float(), "accepted": run(correct), "blocks": blocks.sum().float(),
+        "unary_correct": unary_correct.sum((0, 1)).float(), "unary_accepted": run(unary_correct),
+        "covered": cov.sum((0, 1)).float(), "sel_ce_w": sel_w.detach(), "sel_w": (w[sel] * covered).sum().detach()}
+
+def dflash2_summary(stats):
+    """summarize's DFlash2 figures: the selector's own CE (over the covered tokens), and the diagnostics."""
+    if "sel_w" not in stats:
+        return {}
+    count = stats["count"].clamp(min=1)
+    return {"selector_loss": (stats["sel_ce_w"] / stats["sel_w"].clamp(min=1e-9)).item(),
+            "unary_tau": 1.0 + (stats["unary_accepted"] / stats["blocks"].clamp(min=1)).item(),
+            "unary_acc": (stats["unary_correct"] / count).tolist()[1:],
+            "topk_recall": (stats["covered"][1:].sum() / stats["count"][1:].sum().clamp(min=1)).item()}
+
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
-                labels="target", pad_to=None, loss="ce", dpace_alpha=0.5):
+                labels="target", pad_to=None, loss="ce", dpace_alpha=0.5, selector=None, selector_alpha=1.0,
+                selector_stop_gradient=False):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
 
     model: the drafter (or its compiled / DDP wrapper), cfg its config. anchors, anchor_valid (b, N) from
@@ -547,20 +748,27 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     noise (0 in evaluation). loss, dpace_alpha: "ce" or a D-PACE loss (weighted_ce). Returns (loss, stats) with
     loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's loss_normaliser; training passes the
     sum over the whole global batch, so the split over ranks and micro-steps cannot dilute or reweight the loss.
-    stats holds numerators and denominators to all-reduce (see summarize)."""
+    stats holds numerators and denominators to all-reduce (see summarize). DFlash2 (cfg.dflash2; loss "ce"):
+    selector (the drafter's CandidateSelector; default: model's own, for an unwrapped drafter), selector_alpha (this
+    step's weight of its term, see selector_alpha) and selector_stop_gradient."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
+    ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
     with torch.no_grad():
-        x = embed_blocks(target, block_input_ids(input_ids, anchors, B, cfg.mask_token_id))
+        x = embed_blocks(target, ids)
     context = add_context_noise(context, noise_std, len(cfg.target_layer_ids), batch["keys"])  # never on f or y
     if pad_to and pad_to > context.shape[1]:  # fixed drafter shapes for compiled kernels (padding is never visible)
         context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
     with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
         hidden = model(context, x, anchors, anchor_valid)                      # (b, N, B, D)
-    ce_w, stats = weighted_ce(hidden, target.lm_head, y, w, loss=loss, dpace_alpha=dpace_alpha)
+    if cfg.dflash2:  # DFlash2: its selector's term beside the CE, from the same chunked lm_head pass
+        ce_w, stats = dflash2_weighted_ce(hidden, target.lm_head, y, w, cfg, selector or model.candidate_selector,
+                                          dflash2_predecessors(ids, y), selector_alpha, selector_stop_gradient)
+    else:
+        ce_w, stats = weighted_ce(hidden, target.lm_head, y, w, loss=loss, dpace_alpha=dpace_alpha)
     return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
 
 STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
@@ -578,7 +786,8 @@ def summarize(stats):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
     return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
-            "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:]}
+            "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:],
+            **dflash2_summary(stats)}
 
 
 # -----------------------------------------------------------------------------
@@ -677,11 +886,14 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
     return out[0, len(prompt):].tolist()
 
 @torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0):
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0, details=False,
+                       temperature=0.0):
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
     (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (the argmax), row k for anchor
     first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens per block offset with
-    their log-probabilities, best first (what tree verification builds its trees from)."""
+    their log-probabilities, best first (what tree verification builds its trees from). A DFlash2 drafter drafts its
+    selector's greedy path; with details=True also dflash2_details' diagnostics (the unary argmax, the top-k hits
+    of the true tokens ids[a+i], and at temperature > 0 the selector's q of them), each (S-1-first, B-1)."""
     cfg, flex = drafter.cfg, drafter.attention == "flex"
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
@@ -692,7 +904,7 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
     S_ctx = context_features.shape[1]
     chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
     kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    drafts, logq, tokens = [], [], []
+    drafts, logq, tokens, extra = [], [], [], []
     for c in range(0, len(anchors), chunk):
         a = anchors[c:c + chunk]
         n = len(a)
@@ -702,16 +914,52 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
-        drafts.append(logits.argmax(-1))                                                     # (n, B-1)
+        if cfg.dflash2:  # DFlash2: the selector's greedy path from the anchor token
+            hb = h[0, :n, 1:]
+            drafts.append(dflash2_drafts(drafter, logits, hb, ids[0, a[:n]]))
+            if details:
+                truth = ids[0, (a[:n, None] + torch.arange(B, device=ids.device)).clamp(max=ids.shape[1] - 1)]
+                extra.append(dflash2_details(drafter, logits, hb, truth, temperature))
+        else:
+            drafts.append(logits.argmax(-1))                                                 # (n, B-1)
         if topk:
             top = logits.topk(topk)
             logq.append(top.values.float() - logits.float().logsumexp(-1, keepdim=True))    # (n, B-1, K)
             tokens.append(top.indices)
     drafts = torch.cat(drafts) if drafts else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
+    if details:
+        keys = ("unary", "covered") + (("q",) if temperature > 0 else ())
+        return drafts, {k: torch.cat([e[k] for e in extra]) if extra else drafts.new_zeros(0, B - 1) for k in keys}
     if not topk:
         return drafts
     empty = drafts.new_zeros(0, B - 1, topk)
     return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
+
+# DFlash2: the drafted block is its selector's greedy path
+
+def dflash2_top(drafter, logits):
+    """The k candidates per offset: the top-k of DFlash2's unary logits (values fp32, sorted; ids)."""
+    cfg = drafter.cfg
+    return unary_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping).topk(cfg.selector_top_k)
+
+def dflash2_drafts(drafter, logits, h, anchor_ids):
+    """The drafted blocks at T = 0: the selector's greedy path over the unary top-k. logits (n, B-1, V), h
+    (n, B-1, D) the final-normed hidden states of offsets 1..B-1, anchor_ids (n,) -> (n, B-1)."""
+    top = dflash2_top(drafter, logits)
+    return drafter.candidate_selector.greedy_path(h, top.indices, top.values, anchor_ids)
+
+def dflash2_details(drafter, logits, h, truth, temperature=0.0):
+    """draft_every_anchor's DFlash2 diagnostics of n blocks: the unary argmax (n, B-1), whether each true token is
+    among the k candidates (n, B-1) and, at temperature > 0, q (n, B-1): the selector's softmax(S / T) of the true
+    token (0 when it is no candidate) with the previous true token as predecessor (while the drafts are accepted
+    the path is the truth). truth (n, B): the anchor token, then the true tokens of offsets 1..B-1."""
+    top = dflash2_top(drafter, logits)
+    hit = top.indices == truth[:, 1:, None]                                              # (n, B-1, k)
+    out = {"unary": logits.argmax(-1), "covered": hit.any(-1)}
+    if temperature > 0:
+        s = drafter.candidate_selector.scores(h, truth[:, :-1], top.indices, top.values)   # (n, B-1, k)
+        out["q"] = torch.where(hit, (s / temperature).softmax(-1), 0.0).sum(-1)
+    return out
 
 def walk_prompts(samples, num_prompts):
     """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
@@ -733,16 +981,16 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
-def walk_tau(drafter, target, walk, world, tree_budget=0):
+def walk_tau(drafter, target, walk, world, tree_budget=0, unary=False):
     """Pooled tau of the walk over every rank's prompts, with tree_budget the pooled tau of tree verification with
     that many nodes on the same drafts (else None), and the chain's acceptance by block offset: [P(draft k accepted)
-    for k = 1..B-1] over all steps, as eval.py reports it. Each rank walks its own prompts, then the totals of
-    acceptance lengths and steps are summed over ranks. Each is None if no steps or the walk is off (walk None, the
-    same on every rank)."""
+    for k = 1..B-1] over all steps, as eval.py reports it; with unary=True (a DFlash2 drafter) also the unary
+    argmax's walked tau. Each rank walks its own prompts, then the totals of acceptance lengths and steps are summed
+    over ranks. Each is None if no steps or the walk is off (walk None, the same on every rank)."""
     if walk is None:
-        return None, None, None
+        return (None,) * (4 if unary else 3)
     dev, B = target.lm_head.weight.device, drafter.cfg.block_size
-    total = torch.zeros(4 + B - 1, device=dev)  # sum of acceptance lengths, steps: chain, tree; steps accepting >= k
+    total = torch.zeros(6 + B - 1, device=dev)  # acceptance lengths, steps: chain, tree, unary; steps accepting >= k
     K = min(tree_budget, target.vocab_size)
     for prompt, continuation in zip(*walk):
         ids = torch.tensor([prompt + continuation], device=dev)
@@ -750,15 +998,22 @@ def walk_tau(drafter, target, walk, world, tree_budget=0):
         if K:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
             drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt), topk=K)
             tree = tree_walk(continuation, logq, tokens, tree_budget)
+        elif drafter.cfg.dflash2:  # DFlash2: its selector's path, and the unary argmax's walk as a diagnostic
+            drafts, extra = draft_every_anchor(drafter, target, features, ids, len(prompt), details=True)
+            tree, unary = [], tau_walk(continuation, extra["unary"].tolist())
         else:
             drafts, tree = draft_every_anchor(drafter, target, features, ids, len(prompt)), []
+        if not drafter.cfg.dflash2:
+            unary = []
         lengths = tau_walk(continuation, drafts.tolist())
         accepted = [sum(n > k for n in lengths) for k in range(1, B)]  # lengths are accepted drafts + 1
-        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree), *accepted], device=dev)
+        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree), sum(unary), len(unary), *accepted],
+                              device=dev)
     if world > 1:
         dist.all_reduce(total)
-    tau, tree_tau = ((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2))
-    return tau, tree_tau, (total[4:] / total[1]).tolist() if total[1] > 0 else None
+    tau, tree_tau, unary_tau = ((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2, 4))
+    acceptance = (total[6:] / total[1]).tolist() if total[1] > 0 else None
+    return (tau, tree_tau, acceptance, unary_tau) if unary else (tau, tree_tau, acceptance)
 
 
 # -----------------------------------------------------------------------------
@@ -813,7 +1068,9 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     Anchors are keyed by the sample's index in the eval set: the same blocks whatever the number of ranks."""
     cfg = drafter.cfg
     z = torch.zeros((), device=target.lm_head.weight.device)
-    total = {k: z.new_zeros(cfg.block_size if k in ("correct", "count") else ()) for k in STAT_KEYS}  # maybe none
+    keys = STAT_KEYS + (DFLASH2_STAT_KEYS if cfg.dflash2 else ())  # a rank may have none
+    total = {k: z.new_zeros(cfg.block_size if k in ("correct", "count", "unary_correct", "covered") else ())
+             for k in keys}
     mine, per_rank = rank_share(list(range(len(samples))), rank, world)
     for s in range(0, per_rank, batch_size):  # a short rank's last batch is all empty rows (see rank_share)
         idx = mine[s:s + batch_size]
@@ -826,14 +1083,27 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
                                              **{**loss_kw, "noise_std": 0})[1])
     return summarize(all_reduce_sum(total, world))
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, loss="ce"):
+def step_record(step, total, lr, grad_norm, tokens_per_s, device, loss="ce", selector_alpha=None):
     """The console line and the metrics.jsonl record of a logged training step (total: its summed stats; loss: the
     --loss that trained it)."""
     m, mem = summarize(total), peak_memory_mb(device)
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
             f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
-    return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
+    record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
+              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
+    if selector_alpha is not None:  # DFlash2: the selector's figures and its term's weight this step
+        line += dflash2_said(m)
+        record.update({k: m[k] for k in DFLASH2_LOGGED}, selector_alpha=selector_alpha)
+    return line, record
+
+def dflash2_said(m, unary_walked=None):
+    """DFlash2's figures on the console: tau and acc are its selector's; the unary argmax's, the top-k recall and
+    the selector's own CE beside them."""
+    return (f"  (DFlash2: selector loss {m['selector_loss']:.4f}, unary tau {m['unary_tau']:.3f}"
+            + (f", unary walked tau {unary_walked:.3f}" if unary_walked is not None else "")
+            + f", top-k recall {m['topk_recall']:.3f})")
+
+DFLASH2_LOGGED = ("selector_loss", "unary_tau", "unary_acc", "topk_recall")
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say,
                   log_metrics, measured=None):
@@ -845,15 +1115,20 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     drafter.eval()
     m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank, world,
                  **loss_kw)
-    walked, tree_walked, walk_acceptance = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
+    walked, tree_walked, walk_acceptance, *unary = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget,
+                                                            unary=drafter.cfg.dflash2)
+    unary_walked = unary[0] if unary else None  # DFlash2: the unary argmax's walked tau
     drafter.train()
     say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
         + (f"  walked tau {walked:.3f}" if walked is not None else "")
-        + (f"  tree ({args.eval_walk_tree_budget} nodes) {tree_walked:.3f}" if tree_walked is not None else ""))
+        + (f"  tree ({args.eval_walk_tree_budget} nodes) {tree_walked:.3f}" if tree_walked is not None else "")
+        + (dflash2_said(m, unary_walked) if drafter.cfg.dflash2 else ""))
     tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
+    v2 = {"eval_walk_unary_tau": unary_walked, **{f"eval_{k}": m[k] for k in DFLASH2_LOGGED}} \
+        if drafter.cfg.dflash2 else {}  # DFlash2: tau walks its selector's path; the unary argmax's beside it
     walk = {"eval_walk_acceptance": walk_acceptance, "measured": measured} if walked is not None else {}
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **walk})
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **walk, **v2})
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -917,6 +1192,9 @@ def train(args):
                                                   dynamic_ncols=True) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
+            if run.cfg.dflash2:  # DFlash2: the selector term's weight this step (warmup, then ramp)
+                loss_kw["selector_alpha"] = selector_alpha(step, total_steps, args.selector_alpha,
+                                                           args.selector_warmup_ratio, args.selector_ramp_ratio)
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
             total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, args.num_anchors,
                                               args.grad_clip, world, **loss_kw)
@@ -933,7 +1211,7 @@ def train(args):
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
                 line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device, args.loss)
+                                           device, args.loss, loss_kw.get("selector_alpha"))
                 say(line)
                 log_metrics(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
@@ -1066,6 +1344,60 @@ class ChunkedLMHeadCE(torch.autograd.Function):
     def backward(ctx, grad_ce, grad_pred):
         (grad,) = ctx.saved_tensors
         return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
+
+# DFlash2: the chunked pass also gives the unary logits' top-k
+
+class ChunkedLMHeadTopK(torch.autograd.Function):
+    """ChunkedLMHeadCE on the unary logits z' (see unary_logits), also returning their top-k (values, differentiable
+    w.r.t. h, and ids) from the same chunked pass: no (T, V) tensor is kept."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, labels, chunk, topk, multiplier, softcap):
+        T = h.shape[0]
+        ce = torch.empty(T, dtype=torch.float32, device=h.device)
+        pred = torch.empty(T, dtype=torch.long, device=h.device)
+        vals = torch.empty(T, topk, dtype=torch.float32, device=h.device)
+        idx = torch.empty(T, topk, dtype=torch.long, device=h.device)
+        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        for s in range(0, T, chunk):
+            hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
+            logits = F.linear(hs, weight, bias).float()
+            z = unary_logits(logits, multiplier, softcap)
+            lse = z.logsumexp(-1)
+            ce[s:s + chunk] = lse - z.gather(1, ys[:, None]).squeeze(1)
+            pred[s:s + chunk] = z.argmax(-1)
+            top = z.topk(topk)
+            vals[s:s + chunk], idx[s:s + chunk] = top.values, top.indices
+            if grad is not None:
+                p = (z - lse[:, None]).exp_()
+                p[torch.arange(len(ys), device=h.device), ys] -= 1.0
+                p = p * unary_slope(z, multiplier, softcap)
+                grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
+                del p
+            del logits, z
+        ctx.save_for_backward(grad, vals, idx, weight)
+        ctx.chunk, ctx.multiplier, ctx.softcap = chunk, multiplier, softcap
+        ctx.mark_non_differentiable(pred, idx)
+        return ce, pred, vals, idx
+
+    @staticmethod
+    def backward(ctx, grad_ce, grad_pred, grad_vals, grad_idx):
+        grad, vals, idx, weight = ctx.saved_tensors
+        g = grad * grad_ce[:, None].to(grad.dtype)
+        if grad_vals is not None:  # d vals / d h = t'(z) * W[idx]: k rows of the head per token, in chunks
+            slope = grad_vals * unary_slope(vals, ctx.multiplier, ctx.softcap)
+            for s in range(0, len(g), ctx.chunk):
+                rows = weight[idx[s:s + ctx.chunk]].float()                          # (chunk, k, D)
+                g[s:s + ctx.chunk] += torch.einsum("tk,tkd->td", slope[s:s + ctx.chunk], rows).to(g.dtype)
+        return g, None, None, None, None, None, None, None
+
+
+def unary_slope(z, multiplier, softcap):
+    """dz'/dz of unary_logits at transformed values z': m * (1 - (z' / c)^2) with a cap, m without."""
+    slope = torch.full_like(z, float(multiplier))
+    if softcap:
+        slope = slope * (1 - (z / softcap).square())
+    return slope
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
@@ -1207,20 +1539,13 @@ def config_problems(cfg):
          f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn); refusing to fall back "
          f"silently to plain RoPE"),
     ]
-    bad = [msg for ok, msg in checks if not ok]
+    bad = [msg for ok, msg in checks if not ok] + dflash2_problems(cfg)
     if bad:
         raise DFlashError("\n".join(bad))
 
 # Keys of DFlash's relatives that change the drafter's math, with the values that leave it plain DFlash. Any other
 # value is refused: this drafter does not implement it, and ignoring it would train or measure another model.
 NOT_IMPLEMENTED = {
-    "conv_kernel_size": ((0, None), "DFlash2's grouped convolution over the block"),
-    "conv_group_size": ((0, None), "DFlash2's grouped convolution over the block"),
-    "selector_rank": ((0, None), "DFlash2's low-rank selector"),
-    "selector_top_k": ((0, None), "DFlash2's top-k selector"),
-    "input_embedding_scale": ((1, None), "a scale on the block embeddings"),
-    "output_multiplier": ((1, None), "a scale on the drafter's output"),
-    "final_logit_softcapping": ((0, None), "tanh soft-capping of the logits"),
     "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
     "add_swa_attention_sink_bias": ((False, None), "a learned per-head attention sink"),
     "attention_value_scale": ((1, None), "a scale on the attention values"),
@@ -1235,6 +1560,88 @@ NOT_IMPLEMENTED = {
     "partial_rotary_factor": ((1, None), "RoPE over part of head_dim; this drafter rotates all of it (often copied "
                                          "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
 }
+
+# DFlash2: the rules of its config fields, and its config.json keys
+
+DFLASH2_INTS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+DFLASH2_UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+
+def dflash2_problems(cfg):
+    """DFlash2's rules, as the engines and trainers that serve or train it enforce them: all four integers or none
+    (z-lab's and vLLM's loaders need all four, SGLang refuses a half pair), K <= block_size, the group size divides
+    the hidden size, 1 <= top_k <= vocab, a positive multiplier and scale, a softcap null or > 0."""
+    ints = {k: getattr(cfg, k) for k in DFLASH2_INTS}
+    bad = [f"{k} must be an integer >= 1 (DFlash2) or 0 (DFlash), got {v!r}" for k, v in ints.items()
+           if not (is_int(v) and v >= 0)]
+    if bad:
+        return bad
+    K, gs, r, k = ints.values()
+    on = [n for n, v in ints.items() if v]
+    m, c, s = cfg.output_multiplier, cfg.final_logit_softcapping, cfg.input_embedding_scale
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
+    checks = [
+        (len(on) in (0, 4), f"DFlash2 needs all of {', '.join(DFLASH2_INTS)}; only {', '.join(on)} set (a half "
+                            f"DFlash2 config is refused by z-lab's, vLLM's and SGLang's loaders); set all four or "
+                            f"none"),
+        (not K or K <= cfg.block_size, f"conv_kernel_size {K} is larger than block_size {cfg.block_size}: the "
+                                       f"convolution runs along one block's offsets; use 1..{cfg.block_size}"),
+        (not gs or cfg.hidden_size % gs == 0, f"conv_group_size {gs} does not divide hidden_size {cfg.hidden_size}; "
+                                              f"use a divisor such as {math.gcd(cfg.hidden_size, 16)}"),
+        (not k or k <= cfg.vocab_size, f"selector_top_k {k} is larger than the vocabulary {cfg.vocab_size}"),
+        (real(m), f"output_multiplier must be a positive finite number, got {m!r}"),
+        (c is None or real(c), f"final_logit_softcapping must be null (off) or > 0, got {c!r} (z-lab and the engines "
+                               f"read 0 as off, SpecForge refuses it: write null)"),
+        (real(s), f"input_embedding_scale must be a positive finite number, got {s!r}"),
+        (len(on) > 0 or (m, c, s) == (1.0, None, 1.0),
+         "output_multiplier, final_logit_softcapping and input_embedding_scale are implemented only for DFlash2 "
+         "drafters (they transform its selector's unary logits and block embeddings)"),
+    ]
+    return [msg for ok, msg in checks if not ok]
+
+def dflash2_fields(d, dc, where):
+    """DFlash2's keys of a config.json: ({field: value}, problems). Read from dflash_config, then the top level (z-lab's
+    order); a key only at the top level is a problem (vLLM reads DFlash2's keys from dflash_config alone), and so
+    is an `architectures` that disagrees with the keys (vLLM and z-lab pick the model class by it)."""
+    kw, problems, arch = {}, [], d.get("architectures") or []
+    for k in (*DFLASH2_INTS, *DFLASH2_UNARY):
+        v = dc[k] if k in dc else d.get(k)
+        if k not in dc and k in d and v not in (0, None, DFLASH2_UNARY.get(k)):
+            problems.append(f"{k} is at the top level, not in dflash_config: vLLM reads DFlash2's keys from "
+                            f"dflash_config only; move it there")
+        if v is not None:
+            kw[k] = v
+    v2 = any(kw.get(k) for k in DFLASH2_INTS)
+    if v2 and "DFlash2DraftModel" not in arch:
+        problems.append(f"dflash_config has DFlash2's keys but architectures is {arch}: vLLM and z-lab would load it "
+                        f"as plain DFlash, without its convolutions and selector; set architectures to "
+                        f"[\"DFlash2DraftModel\"]")
+    if "DFlash2DraftModel" in arch and not v2:
+        problems.append(f"architectures names DFlash2DraftModel but dflash_config lacks "
+                        f"{', '.join(DFLASH2_INTS)}; the engines cannot build it")
+    return kw, problems
+
+def dflash2_json(cfg, d):
+    """Pop DFlash2's fields off asdict(cfg) (d, the top level) and return the keys dflash_config gets: the four
+    integers and each transform that is not the identity (softcap only when set: never 0), none for plain DFlash."""
+    for k in (*DFLASH2_INTS, *DFLASH2_UNARY):
+        d.pop(k)
+    if not cfg.dflash2:
+        return {}
+    return {**{k: getattr(cfg, k) for k in DFLASH2_INTS},
+            **{k: getattr(cfg, k) for k, plain in DFLASH2_UNARY.items() if getattr(cfg, k) != plain}}
+
+def dflash2_shapes(cfg):
+    """The tensors DFlash2 adds, with the names and shapes of z-lab's released files (codebooks without .weight)."""
+    if not cfg.dflash2:
+        return {}
+    D, V, r, K = cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, cfg.conv_kernel_size
+    shapes = {"candidate_selector.hidden_projection.weight": (r, D), "candidate_selector.predecessor_codebook": (V, r),
+              "candidate_selector.successor_codebook": (V, r)}
+    for i in range(cfg.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, K, D)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * K * D // cfg.conv_group_size, D)
+    return shapes
 
 def not_implemented(d, dc, ec, rope):
     """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
@@ -1368,6 +1775,7 @@ def config_to_json(cfg):
     bad = engine_problems(cfg)
     need(not bad, "\n".join(bad))
     d = asdict(cfg)
+    v2 = dflash2_json(cfg, d)  # DFlash2's keys go to dflash_config
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
         d.pop("rope_scaling")
@@ -1381,9 +1789,10 @@ def config_to_json(cfg):
     dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
-          **({"swa_window_size": cfg.sliding_window} if sliding else {})}
-    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-            "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
+          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **v2}
+    return {"architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
+            **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_from_json(d, where="config.json"):
@@ -1403,6 +1812,8 @@ def config_from_json(d, where="config.json"):
                                (get("mask_token_id") is not None, "mask_token_id is missing (expected in "
                                                                   "dflash_config)")) if not ok]
     bad += not_implemented(d, dc, ec, rope) + engines_differ(d, c, dc, ec, ids, num_target)
+    v2, v2_problems = dflash2_fields(d, dc, where)  # DFlash2's keys
+    bad += v2_problems
     need(not bad, "\n".join(f"{where}: {p}" for p in bad))
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     try:  # a config class of another model_type may lack a field Qwen3's has
@@ -1415,7 +1826,7 @@ def config_from_json(d, where="config.json"):
             max_position_embeddings=c.max_position_embeddings, attention_bias=getattr(c, "attention_bias", False),
             block_size=get("block_size", 16), mask_token_id=get("mask_token_id"), num_target_layers=num_target,
             target_layer_ids=ids, layer_types=getattr(c, "layer_types", None) or ["full_attention"] * n,
-            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None))
+            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None), **v2)
     except AttributeError as e:
         raise DFlashError(f"{where}: required field {e.name!r} is missing") from None
     except DFlashError as e:
@@ -1424,6 +1835,18 @@ def config_from_json(d, where="config.json"):
     need(not bad, "\n".join(f"{where}: {p}" for p in bad))
     return cfg
 
+
+
+def dflash2_from(drafter, cfg):
+    """--init_from a DFlash drafter with --dflash2: the DFlash2 drafter of cfg (that drafter's config plus DFlash2's
+    fields) holding its weights, its own pieces fresh (identity convolutions, a zero successor codebook), so that at
+    step 0 it drafts exactly what that drafter drafts."""
+    w = drafter.fc.weight
+    new = DFlashDrafter(cfg, drafter.attention).to(w.device, w.dtype)
+    missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and set(missing) == set(dflash2_shapes(cfg)), (missing, unexpected)
+    new.grad_checkpoint = drafter.grad_checkpoint
+    return new
 
 
 # -----------------------------------------------------------------------------
@@ -1445,7 +1868,7 @@ def expected_shapes(cfg):
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (h * hd,), p + "self_attn.k_proj.bias": (hk * hd,),
                            p + "self_attn.v_proj.bias": (hk * hd,), p + "self_attn.o_proj.bias": (D,)})
-    return shapes
+    return {**shapes, **dflash2_shapes(cfg)}
 
 def read_json(path, what):
     try:
@@ -2564,6 +2987,7 @@ def check_run(args, world, device, master):
         cfg = read_drafter_config(init_from) if init_from else \
             new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, free=mask_candidates(args, meta),
                                say=print if master else lambda *a: None)
+        cfg = dflash2_config(cfg, args)
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
@@ -2575,6 +2999,35 @@ def check_run(args, world, device, master):
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     return RunSetup(cfg, resume_dir, state, data_digest, init_from)
+
+def dflash2_config(cfg, args):
+    """--dflash2: the drafter config with DFlash2's fields from the flags (released geometry by default: K 2, group
+    16, rank 256, top-k 16); a drafter that already is DFlash2 (--init_from one) keeps its own. Flags that only mean
+    something for DFlash2 are refused on a DFlash drafter, as is a tree budget on a DFlash2 one (no source defines
+    tree verification for DFlash2: its selector drafts one chain). Fills in the selector loss flags' defaults."""
+    geometry = {k: getattr(args, k) for k in DFLASH2_INTS}
+    loss = [f for f in ("selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio")
+            if getattr(args, f) is not None]
+    given = [k for k, v in geometry.items() if v is not None]
+    need(args.dflash2 or not given, f"--{given and given[0]} is DFlash2's; add --dflash2 (or drop it)")
+    if args.dflash2 and not cfg.dflash2:
+        try:
+            cfg = DFlashConfig(**{**asdict(cfg), **{k: DFLASH2_DEFAULTS[k] if v is None else v
+                                                    for k, v in geometry.items()}})
+        except DFlashError as e:
+            raise DFlashError("\n".join(f"--dflash2: {p}" for p in str(e).splitlines())) from None
+    need(cfg.dflash2 or not (loss or args.selector_stop_gradient), f"--{(loss or ['selector_stop_gradient'])[0]} "
+         f"shapes DFlash2's selector loss; add --dflash2 (or drop it)")
+    need(not (cfg.dflash2 and args.eval_walk_tree_budget), "--eval_walk_tree_budget: a DFlash2 drafter's selector "
+         "drafts one chain, and no tree verification is defined for it; drop --eval_walk_tree_budget")
+    need(not (cfg.dflash2 and args.loss != "ce"), f"--loss {args.loss} with a DFlash2 drafter is not implemented (its "
+         f"selector's term is defined beside the CE); drop --loss")
+    for f, default in (("selector_alpha", 1.0), ("selector_warmup_ratio", 0.0), ("selector_ramp_ratio", 0.0)):
+        if getattr(args, f) is None:
+            setattr(args, f, default)
+    return cfg
+
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 def data_package_problems(args):
     """One line per --data / --eval_data whose format needs a package that is not installed."""
@@ -2639,6 +3092,10 @@ def build_drafter(args, run, target, world, device, say=print):
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg, resume_dir, state, source = run.cfg, run.resume_dir, run.state, run.resume_dir or run.init_from
     drafter = load_drafter(source, device, attention=attention) if source else DFlashDrafter(cfg, attention).to(device)
+    if cfg.dflash2 and not drafter.cfg.dflash2:  # --init_from a DFlash drafter with --dflash2
+        drafter = dflash2_from(drafter, cfg)
+    if cfg.dflash2 and args.selector_alpha == 0:  # no selector objective: the selector is not trained
+        drafter.candidate_selector.requires_grad_(False)
     if not source and tied(target):
         start_off_mask(drafter, target)
         say("tied embeddings: the new drafter's final norm starts off the mask token's row (its first drafts would "
@@ -2663,6 +3120,9 @@ def build_drafter(args, run, target, world, device, say=print):
         f"{attention}, compile {compile_}")
     loss_kw = dict(gamma=args.gamma, loss=args.loss, dpace_alpha=args.dpace_alpha, noise_std=args.noise_std,
                    labels=args.labels, pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    if cfg.dflash2:  # DFlash2: its selector (the raw module: the wrappers' forward is the drafter's) and its term
+        loss_kw.update(selector=drafter.candidate_selector, selector_alpha=args.selector_alpha,
+                       selector_stop_gradient=args.selector_stop_gradient)
     return drafter, model, optimizer, loss_kw
 
 def append_metrics(out, record):
@@ -2965,6 +3425,17 @@ def get_parser():
     flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
     flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
     flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
+    flag(g, "--dflash2", False, "a DFlash2 drafter: DFlash plus grouped dynamic causal convolutions around each "
+         "sublayer and a candidate selector over the target head's top-k (with --init_from a DFlash drafter: that "
+         "drafter, its DFlash2 pieces fresh)", action="store_true")
+    flag(g, "--conv_kernel_size", None, "with --dflash2: K, the convolution's taps along the block (default 2)", int,
+         lo=1, hi=256)
+    flag(g, "--conv_group_size", None, "with --dflash2: channels sharing one dynamic tap, a divisor of the hidden "
+         "size (default 16)", int, lo=1, hi=65536)
+    flag(g, "--selector_rank", None, "with --dflash2: rank of the selector's codebooks (default 256)", int, lo=1,
+         hi=8192)
+    flag(g, "--selector_top_k", None, "with --dflash2: candidates per drafted offset (default 16)", int, lo=1,
+         hi=1024)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -2985,6 +3456,14 @@ def get_parser():
     flag(g, "--labels", "target", "target: the target's greedy token (teacher-forced); data: the data token",
          choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
+    flag(g, "--selector_alpha", None, "DFlash2: weight of the selector's CE beside the DFlash CE (default 1; 0: "
+         "the selector is not trained)", float)
+    flag(g, "--selector_warmup_ratio", None, "DFlash2: fraction of the steps with the selector term at 0 (default 0)",
+         float, hi=1)
+    flag(g, "--selector_ramp_ratio", None, "DFlash2: fraction of the steps over which its weight then rises "
+         "linearly to --selector_alpha (default 0: at once)", float, hi=1)
+    flag(g, "--selector_stop_gradient", False, "DFlash2: the selector's CE trains the selector alone (the unary "
+         "logits and hidden states detached in it)", action="store_true")
     g = p.add_argument_group("optimisation")
     flag(g, "--batch_size", 1, "sequences per rank per micro-step", int, lo=1)
     flag(g, "--grad_accum", 4, "micro-steps per optimizer step", int, lo=1)

@@ -46,7 +46,7 @@ import torch
 
 import dflash
 from dflash import (DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk,
-                    tree_walk)
+                    tree_walk, walk_steps)
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -257,6 +257,15 @@ class NeuralDrafter:
             return out[:, :num_drafts].tolist()
         return out[0][:, :num_drafts].tolist(), out[1][:, :num_drafts], out[2][:, :num_drafts]
 
+    def walk_dflash2(self, target, prompt, continuation, features, num_drafts, temperature=0.0):
+        """DFlash2: drafts[k] (its selector's greedy path) and draft_every_anchor's details: the unary argmax drafts
+        and the top-k hits of the true tokens (diagnostics), and at temperature > 0 the selector's q of each true
+        token (selector_sampled_lengths)."""
+        ids = torch.tensor([prompt + continuation], device=features.device)
+        path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), details=True,
+                                           temperature=temperature)
+        return path[:, :num_drafts].tolist(), {k: v[:, :num_drafts] for k, v in details.items()}
+
     def start(self, target, prompt, features):
         """features (1, P, m*D) of the prompt's positions: the context of the first block."""
         self.target, self.kv, self.length = target, None, 0  # kv: per layer (k, v), each (1, length, hk, hd)
@@ -272,18 +281,28 @@ class NeuralDrafter:
 
     def draft(self, anchor, num_drafts):
         """The drafts after `anchor`, which sits at position self.length (its context is everything before it)."""
+        if self.cfg.dflash2:  # DFlash2: its selector's greedy path over the unary top-k
+            h = self.block_hidden(anchor)
+            logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
+            anchor_id = torch.tensor([anchor], device=h.device)
+            return dflash.dflash2_drafts(self.drafter, logits[None], h[None], anchor_id)[0, :num_drafts].tolist()
         return self.block_logits(anchor).argmax(-1)[:num_drafts].tolist()
 
     @torch.no_grad()
-    def block_logits(self, anchor):
-        """(B-1, V) logits of the block anchored at `anchor` (position self.length)."""
+    def block_hidden(self, anchor):
+        """(B-1, D) final-normed hidden states of the drafted offsets of the block anchored at `anchor` (position
+        self.length)."""
         cfg, dev, t = self.cfg, self.drafter.fc.weight.device, self.target
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
         anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
         x = dflash.embed_blocks(t, ids).to(self.drafter.fc.weight.dtype)
-        h = self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv, self.length)
-        return t.lm_head(h[0, 0, 1:].to(t.lm_head.weight.dtype))
+        return self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv,
+                                   self.length)[0, 0, 1:]
+
+    def block_logits(self, anchor):
+        """(B-1, V) logits of the block anchored at `anchor` (position self.length)."""
+        return self.target.lm_head(self.block_hidden(anchor).to(self.target.lm_head.weight.dtype))
 
 
 # -----------------------------------------------------------------------------
@@ -352,6 +371,33 @@ def sampled_continuation(target, prompt, max_new_tokens, eos, s, generator):
         out.append(int(torch.multinomial(sampling_probs(step.logits[0, -1], s), 1, generator=generator)))
         x = torch.tensor([[out[-1]]], device=dev)
     return out
+
+
+def truth_probs(target, final, prompt_len, continuation, s):
+    """p'(s[j]) at index j = 1..n-1 (1 at j = 0): the target's sampling probability (sampling_probs) of each
+    continuation token given what precedes it, from the hooked pass's final hidden states (position P+j-1 predicts
+    s[j]), in chunks of positions (no (n, V) tensor)."""
+    f, truth = final[0, prompt_len:prompt_len + len(continuation) - 1], torch.tensor(continuation[1:])
+    chunk, p = dflash.vocab_chunk(target.vocab_size), [torch.ones(1)]
+    for c in range(0, len(f), chunk):
+        probs = sampling_probs(target.lm_head(f[c:c + chunk].to(target.lm_head.weight.dtype)), s).cpu()
+        p.append(probs.gather(1, truth[c:c + chunk, None]).squeeze(1))
+    return torch.cat(p)
+
+
+def selector_sampled_lengths(continuation, p_truth, q, generator):
+    """DFlash2 at temperature > 0: acceptance lengths along a continuation sampled from the target, when each block
+    is drawn from its selector's q over the k candidates and verified by rejection sampling (z-lab's reference).
+    The walk uses the coupling that has the same law: the target's token x ~ p' at an offset is the draft with
+    probability min(1, q(x) / p'(x)), so the draft is accepted then (u * p'(x) < q(x), u uniform), and the walk
+    goes on along x; a rejection emits x, distributed as the residual of p' without q. While drafts are accepted
+    the selector's path is the continuation, so q is its teacher-forced one. q (n, B-1): q of continuation[k+i]
+    at offset i of the block anchored at continuation[k]; p_truth from truth_probs."""
+    n, Bm1 = q.shape
+    u = torch.rand(n, Bm1, generator=generator)
+    at = (torch.arange(n)[:, None] + torch.arange(1, Bm1 + 1)).clamp(max=len(continuation) - 1)
+    accept = (u * p_truth[at] < q.float().cpu()).tolist()
+    return walk_steps(continuation, lambda k, truth: accepted_prefix(accept[k], [True] * len(truth)))
 
 
 # -----------------------------------------------------------------------------
@@ -458,6 +504,10 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
+    dflash2 = [name for name, (d, _) in drafters.items() if isinstance(d, NeuralDrafter) and d.cfg.dflash2]
+    if tree_budgets and dflash2:
+        raise DFlashError(f"--tree_budget: drafter {dflash2[0]} is a DFlash2 drafter, whose selector drafts one chain "
+                          f"(no tree verification is defined for it); drop --tree_budget or that drafter")
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
@@ -479,8 +529,10 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
             else:
                 continuation = [int(t) for t in continuations[i]]
             timing["generate_s"] += time.perf_counter() - t0
+            accept_seed = dflash.mix_seed(sampling.seed, i, j, 1) if sampled else None
             for name, entry, seconds in evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens,
-                                                        eos, dump_drafts, timing, tree_budgets):
+                                                        eos, dump_drafts, timing, tree_budgets,
+                                                        sampling if sampled else None, accept_seed):
                 per[name]["time_s"] += seconds
                 per[name]["prompts"].append({**entry, "sample": j} if sampled else entry)
     results = [summarize_drafter(name, B, per[name], mode, timing if continuations is None else None,
@@ -493,15 +545,17 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
 
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
-                    tree_budgets=()):
+                    tree_budgets=(), sampling=None, accept_seed=None):
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
     drafters' context layers in one hooked target pass over prompt + continuation; tree_budgets: each neural
-    drafter's entry also holds the tree walk's acceptance lengths per budget, from the same drafting pass."""
+    drafter's entry also holds the tree walk's acceptance lengths per budget, from the same drafting pass. A DFlash2
+    drafter walks its selector's path (sampled: selector_sampled_lengths, its uniforms seeded by accept_seed); its
+    entry also holds the unary argmax's acceptance lengths and the top-k hits of the true tokens."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
         ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
-        features, _ = dflash.target_features(target, ids, union)  # (1, S, len(union)*D)
+        features, final = dflash.target_features(target, ids, union)  # (1, S, len(union)*D), (1, S, D)
         timing["features_s"] += time.perf_counter() - t0
     for name, (d, B) in drafters.items():
         t0 = time.perf_counter()
@@ -515,9 +569,20 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
                 K = min(max(tree_budgets), target.vocab_size)  # no tree of that many nodes reaches a deeper rank
                 at, logq, tokens = d.walk_drafts(target, prompt, continuation, ctx, B - 1, topk=K)
                 entry["tree"] = {str(b): tree_walk(continuation, logq, tokens, b) for b in tree_budgets}
+            elif isinstance(d, NeuralDrafter) and d.cfg.dflash2:
+                at, details = d.walk_dflash2(target, prompt, continuation, ctx, B - 1,
+                                             sampling.temperature if sampling else 0.0)
+                seen = (torch.arange(len(at))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
+                entry["unary_acceptance_lengths"] = tau_walk(continuation, details["unary"].tolist())
+                entry["topk_hits"] = [int((details["covered"].cpu() & seen).sum()), int(seen.sum())]
             else:
                 at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
-            lengths = tau_walk(continuation, at)
+            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.dflash2:
+                lengths = selector_sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation,
+                                                                             sampling), details["q"],
+                                                   torch.Generator().manual_seed(accept_seed))
+            else:
+                lengths = tau_walk(continuation, at)
             drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
             entry.update(continuation=continuation, acceptance_lengths=lengths)
         if dump_drafts:
@@ -560,6 +625,10 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
         for b in entries[0]["tree"]:
             tree_tau, tree_tau_per_prompt = conventions([e["tree"][b] for e in entries])
             r["tree"][b] = {"tau": tree_tau, "tau_per_prompt": tree_tau_per_prompt}
+    if entries and "unary_acceptance_lengths" in entries[0]:  # DFlash2's diagnostics
+        r["unary_tau"] = conventions([e["unary_acceptance_lengths"] for e in entries])[0]
+        hits, count = (sum(e["topk_hits"][c] for e in entries) for c in (0, 1))
+        r["topk_recall"] = hits / count if count else None
     if mode == "loop":
         r["tokens_per_s"] = r["tokens"] / max(per["time_s"], 1e-9)
         r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if timing else None
@@ -679,6 +748,11 @@ def print_report(report, file=None):
             tau, se, tpp, se_pp = (f"{r[k]:.3f}" if r.get(k) is not None else "-"
                                    for k in ("tau", "tau_stderr", "tau_per_prompt", "tau_per_prompt_stderr"))
             out(f"  {r['drafter']:<{w}}  tau {tau} +- {se}  tau/prompt {tpp} +- {se_pp}")
+    for r in results:
+        if "unary_tau" in r:
+            out(f"  {r['drafter']:<{w}}  DFlash2: tau walks its selector's path; the unary argmax's tau "
+                f"{r['unary_tau']:.3f}" + (f", top-k recall {r['topk_recall']:.3f}" if r["topk_recall"] is not None
+                                           else "") + " (diagnostics)")
     if report.get("tree_budgets"):
         print_trees(results, report["tree_budgets"], w, out)
     out()
@@ -833,14 +907,16 @@ def get_parser():
          "decoding loop with the KV cache (dense targets), reports tokens/s and checks the output equals plain "
          "greedy decoding", choices=["exact", "loop"])
     flag(p, "--temperature", 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
-         "default and SGLang's DFlash): the walk along continuations sampled from the target (0: greedy)", float)
+         "default and SGLang's DFlash; a DFlash2 drafter's path drawn from its selector's q and rejection-sampled): "
+         "the walk along continuations sampled from the target (0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
     flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
          hi=MAX_SAMPLES)
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
-         "comma-separated N side by side with the chain (neural drafters)", type=budget_list)
+         "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
+         "chain)", type=budget_list)
     flag(p, "--enable_thinking", None, "passed to the chat template when it reads enable_thinking (default: the "
          "template's own default)", action=argparse.BooleanOptionalAction)
     flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")

@@ -40,7 +40,8 @@ DEMO_OUT = os.path.join("out", "demo")  # the demo's own --out: each run starts 
 
 
 def run_demo(argv):
-    """argv: extra dflash.py flags, applied after the preset (e.g. `python dflash.py --demo --noise_std 0`)."""
+    """argv: extra dflash.py flags, applied after the preset (e.g. `python dflash.py --demo --noise_std 0`; a DFlash2
+    drafter on the same target, data and steps: `python dflash.py --demo --dflash2`)."""
     import eval as tau_eval
     from dflash_tools.tiny_target import build_tiny_target, heldout_prompts, make_regenerated_data
 
@@ -87,7 +88,8 @@ def run_demo(argv):
     tau_eval.write_json(report, os.path.join(out, "demo_eval.json"))
     tau = {r["drafter"]: r["tau"] for r in report["results"]}
     check_walked_tau(train_args, data, target, drafter)
-    print(f"demo done in {time.time() - t0:.0f}s (training {t_train:.0f}s): tau trained {tau['trained']:.2f}, "
+    print(f"demo done in {time.time() - t0:.0f}s (training {t_train:.0f}s, a {'DFlash2' if cfg.dflash2 else 'DFlash'} "
+          f"drafter): tau trained {tau['trained']:.2f}, "
           f"untrained {tau['untrained']:.2f}, prompt-lookup {tau['prompt-lookup']:.2f}; "
           f"wrote {os.path.join(out, 'demo_eval.json')}")
     return report

@@ -54,8 +54,13 @@ def activation_elems(d, T, b, S, attention, grad_checkpoint):
         attn = d["num_attention_heads"] * T * (S + B)
         masks = len(set(d["layer_kinds"])) * T * (S + B)
     layer = T * (6 * D + 7 * Q + 4 * K + 4 * I) + attn          # one decoder layer, everything it saves
+    taps, groups = d.get("conv_kernel_size", 0), D // max(d.get("conv_group_size", 0), 1)
+    if taps:  # DFlash2: two convolutions a layer, each keeps its taps' shifted inputs and sums, both sides
+        layer += 2 * (2 * (taps + 1) * T * D + T * 2 * taps * groups)
     ctx_kv = 4 * b * S * K                                       # k_proj -> k_norm -> RoPE of the context, per layer
     shared = b * S * m * D + 3 * b * S * D + 3 * T * D + T * D + 2 * T * d["head_dim"]  # fc in, norms, CE grad, RoPE
+    r, k = d.get("selector_rank", 0), d.get("selector_top_k", 0)
+    shared += T * (2 * k * r + 3 * r + 3 * k)  # DFlash2's selector: the candidates' codebook rows, H(h), A[pred]
     if grad_checkpoint:  # each layer keeps its input and its context keys/values; backward recomputes one layer
         return shared + L * (ctx_kv + T * D + 2 * b * S * K) + layer, masks, layer
     return shared + L * (layer + ctx_kv), masks, layer
@@ -177,8 +182,10 @@ def active_params(meta_target):
 def drafter_sizes(cfg, shapes):
     """cfg: the drafter config as a dict (dataclasses.asdict); shapes: dflash.expected_shapes(cfg)."""
     kinds = [(t == "sliding_attention") for t in cfg["layer_types"]]
+    dflash2 = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
     return {**{k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                     "num_key_value_heads", "head_dim", "block_size")},
+            **{k: cfg.get(k, 0) for k in dflash2},
             "params": sum(int(torch.Size(s).numel()) for s in shapes.values()), "layer_kinds": kinds,
             "context_layers": len(cfg["target_layer_ids"])}
 

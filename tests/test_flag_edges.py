@@ -91,12 +91,18 @@ def test_temperatures_float32_cannot_hold(temperature):
 # an edge that cannot run here ends in one error line naming what limits it (another flag, the data, the target)
 DFLASH_LIMITED = {("--max_len", 2): "no usable samples", ("--batch_size", 10 ** 18): "fewer than one global batch",
                   ("--grad_accum", 10 ** 18): "lower --batch_size or --grad_accum",
-                  ("--mask_token_id", 10 ** 18): "outside the vocabulary"}
+                  ("--mask_token_id", 10 ** 18): "outside the vocabulary",
+                  ("--conv_kernel_size", 256): "larger than block_size 4",
+                  ("--conv_group_size", 65536): "does not divide hidden_size 32",
+                  ("--selector_top_k", 1024): "larger than the vocabulary 96"}
 # companions an edge needs to be valid at all (heads divide evenly) or to do anything (a held-out set, --plan)
 DFLASH_WITH = {"--num_heads": ["--num_kv_heads", "1"], "--num_kv_heads": ["--num_heads", "256"],
                "--eval_walk_prompts": ["--eval_fraction", "0.5"], "--eval_walk_tokens": ["--eval_fraction", "0.5"],
                "--eval_walk_tree_budget": ["--eval_fraction", "0.5"], "--plan_world_size": ["--plan"],
-               "--plan_gpu_gb": ["--plan"]}
+               "--plan_gpu_gb": ["--plan"],
+               **{f: ["--dflash2"] for f in ("--conv_kernel_size", "--conv_group_size", "--selector_rank",
+                                             "--selector_top_k", "--selector_alpha", "--selector_warmup_ratio",
+                                             "--selector_ramp_ratio")}}
 
 
 @pytest.fixture(scope="module")

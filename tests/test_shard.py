@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 import dflash
 from conftest import ROOT, SMALL, tiny_qwen3, tiny_qwen35, torch_threads, write_data
 
+DFLASH2 = ["--dflash2", "--conv_group_size", "4", "--selector_rank", "8", "--selector_top_k", "6",
+           "--selector_ramp_ratio", "0.5"]
 EVAL_FRACTION, WALK_PROMPTS, WALK_TOKENS = 0.2, 3, 12  # 25 samples: 5 held out (3 + 2 per rank), 3 prompts (2 + 1)
 
 # Run under torchrun: each case in turn in one process group (train() would end it: kept for the next case)
@@ -128,6 +130,9 @@ def runs(tmp_path_factory):
     cases.append({"kind": "train", "out": str(d / "dense_rows"),  # 2 rows per rank, no accumulation
                   "argv": ["--target", targets["dense"], *common, "--batch_size", "2", "--grad_accum", "1", "--out",
                            str(d / "dense_rows")]})
+    v2 = ["--target", targets["dense"], *common, *DFLASH2, "--zero"]  # DFlash2 under DDP + ZeRO, and sharded
+    for name, extra in (("v2_ddp", []), ("v2_shard", ["--shard_target"])):
+        cases.append({"kind": "train", "out": str(d / name), "argv": v2 + ["--out", str(d / name), *extra]})
     cases.append({"kind": "train", "out": str(d / "dense_dpace"),  # D-PACE: 1 row x grad_accum 2 per rank
                   "argv": ["--target", targets["dense"], *common, "--loss", "dpace", "--out", str(d / "dense_dpace")]})
     cases.append({"kind": "train", "out": str(d / "no_decoder"),
@@ -213,6 +218,27 @@ def test_two_ranks_equal_one_process(runs, tmp_path, loss):
                 assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (ddp.name, a["step"])
         w, wo = final_weights(ddp), final_weights(one)
         assert max((w[k] - wo[k]).abs().max().item() for k in w) < 1e-5
+
+
+def test_dflash2_on_two_ranks_with_zero_and_sharded_target_equals_one_process(runs, tmp_path):
+    """DFlash2 (its selector trained outside the DDP forward, its term ramped) on 2 ranks with --zero equals one
+    process with the same global batch; with --shard_target as well it equals the DDP run exactly."""
+    d, _, common = runs
+    one = tmp_path / "one"
+    with torch_threads(1):
+        dflash.main(["--target", str(d / "q3"), *common, *DFLASH2, "--batch_size", "2", "--grad_accum", "2", "--out",
+                     str(one)])
+    mine, ddp, shard = records(one), records(d / "v2_ddp"), records(d / "v2_shard")
+    assert ddp == shard and [sorted(r) for r in ddp] == [sorted(r) for r in mine]
+    assert [r["selector_alpha"] for r in mine if "loss" in r] == [1 / 3, 2 / 3, 1, 1, 1, 1]
+    for a, b in zip(ddp, mine):
+        for k in ("loss", "selector_loss", "eval_loss", "tau", "eval_tau", "eval_walk_tau", "eval_topk_recall"):
+            if k in a:
+                assert a[k] == pytest.approx(b[k], abs=1e-5), (a["step"], k)
+    w, wo, ws = final_weights(d / "v2_ddp"), final_weights(one), final_weights(d / "v2_shard")
+    assert "candidate_selector.successor_codebook" in w and w["candidate_selector.successor_codebook"].any()
+    assert max((w[k] - wo[k]).abs().max().item() for k in w) < 1e-5
+    assert all(torch.equal(w[k], ws[k]) for k in w)
 
 
 def test_shard_target_bad_input(runs, tmp_path, capsys):
