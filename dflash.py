@@ -1106,7 +1106,7 @@ def dflash2_said(m, unary_walked=None):
 DFLASH2_LOGGED = ("selector_loss", "unary_tau", "unary_acc", "topk_recall")
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say,
-                  log_metrics, measured=None):
+                  log_metrics):
     """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau and acceptance by
     block offset (walk_tau) and, with --eval_walk_tree_budget, the tree's; said (the console) and logged
     (metrics.jsonl), the walk with how it was measured (measurement). Nothing without eval_samples."""
@@ -1126,6 +1126,8 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
     v2 = {"eval_walk_unary_tau": unary_walked, **{f"eval_{k}": m[k] for k in DFLASH2_LOGGED}} \
         if drafter.cfg.dflash2 else {}  # DFlash2: tau walks its selector's path; the unary argmax's beside it
+    measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
+                           prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
     walk = {"eval_walk_acceptance": walk_acceptance, "measured": measured} if walked is not None else {}
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **walk, **v2})
@@ -1138,19 +1140,9 @@ def train(args):
     master = rank == 0
     say = (lambda *a: tqdm.write(" ".join(map(str, a)))) if master else (lambda *a: None)
     run = check_run(args, world, device, master)  # the drafter config, where to resume from, the data's digest
-    # rank 0's trackers start before any weights load (a W&B login problem is one line, not a loaded 27B target)
-    trackers = Trackers(report_to(args) if master and run.cfg else [], args.out,
-                        {"args": vars(args), "drafter": asdict(run.cfg) if run.cfg else None}, run.state)
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
-                         shard=args.shard_target and world > 1)
-    trained_for = target_record(target)  # what each checkpoint records, and what a drafter to go on must match
-    for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
-        if d:
-            check_trained_against(d, trained_for, what, args.allow_other_target)
-    train_samples, eval_samples = read_data(args, target, say)
-    if not args.show_data:
-        check_mask_unused(train_samples + eval_samples, run.cfg.mask_token_id, target,
-                          "--data" + (" and --eval_data" if args.eval_data else ""))
+    trackers = start_trackers(args, run, master)  # before any weights load: a W&B login problem is one line
+    target, trained_for = load_run_target(args, run, world, device)  # trained_for: what each checkpoint records
+    train_samples, eval_samples = read_data(args, target, say, run.cfg)
     if args.show_data:  # look at the loss masks before spending anything on training
         return show_data(train_samples, target.tokenizer, args.show_data) if master else None
     batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
@@ -1159,12 +1151,8 @@ def train(args):
     check_resume(args.out, run, batches.global_batch, master)
     drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
-    walk_settings = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
-                                prompts=walk_prompts(eval_samples, args.eval_walk_prompts))
     os.makedirs(args.out, exist_ok=True)
-    say(f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of "
-        f"{batches.global_batch} samples, {world} rank(s) on {device.type}; loss {args.loss} "
-        f"({f'gamma {args.gamma}' if args.loss == 'ce' else f'alpha {args.dpace_alpha}'})")
+    say(run_summary(args, target, total_steps, batches.global_batch, world, device))
 
     def log_metrics(record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
         if master:
@@ -1173,7 +1161,7 @@ def train(args):
 
     def held_out(step):
         held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, say,
-                      log_metrics, walk_settings)
+                      log_metrics)
 
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
@@ -1187,23 +1175,15 @@ def train(args):
     if step == 0:
         held_out(0)
     stopped, t_last, tokens = False, time.time(), 0
-    bar_off = not master or args.no_progress or not sys.stderr.isatty()  # redirected: the log lines alone
-    with StopFlag(args.out, say) as stop, tqdm(total=total_steps, initial=step, desc="train", disable=bar_off,
-                                                  dynamic_ncols=True) as bar:
+    with StopFlag(args.out, say) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
             if run.cfg.dflash2:  # DFlash2: the selector term's weight this step (warmup, then ramp)
-                loss_kw["selector_alpha"] = selector_alpha(step, total_steps, args.selector_alpha,
-                                                           args.selector_warmup_ratio, args.selector_ramp_ratio)
+                loss_kw["selector_alpha"] = selector_alpha(step, total_steps, *selector_schedule(args))
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
             total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, args.num_anchors,
                                               args.grad_clip, world, **loss_kw)
-            bad_steps = 0 if ok else bad_steps + 1
-            if not ok:
-                say(f"step {step + 1}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, "
-                       f"skipped the update ({bad_steps} in a row)")
-                need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step "
-                     f"{step + 1}); lower --lr or check the data; the last good checkpoint is in {args.out}")
+            bad_steps = 0 if ok else count_bad_step(bad_steps, step + 1, total, grad_norm, args, say)
             step += 1
             bar.update(1)
             tokens += total["tokens"].item()  # all ranks' tokens, exactly
@@ -1224,8 +1204,7 @@ def train(args):
 
     # --- the end
     if stopped:
-        say(f"interrupted after step {step}: saved {os.path.join(args.out, f'step_{step}')}; resume with the same "
-               f"command plus --resume")
+        say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume with the same command plus --resume")
     elif step > start:  # (a resumed run that had already finished has nothing left to do)
         held_out(step)
         save(step)
@@ -3068,9 +3047,10 @@ def check_resume(out, run, global_batch, master):
     if master:
         keep_metrics(out, state["step"] if state else -1)
 
-def read_data(args, target, say):
-    """(train samples, held-out samples): --eval_data's, or split off --data (split_eval). With --show_data the
-    held-out set is None and the samples are --data's in file order."""
+def read_data(args, target, say, cfg=None):
+    """(train samples, held-out samples): --eval_data's, or split off --data (split_eval), with the mask token
+    checked unused by either (cfg's). With --show_data the held-out set is None and the samples are --data's in
+    file order."""
     kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
@@ -3079,9 +3059,55 @@ def read_data(args, target, say):
         train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
     else:
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
+    check_mask_unused(train_samples + eval_samples, cfg.mask_token_id, target,
+                      "--data" + (" and --eval_data" if args.eval_data else ""))
     split = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
+
+def start_trackers(args, run, master):
+    """Rank 0's --report_to trackers (none elsewhere, nor for --show_data), given the run's flags and drafter
+    config, continuing a resumed run's curves."""
+    return Trackers(report_to(args) if master and run.cfg else [], args.out,
+                    {"args": vars(args), "drafter": asdict(run.cfg) if run.cfg else None}, run.state)
+
+def progress_bar(total_steps, step, master, args):
+    """Rank 0's tqdm bar of the training steps, on a terminal only (redirected, the log lines alone; or
+    --no_progress)."""
+    off = not master or args.no_progress or not sys.stderr.isatty()
+    return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
+
+def selector_schedule(args):
+    """DFlash2: selector_alpha's (alpha, warmup_ratio, ramp_ratio) from the flags."""
+    return args.selector_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
+
+def load_run_target(args, run, world, device):
+    """The run's target, loaded (and with --shard_target under torchrun, sharded), and its record (target_record):
+    what every checkpoint keeps, and what a drafter to go on (--init_from's, the checkpoint's) must have been
+    trained against (unless --allow_other_target)."""
+    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
+                         shard=args.shard_target and world > 1)
+    record = target_record(target)
+    for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
+        if d:
+            check_trained_against(d, record, what, args.allow_other_target)
+    return target, record
+
+def run_summary(args, target, total_steps, global_batch, world, device):
+    """The line that opens training: the target, the steps, the ranks, and the loss with its parameter."""
+    param = f"gamma {args.gamma}" if args.loss == "ce" else f"alpha {args.dpace_alpha}"
+    return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
+            f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
+
+def count_bad_step(bad_steps, step, total, grad_norm, args, say):
+    """A step whose loss or grad norm was not finite (its update skipped): said, counted, and after
+    --max_bad_steps in a row, the end of the run. Returns the new count."""
+    bad_steps += 1
+    say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, skipped the update "
+        f"({bad_steps} in a row)")
+    need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr "
+         f"or check the data; the last good checkpoint is in {args.out}")
+    return bad_steps
 
 def build_drafter(args, run, target, world, device, say=print):
     """The drafter (new, --init_from's, or the checkpoint's), its AdamW (with --zero under torchrun its moments are
@@ -3425,17 +3451,6 @@ def get_parser():
     flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
     flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
     flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
-    flag(g, "--dflash2", False, "a DFlash2 drafter: DFlash plus grouped dynamic causal convolutions around each "
-         "sublayer and a candidate selector over the target head's top-k (with --init_from a DFlash drafter: that "
-         "drafter, its DFlash2 pieces fresh)", action="store_true")
-    flag(g, "--conv_kernel_size", None, "with --dflash2: K, the convolution's taps along the block (default 2)", int,
-         lo=1, hi=256)
-    flag(g, "--conv_group_size", None, "with --dflash2: channels sharing one dynamic tap, a divisor of the hidden "
-         "size (default 16)", int, lo=1, hi=65536)
-    flag(g, "--selector_rank", None, "with --dflash2: rank of the selector's codebooks (default 256)", int, lo=1,
-         hi=8192)
-    flag(g, "--selector_top_k", None, "with --dflash2: candidates per drafted offset (default 16)", int, lo=1,
-         hi=1024)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
@@ -3456,14 +3471,6 @@ def get_parser():
     flag(g, "--labels", "target", "target: the target's greedy token (teacher-forced); data: the data token",
          choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
-    flag(g, "--selector_alpha", None, "DFlash2: weight of the selector's CE beside the DFlash CE (default 1; 0: "
-         "the selector is not trained)", float)
-    flag(g, "--selector_warmup_ratio", None, "DFlash2: fraction of the steps with the selector term at 0 (default 0)",
-         float, hi=1)
-    flag(g, "--selector_ramp_ratio", None, "DFlash2: fraction of the steps over which its weight then rises "
-         "linearly to --selector_alpha (default 0: at once)", float, hi=1)
-    flag(g, "--selector_stop_gradient", False, "DFlash2: the selector's CE trains the selector alone (the unary "
-         "logits and hidden states detached in it)", action="store_true")
     g = p.add_argument_group("optimisation")
     flag(g, "--batch_size", 1, "sequences per rank per micro-step", int, lo=1)
     flag(g, "--grad_accum", 4, "micro-steps per optimizer step", int, lo=1)
@@ -3474,8 +3481,32 @@ def get_parser():
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
+    add_dflash2_flags(p)
     add_system_flags(p)
     return p
+
+def add_dflash2_flags(p):
+    """get_parser's DFlash2 group: the drafter's two extra pieces (geometry) and the selector term's schedule."""
+    g = p.add_argument_group("DFlash2 (with --dflash2)")
+    flag(g, "--dflash2", False, "a DFlash2 drafter: DFlash plus grouped dynamic causal convolutions around each "
+         "sublayer and a candidate selector over the target head's top-k (with --init_from a DFlash drafter: that "
+         "drafter, its DFlash2 pieces fresh)", action="store_true")
+    flag(g, "--conv_kernel_size", None, "with --dflash2: K, the convolution's taps along the block (default 2)", int,
+         lo=1, hi=256)
+    flag(g, "--conv_group_size", None, "with --dflash2: channels sharing one dynamic tap, a divisor of the hidden "
+         "size (default 16)", int, lo=1, hi=65536)
+    flag(g, "--selector_rank", None, "with --dflash2: rank of the selector's codebooks (default 256)", int, lo=1,
+         hi=8192)
+    flag(g, "--selector_top_k", None, "with --dflash2: candidates per drafted offset (default 16)", int, lo=1,
+         hi=1024)
+    flag(g, "--selector_alpha", None, "DFlash2: weight of the selector's CE beside the DFlash CE (default 1; 0: "
+         "the selector is not trained)", float)
+    flag(g, "--selector_warmup_ratio", None, "DFlash2: fraction of the steps with the selector term at 0 (default 0)",
+         float, hi=1)
+    flag(g, "--selector_ramp_ratio", None, "DFlash2: fraction of the steps over which its weight then rises "
+         "linearly to --selector_alpha (default 0: at once)", float, hi=1)
+    flag(g, "--selector_stop_gradient", False, "DFlash2: the selector's CE trains the selector alone (the unary "
+         "logits and hidden states detached in it)", action="store_true")
 
 def add_system_flags(p):
     """get_parser's last two groups: how the run executes, logs, evaluates and saves; and what saves memory."""
