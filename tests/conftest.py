@@ -5,10 +5,14 @@ Test files import the plain helpers with `from conftest import ...` (pytest puts
 defined here are found by name."""
 
 import json
+import math
 import os
 import random
 import sys
+import threading
+import time
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -416,3 +420,211 @@ def flag_edges(action):
         return int(m[3]) + (m[2] == ">"), int(m[4]) if m[4] else 10 ** 18
     lo = float(m[3])
     return math.nextafter(lo, math.inf) if m[2] == ">" else lo, float(m[4]) if m[4] else sys.float_info.max
+
+
+# -----------------------------------------------------------------------------
+# Float64 references of the drafter, from the specification (test_drafter, test_dflash2): O(1) random drafters,
+# block inputs written out, RMSNorm, RoPE, the attention sublayer, and a batch of anchors of every kind
+
+V, D, HD, B, W = (TINY_CFG[k] for k in ("vocab_size", "hidden_size", "head_dim", "block_size", "sliding_window"))
+MASK_ID = TINY_CFG["mask_token_id"]
+
+
+def randomized(cfg, seed=0):
+    """A drafter with O(1) random weights everywhere, norms included, so a misplaced norm or a wrong mask shows."""
+    torch.manual_seed(seed)
+    d = dflash.DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 1 / math.sqrt(p.shape[1]))
+    return d.eval()
+
+
+def block_ids(tokens, anchors):
+    """[tok[a], M, ..., M] per anchor, written here rather than taken from dflash."""
+    ids = torch.full((*anchors.shape, B), MASK_ID, dtype=torch.long)
+    for r in range(anchors.shape[0]):
+        for n in range(anchors.shape[1]):
+            ids[r, n, 0] = tokens[r, anchors[r, n]]
+    return ids
+
+
+S = 24  # context length, larger than the window W
+# anchors at 0, 1, near the end (23 = S-1: the block runs past the end), duplicates/overlaps, and padding anchors
+ANCHORS = torch.tensor([[0, 1, 2, 5, 6, 11, 20, 22, 23, 0],
+                        [3, 3, 4, 9, 17, 23, 0, 0, 7, 0]])
+VALID = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+                      [1, 1, 1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+
+
+def ref_rms(x, w, eps=1e-6):
+    return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def ref_rope(x, pos, theta=10000.0):
+    """x (T, heads, hd), positions pos (T,): rotate-half RoPE over the full head_dim."""
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = pos.double()[:, None] * inv[None]                       # (T, hd/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def ref_attention(hn, ctx, P, p, a, cfg, causal):
+    """One block's attention sublayer in float64 from the weights P of layer prefix p: hn (B, D) the normed block,
+    ctx (a, D) the context before the anchor a. A block token sees the context (within the window on a sliding
+    layer) and its own block (earlier offsets only when causal). Returns o_proj's output (B, D)."""
+    B, HD, W = cfg.block_size, cfg.head_dim, cfg.sliding_window
+    nh, nk = cfg.num_attention_heads, cfg.num_key_value_heads
+    sliding = cfg.layer_types[int(p.split(".")[1])] == "sliding_attention"
+    kv_in = torch.cat([ctx, hn], 0)                                       # [ctx ; block]
+    kv_pos = torch.cat([torch.arange(a), a + torch.arange(B)])
+    q = ref_rms((hn @ P[p + "self_attn.q_proj.weight"].T).view(B, nh, HD), P[p + "self_attn.q_norm.weight"])
+    k = ref_rms((kv_in @ P[p + "self_attn.k_proj.weight"].T).view(-1, nk, HD), P[p + "self_attn.k_norm.weight"])
+    v = (kv_in @ P[p + "self_attn.v_proj.weight"].T).view(-1, nk, HD)
+    q, k = ref_rope(q, a + torch.arange(B)), ref_rope(k, kv_pos)
+    out = torch.zeros(B, nh, HD, dtype=torch.float64)
+    for hh in range(nh):
+        kh = hh // (nh // nk)
+        for i in range(B):
+            keys = [j for j in range(a) if not sliding or (a + i) - j < W]
+            keys += [a + i2 for i2 in range(B) if not causal or i2 <= i]
+            s = torch.stack([q[i, hh] @ k[j, kh] for j in keys]) / math.sqrt(HD)
+            out[i, hh] = torch.softmax(s, 0) @ v[keys, kh]
+    return out.reshape(B, nh * HD) @ P[p + "self_attn.o_proj.weight"].T
+
+
+def cache_kv(cache, cfg):
+    if cache.kv is None:  # anchor at 0: no context at all
+        z = torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim)
+        return [(z, z)] * cfg.num_hidden_layers
+    return cache.kv
+
+
+# -----------------------------------------------------------------------------
+# A tiny run's files and command line, for tests of refusals (test_hostile, test_advice)
+
+
+@pytest.fixture(scope="module")
+def w(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hostile")
+    q3 = tiny_qwen3(d / "q3")
+    data = write_data(d / "data.jsonl", 8)
+    base = ["--target", q3, "--data", data, "--max_steps", "2", "--batch_size", "2", "--grad_accum", "1", *SMALL]
+    return {"dir": d, "q3": q3, "data": data, "base": base}
+
+
+@pytest.fixture(scope="module")
+def trained(w):
+    """One real run of two steps, a checkpoint after each: out/step_1, out/step_2, out/latest -> step_2."""
+    out = str(w["dir"] / "run")
+    dflash.main(w["base"] + ["--out", out, "--save_every", "1"])
+    assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == ["step_1", "step_2"]
+    return out
+
+
+def fails_with(capsys, argv, *needles):
+    """dflash.main(argv) ends in one `error:` line, whatever the runs before it printed to stderr."""
+    return one_error(capsys, dflash.main, argv, *needles, progress=True)
+
+
+def replace(argv, flag, value):
+    argv = list(argv)
+    argv[argv.index(flag) + 1] = value
+    return argv
+
+
+# -----------------------------------------------------------------------------
+# A hostile OpenAI-style server on 127.0.0.1 for regenerate (test_regenerate_hostile, test_regenerate): bounded in
+# requests and lifetime, every answer chosen by the test
+
+MAX_REQUESTS = 400
+LIFETIME_S = 120.0
+
+
+class Reply:
+    """One answer: status, headers, body; `trickle` seconds between single bytes (headers and body alike)."""
+
+    def __init__(self, body=b"", status=200, headers=None, trickle=None, delay=0.0):
+        self.body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.status, self.headers, self.trickle, self.delay = status, headers or {}, trickle, delay
+
+
+def completion(text, finish="stop", **extra):
+    return Reply({"choices": [{"text": text, "finish_reason": finish}], "usage": {"prompt_tokens": 3,
+                                                                                    "completion_tokens": 2}, **extra})
+
+
+def echo(req):
+    """The well-behaved answer: the prompt's own words back, so each answer shows which prompt it answers."""
+    prompt = req.get("prompt") or json.dumps(req.get("messages"))
+    return completion("answer to " + prompt.split("<|user|>")[-1].split("<|end|>")[0].strip())
+
+
+def is_check(req):
+    """regenerate's one-token request before a run."""
+    return req.get("max_tokens") == 1
+
+
+class Hostile:
+    """A local server answering each POST with answer(request json, n) -> Reply; it records the requests."""
+
+    def __init__(self, answer):
+        self.answer, self.requests, self.lock = answer, [], threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with outer.lock:
+                    n = len(outer.requests)
+                    outer.requests.append(json.loads(body))
+                if n >= MAX_REQUESTS:
+                    self.close_connection = True
+                    return
+                r = outer.answer(outer.requests[-1], n)
+                time.sleep(r.delay)
+                head = f"HTTP/1.1 {r.status} X\r\nContent-Length: {len(r.body)}\r\nConnection: close\r\n" + \
+                    "".join(f"{k}: {v}\r\n" for k, v in r.headers.items()) + "\r\n"
+                data = head.encode() + r.body
+                try:
+                    if r.trickle is None:
+                        self.wfile.write(data)
+                    else:
+                        for i in range(len(data)):
+                            self.wfile.write(data[i:i + 1])
+                            self.wfile.flush()
+                            time.sleep(r.trickle)
+                except OSError:  # the client gave up
+                    pass
+                self.close_connection = True
+
+            do_GET = do_POST
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):  # a client that hung up mid-request: not news here
+                pass
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.timer = threading.Timer(LIFETIME_S, self.close)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def close(self):
+        self.timer.cancel()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def samples(self):
+        """The requests for samples (not the one-token check)."""
+        return [r for r in self.requests if not is_check(r)]

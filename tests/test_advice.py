@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import dflash
-from test_hostile import fails_with, replace, trained, w  # noqa: F401  (w, trained: fixtures)
+from conftest import fails_with, replace
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 

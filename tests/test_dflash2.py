@@ -3,7 +3,6 @@ with its schedule and stop-gradient, each against an independent float64 loop re
 then the whole drafter (identity at init, flex = dense, training forward = inference, checkpoints)."""
 
 import json
-import math
 import os
 import shutil
 from types import SimpleNamespace
@@ -16,13 +15,13 @@ from safetensors import safe_open
 
 import dflash
 import eval as ev
-from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, TINY_CFG, ZL, one_error, reference_greedy, tiny_cfg,
+from conftest import (ANCHORS, DENSE_DRAFTER, DENSE_TARGET, S, SMALL, TINY_CFG, VALID, ZL, block_ids, cache_kv,
+                      one_error, randomized, ref_attention, ref_rms, reference_greedy, tiny_cfg,
                       tiny_qwen3, torch_threads, train_on_continuations, write_data, write_zlab_dir, zlab_config,
                       zlab_tensors)
 from dflash import (CandidateSelector, ChunkedLMHeadTopK, DFlashDrafter, DFlashError, GroupedCausalConv,
                     selector_alpha, selector_ce, unary_logits)
 from eval import NeuralDrafter
-from test_drafter import ANCHORS, VALID, S, block_ids, cache_kv, randomized, ref_rms, ref_rope
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest on a shared CPU
 
@@ -235,7 +234,6 @@ def reference_block2(drafter, ctx_feats, a, x):
     K, gs = cfg.conv_kernel_size, cfg.conv_group_size
     ctx = ref_rms(ctx_feats.double()[:a] @ P["fc.weight"].T, P["hidden_norm.weight"])
     h = x.double()
-    nh, nk = cfg.num_attention_heads, cfg.num_key_value_heads
     for li in range(cfg.num_hidden_layers):
         p = f"layers.{li}."
         conv = lambda name, y, u, side: ref_conv(y, u, P[p + name + ".base_kernel"],  # noqa: E731
@@ -243,21 +241,7 @@ def reference_block2(drafter, ctx_feats, a, x):
         sliding = cfg.layer_types[li] == "sliding_attention"
         u = ref_rms(h, P[p + "input_layernorm.weight"])
         hn = conv("attention_conv", u, u, 0)
-        kv_in = torch.cat([ctx, hn], 0)
-        kv_pos = torch.cat([torch.arange(a), a + torch.arange(B)])
-        q = ref_rms((hn @ P[p + "self_attn.q_proj.weight"].T).view(B, nh, HD), P[p + "self_attn.q_norm.weight"])
-        k = ref_rms((kv_in @ P[p + "self_attn.k_proj.weight"].T).view(-1, nk, HD), P[p + "self_attn.k_norm.weight"])
-        v = (kv_in @ P[p + "self_attn.v_proj.weight"].T).view(-1, nk, HD)
-        q, k = ref_rope(q, a + torch.arange(B)), ref_rope(k, kv_pos)
-        out = torch.zeros(B, nh, HD, dtype=torch.float64)
-        for hh in range(nh):
-            kh = hh // (nh // nk)
-            for i in range(B):
-                keys = [j for j in range(a) if not sliding or (a + i) - j < W]
-                keys += [a + i2 for i2 in range(B) if not sliding or i2 <= i]
-                s = torch.stack([q[i, hh] @ k[j, kh] for j in keys]) / math.sqrt(HD)
-                out[i, hh] = torch.softmax(s, 0) @ v[keys, kh]
-        h = h + conv("attention_conv", out.reshape(B, nh * HD) @ P[p + "self_attn.o_proj.weight"].T, u, 1)
+        h = h + conv("attention_conv", ref_attention(hn, ctx, P, p, a, cfg, sliding), u, 1)
         u = ref_rms(h, P[p + "post_attention_layernorm.weight"])
         hn = conv("mlp_conv", u, u, 0)
         y = (F.silu(hn @ P[p + "mlp.gate_proj.weight"].T) * (hn @ P[p + "mlp.up_proj.weight"].T)) \

@@ -16,42 +16,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import dflash
-from conftest import TINY_CFG, ZL, tiny_cfg, visible, write_zlab_dir, zlab_config, zlab_tensors
+from conftest import (ANCHORS, S, TINY_CFG, VALID, ZL, block_ids, cache_kv, randomized, ref_attention, ref_rms,
+                      tiny_cfg, visible, write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashConfig, DFlashDrafter, DFlashError
 from eval import NeuralDrafter
 
 V, D, HD, B, W = (TINY_CFG[k] for k in ("vocab_size", "hidden_size", "head_dim", "block_size", "sliding_window"))
 MASK_ID = TINY_CFG["mask_token_id"]
-
-
-def randomized(cfg, seed=0):
-    """A drafter with O(1) random weights everywhere, norms included, so a misplaced norm or a wrong mask shows."""
-    torch.manual_seed(seed)
-    d = DFlashDrafter(cfg)
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0, 1 / math.sqrt(p.shape[1]))
-    return d.eval()
-
-
-def block_ids(tokens, anchors):
-    """[tok[a], M, ..., M] per anchor, written here rather than taken from dflash."""
-    ids = torch.full((*anchors.shape, B), MASK_ID, dtype=torch.long)
-    for r in range(anchors.shape[0]):
-        for n in range(anchors.shape[1]):
-            ids[r, n, 0] = tokens[r, anchors[r, n]]
-    return ids
-
-
-S = 24  # context length, larger than the window W
-# anchors at 0, 1, near the end (23 = S-1: the block runs past the end), duplicates/overlaps, and padding anchors
-ANCHORS = torch.tensor([[0, 1, 2, 5, 6, 11, 20, 22, 23, 0],
-                        [3, 3, 4, 9, 17, 23, 0, 0, 7, 0]])
-VALID = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
-                      [1, 1, 1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
 
 
 @pytest.fixture(scope="module")
@@ -76,47 +47,17 @@ def setup():
 # its anchor (within the window on sliding layers) and its own block (earlier offsets only on causal layers)
 
 
-def ref_rms(x, w, eps=1e-6):
-    return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def ref_rope(x, pos, theta=10000.0):
-    """x (T, heads, hd), positions pos (T,): rotate-half RoPE over the full head_dim."""
-    hd = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
-    ang = pos.double()[:, None] * inv[None]                       # (T, hd/2)
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 def reference_block(drafter, ctx_feats, a, x):
     """ctx_feats (S, m*D) for one sequence, anchor a, x (B, D) block embeddings -> final-normed (B, D), float64."""
     cfg = drafter.cfg
     P = {k: v.double() for k, v in drafter.state_dict().items()}
     ctx = ref_rms(ctx_feats.double()[:a] @ P["fc.weight"].T, P["hidden_norm.weight"])   # only context j < a exists
     h = x.double()
-    nh, nk = cfg.num_attention_heads, cfg.num_key_value_heads
     for li in range(cfg.num_hidden_layers):
         p = f"layers.{li}."
-        sliding = cfg.layer_types[li] == "sliding_attention"
-        causal = sliding  # is_causal unset: causal iff sliding
+        causal = cfg.layer_types[li] == "sliding_attention"  # is_causal unset: causal iff sliding
         hn = ref_rms(h, P[p + "input_layernorm.weight"])
-        kv_in = torch.cat([ctx, hn], 0)                                       # [ctx ; block]
-        kv_pos = torch.cat([torch.arange(a), a + torch.arange(B)])
-        q = ref_rms((hn @ P[p + "self_attn.q_proj.weight"].T).view(B, nh, HD), P[p + "self_attn.q_norm.weight"])
-        k = ref_rms((kv_in @ P[p + "self_attn.k_proj.weight"].T).view(-1, nk, HD), P[p + "self_attn.k_norm.weight"])
-        v = (kv_in @ P[p + "self_attn.v_proj.weight"].T).view(-1, nk, HD)
-        q, k = ref_rope(q, a + torch.arange(B)), ref_rope(k, kv_pos)
-        out = torch.zeros(B, nh, HD, dtype=torch.float64)
-        for hh in range(nh):
-            kh = hh // (nh // nk)
-            for i in range(B):
-                keys = [j for j in range(a) if not sliding or (a + i) - j < W]
-                keys += [a + i2 for i2 in range(B) if not causal or i2 <= i]
-                s = torch.stack([q[i, hh] @ k[j, kh] for j in keys]) / math.sqrt(HD)
-                out[i, hh] = torch.softmax(s, 0) @ v[keys, kh]
-        h = h + out.reshape(B, nh * HD) @ P[p + "self_attn.o_proj.weight"].T
+        h = h + ref_attention(hn, ctx, P, p, a, cfg, causal)
         hn = ref_rms(h, P[p + "post_attention_layernorm.weight"])
         h = h + (F.silu(hn @ P[p + "mlp.gate_proj.weight"].T) * (hn @ P[p + "mlp.up_proj.weight"].T)) \
             @ P[p + "mlp.down_proj.weight"].T
@@ -134,13 +75,6 @@ def test_training_forward_matches_independent_reference(setup, one_thread):
 
 # -----------------------------------------------------------------------------
 # Training-mode forward == inference-mode forward, block by block
-
-
-def cache_kv(cache, cfg):
-    if cache.kv is None:  # anchor at 0: no context at all
-        z = torch.zeros(1, 0, cfg.num_key_value_heads, cfg.head_dim)
-        return [(z, z)] * cfg.num_hidden_layers
-    return cache.kv
 
 
 def test_training_forward_equals_per_block_inference(setup, one_thread):

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 import dflash
 import eval as ev
-from conftest import (ROOT, SMALL, VOCAB, ZL, build_qwen3, one_error, tiny_qwen3, write_data, write_lines,
+from conftest import (ROOT, VOCAB, ZL, build_qwen3, fails_with, one_error, replace, tiny_qwen3, write_lines,
                       write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
@@ -34,33 +34,7 @@ HOSTILE = ["0", "-1", "nan", "inf", "-inf", "1e30", str(10**30), "-1e30", "1.5",
 Z = dict(ZL, V=VOCAB, M=VOCAB - 1, L=4, T=[1, 2])  # a z-lab geometry over tiny_qwen3(), not its last layer
 
 
-@pytest.fixture(scope="module")
-def w(tmp_path_factory):
-    d = tmp_path_factory.mktemp("hostile")
-    q3 = tiny_qwen3(d / "q3")
-    data = write_data(d / "data.jsonl", 8)
-    base = ["--target", q3, "--data", data, "--max_steps", "2", "--batch_size", "2", "--grad_accum", "1", *SMALL]
-    return {"dir": d, "q3": q3, "data": data, "base": base}
 
-
-@pytest.fixture(scope="module")
-def trained(w):
-    """One real run of two steps, a checkpoint after each: out/step_1, out/step_2, out/latest -> step_2."""
-    out = str(w["dir"] / "run")
-    dflash.main(w["base"] + ["--out", out, "--save_every", "1"])
-    assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == ["step_1", "step_2"]
-    return out
-
-
-def fails_with(capsys, argv, *needles):
-    """dflash.main(argv) ends in one `error:` line, whatever the runs before it printed to stderr."""
-    return one_error(capsys, dflash.main, argv, *needles, progress=True)
-
-
-def replace(argv, flag, value):
-    argv = list(argv)
-    argv[argv.index(flag) + 1] = value
-    return argv
 
 
 def raises_one_line(fn, *needles):

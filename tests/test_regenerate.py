@@ -470,9 +470,9 @@ def test_sampling_flags_are_sent(served, tmp_path, monkeypatch):
 
 
 def proxy(served, spoil):
-    """A local proxy (tests/test_regenerate_hostile.py's bounded server) in front of transformers serve: each reply
+    """A local proxy (conftest's bounded hostile server) in front of transformers serve: each reply
     passed through spoil(request, reply json) -> Reply, or None to pass it on as it is."""
-    from test_regenerate_hostile import Hostile, Reply
+    from conftest import Hostile, Reply
 
     def answer(req, n):
         status, _, body = rg.exchange(served["url"] + "/completions", json.dumps(req).encode(), 60)
@@ -486,7 +486,7 @@ def test_spoilt_replies_of_a_real_server_fail_only_their_samples(served, regener
     """Behind the proxy, one sample's text becomes null and another's reply loses its choices: those two are in
     OUT.failed.jsonl with the reason, every other line is the real server's; with every reply spoilt the run is
     one error line naming what came back."""
-    from test_regenerate_hostile import Reply
+    from conftest import Reply
 
     def spoil(req, r):
         if "print('hi')" in req["prompt"]:
@@ -550,7 +550,7 @@ def test_retry_after_lock_and_timeout_on_a_real_server(served, regenerated, tmp_
     file equals the direct run's. While another run holds OUT.lock, a run is refused naming its pid (and touches
     nothing); once it is released the same command runs. (A --timeout shorter than its answers: see
     test_bad_input_is_one_error_line.)"""
-    from test_regenerate_hostile import Reply
+    from conftest import Reply
     monkeypatch.setattr(rg, "BACKOFF_S", 0.01)
     times = []
 

@@ -9,102 +9,14 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from conftest import flag_edges, tiny_tokenizer
+from conftest import Hostile, Reply, completion, echo, flag_edges, is_check, tiny_tokenizer
 from dflash_tools import regenerate as rg
 
-MAX_REQUESTS = 400
-LIFETIME_S = 120.0
 PROMPTS = ["hi there", "good day", "hello world", "bye", "sure thing"]
-
-
-class Reply:
-    """One answer: status, headers, body; `trickle` seconds between single bytes (headers and body alike)."""
-
-    def __init__(self, body=b"", status=200, headers=None, trickle=None, delay=0.0):
-        self.body = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.status, self.headers, self.trickle, self.delay = status, headers or {}, trickle, delay
-
-
-def completion(text, finish="stop", **extra):
-    return Reply({"choices": [{"text": text, "finish_reason": finish}], "usage": {"prompt_tokens": 3,
-                                                                                    "completion_tokens": 2}, **extra})
-
-
-def echo(req):
-    """The well-behaved answer: the prompt's own words back, so each answer shows which prompt it answers."""
-    prompt = req.get("prompt") or json.dumps(req.get("messages"))
-    return completion("answer to " + prompt.split("<|user|>")[-1].split("<|end|>")[0].strip())
-
-
-def is_check(req):
-    """regenerate's one-token request before a run."""
-    return req.get("max_tokens") == 1
-
-
-class Hostile:
-    """A local server answering each POST with answer(request json, n) -> Reply; it records the requests."""
-
-    def __init__(self, answer):
-        self.answer, self.requests, self.lock = answer, [], threading.Lock()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with outer.lock:
-                    n = len(outer.requests)
-                    outer.requests.append(json.loads(body))
-                if n >= MAX_REQUESTS:
-                    self.close_connection = True
-                    return
-                r = outer.answer(outer.requests[-1], n)
-                time.sleep(r.delay)
-                head = f"HTTP/1.1 {r.status} X\r\nContent-Length: {len(r.body)}\r\nConnection: close\r\n" + \
-                    "".join(f"{k}: {v}\r\n" for k, v in r.headers.items()) + "\r\n"
-                data = head.encode() + r.body
-                try:
-                    if r.trickle is None:
-                        self.wfile.write(data)
-                    else:
-                        for i in range(len(data)):
-                            self.wfile.write(data[i:i + 1])
-                            self.wfile.flush()
-                            time.sleep(r.trickle)
-                except OSError:  # the client gave up
-                    pass
-                self.close_connection = True
-
-            do_GET = do_POST
-
-        class Server(ThreadingHTTPServer):
-            def handle_error(self, request, client_address):  # a client that hung up mid-request: not news here
-                pass
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.timer = threading.Timer(LIFETIME_S, self.close)
-        self.timer.daemon = True
-        self.timer.start()
-
-    def close(self):
-        self.timer.cancel()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-    def samples(self):
-        """The requests for samples (not the one-token check)."""
-        return [r for r in self.requests if not is_check(r)]
 
 
 @pytest.fixture
