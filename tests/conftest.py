@@ -628,3 +628,32 @@ class Hostile:
     def samples(self):
         """The requests for samples (not the one-token check)."""
         return [r for r in self.requests if not is_check(r)]
+
+
+# -----------------------------------------------------------------------------
+# The demo at a size of seconds (test_standalone, test_dflash2)
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """One cache for every reduced demo of the session: its tiny target and data are built once."""
+    return str(tmp_path_factory.mktemp("demo_cache"))
+
+
+@pytest.fixture
+def small_demo(demo_cache, monkeypatch):
+    """run(out, *flags): `dflash.py --demo` as main() runs it (build the tiny target, regenerate its data, train,
+    measure tau, write the report), with few pretraining steps, samples, prompts, tokens and training steps."""
+    from dflash_tools import demo, tiny_target
+    monkeypatch.setattr(demo, "CACHE", demo_cache)
+    for name, value in (("DEMO_PRETRAIN_STEPS", 2), ("DEMO_TRAIN_SAMPLES", 48), ("DEMO_PROMPTS", 2),
+                        ("DEMO_NEW_TOKENS", 8)):
+        monkeypatch.setattr(demo, name, value)
+    monkeypatch.setattr(tiny_target, "CORPUS_MAX_BYTES", 300_000)
+    monkeypatch.setattr(tiny_target, "TOKENIZER_MAX_BYTES", 300_000)
+
+    def run(out, *flags):
+        with torch_threads(1):
+            dflash.main(["--demo", *flags, "--out", str(out), "--max_steps", "3", "--eval_walk_prompts", "2",
+                         "--eval_walk_tokens", "8"])
+    return run

@@ -573,20 +573,11 @@ def test_dflash2_flag_problems_are_one_line(runs, tmp_path, capsys):
     one_error(capsys, dflash.main, [*base, *V2_FLAGS, "--loss", "dpace"], "--loss dpace", "DFlash2")
 
 
-def test_demo_runs_dflash2_at_reduced_size(tmp_path, monkeypatch, capsys):
+def test_demo_runs_dflash2_at_reduced_size(tmp_path, small_demo, capsys):
     """`python dflash.py --demo --dflash2` end to end at a size of seconds: the tiny target, its data, a DFlash2
     drafter trained by the loop, tau by eval.py (the selector's path, the unary argmax's beside it)."""
-    from dflash_tools import demo, tiny_target
-    monkeypatch.setattr(demo, "CACHE", str(tmp_path / "cache"))
-    for name, value in (("DEMO_PRETRAIN_STEPS", 2), ("DEMO_TRAIN_SAMPLES", 48), ("DEMO_PROMPTS", 2),
-                        ("DEMO_NEW_TOKENS", 8)):
-        monkeypatch.setattr(demo, name, value)
-    monkeypatch.setattr(tiny_target, "CORPUS_MAX_BYTES", 300_000)
-    monkeypatch.setattr(tiny_target, "TOKENIZER_MAX_BYTES", 300_000)
     out = tmp_path / "demo"
-    with torch_threads(1):
-        dflash.main(["--demo", "--dflash2", "--out", str(out), "--max_steps", "3", "--eval_walk_prompts", "2",
-                     "--eval_walk_tokens", "8"])
+    small_demo(out, "--dflash2")
     assert "a DFlash2 drafter" in capsys.readouterr().out
     report = json.load(open(out / "demo_eval.json"))
     trained = next(r for r in report["results"] if r["drafter"] == "trained")

@@ -117,20 +117,11 @@ def test_import_leaves_the_compiler_alone(alone):
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr[-2000:])
 
 
-def test_demo_path_at_reduced_size(tmp_path, monkeypatch, capsys):
+def test_demo_path_at_reduced_size(tmp_path, small_demo, capsys):
     """`python dflash.py` as main() runs it: build the tiny target, regenerate its data, train, measure tau and
-    write the report, at a size of seconds (few pretraining steps, samples, prompts and tokens)."""
-    from dflash_tools import demo, tiny_target
-    monkeypatch.setattr(demo, "CACHE", str(tmp_path / "cache"))
-    for name, value in (("DEMO_PRETRAIN_STEPS", 2), ("DEMO_TRAIN_SAMPLES", 48), ("DEMO_PROMPTS", 2),
-                        ("DEMO_NEW_TOKENS", 8)):
-        monkeypatch.setattr(demo, name, value)
-    monkeypatch.setattr(tiny_target, "CORPUS_MAX_BYTES", 300_000)
-    monkeypatch.setattr(tiny_target, "TOKENIZER_MAX_BYTES", 300_000)
+    write the report, at a size of seconds (small_demo: its target and data built once a session)."""
     out = tmp_path / "demo"
-    with torch_threads(1):
-        dflash.main(["--demo", "--out", str(out), "--max_steps", "3", "--eval_walk_prompts", "2",
-                     "--eval_walk_tokens", "8"])
+    small_demo(out)
     text = capsys.readouterr().out
     assert "demo done" in text and "wrote" in text
     report = json.load(open(out / "demo_eval.json"))
