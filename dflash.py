@@ -914,12 +914,12 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
-        if cfg.dflash2:  # DFlash2: the selector's greedy path from the anchor token
-            hb = h[0, :n, 1:]
-            drafts.append(dflash2_drafts(drafter, logits, hb, ids[0, a[:n]]))
+        if cfg.dflash2:  # DFlash2: the selector's greedy path from the anchor token, over the unary top-k
+            hb, top = h[0, :n, 1:], dflash2_top(drafter, logits)  # one top-k over V serves path and diagnostics
+            drafts.append(dflash2_drafts(drafter, top, hb, ids[0, a[:n]]))
             if details:
                 truth = ids[0, (a[:n, None] + torch.arange(B, device=ids.device)).clamp(max=ids.shape[1] - 1)]
-                extra.append(dflash2_details(drafter, logits, hb, truth, temperature))
+                extra.append(dflash2_details(drafter, logits, top, hb, truth, temperature))
         else:
             drafts.append(logits.argmax(-1))                                                 # (n, B-1)
         if topk:
@@ -942,18 +942,17 @@ def dflash2_top(drafter, logits):
     cfg = drafter.cfg
     return unary_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping).topk(cfg.selector_top_k)
 
-def dflash2_drafts(drafter, logits, h, anchor_ids):
-    """The drafted blocks at T = 0: the selector's greedy path over the unary top-k. logits (n, B-1, V), h
-    (n, B-1, D) the final-normed hidden states of offsets 1..B-1, anchor_ids (n,) -> (n, B-1)."""
-    top = dflash2_top(drafter, logits)
+def dflash2_drafts(drafter, top, h, anchor_ids):
+    """The drafted blocks at T = 0: the selector's greedy path over the unary top-k. top: dflash2_top of the
+    logits (n, B-1, V), h (n, B-1, D) the final-normed hidden states of offsets 1..B-1, anchor_ids (n,) -> (n, B-1)."""
     return drafter.candidate_selector.greedy_path(h, top.indices, top.values, anchor_ids)
 
-def dflash2_details(drafter, logits, h, truth, temperature=0.0):
+def dflash2_details(drafter, logits, top, h, truth, temperature=0.0):
     """draft_every_anchor's DFlash2 diagnostics of n blocks: the unary argmax (n, B-1), whether each true token is
     among the k candidates (n, B-1) and, at temperature > 0, q (n, B-1): the selector's softmax(S / T) of the true
     token (0 when it is no candidate) with the previous true token as predecessor (while the drafts are accepted
-    the path is the truth). truth (n, B): the anchor token, then the true tokens of offsets 1..B-1."""
-    top = dflash2_top(drafter, logits)
+    the path is the truth). truth (n, B): the anchor token, then the true tokens of offsets 1..B-1; top: dflash2_top
+    of the logits."""
     hit = top.indices == truth[:, 1:, None]                                              # (n, B-1, k)
     out = {"unary": logits.argmax(-1), "covered": hit.any(-1)}
     if temperature > 0:

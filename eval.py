@@ -285,7 +285,8 @@ class NeuralDrafter:
             h = self.block_hidden(anchor)
             logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
             anchor_id = torch.tensor([anchor], device=h.device)
-            return dflash.dflash2_drafts(self.drafter, logits[None], h[None], anchor_id)[0, :num_drafts].tolist()
+            top = dflash.dflash2_top(self.drafter, logits[None])
+            return dflash.dflash2_drafts(self.drafter, top, h[None], anchor_id)[0, :num_drafts].tolist()
         return self.block_logits(anchor).argmax(-1)[:num_drafts].tolist()
 
     @torch.no_grad()

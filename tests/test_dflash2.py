@@ -261,7 +261,7 @@ def test_dflash2_forward_matches_independent_reference(v2, one_thread):
 def selector_path(drafter, target, hidden, anchor_ids):
     """The greedy path from hidden states (n, B, D) by dflash2_drafts."""
     logits = target.lm_head(hidden[:, 1:])
-    return dflash.dflash2_drafts(drafter, logits, hidden[:, 1:], anchor_ids)
+    return dflash.dflash2_drafts(drafter, dflash.dflash2_top(drafter, logits), hidden[:, 1:], anchor_ids)
 
 
 def test_dflash2_training_forward_equals_inference(v2, one_thread):
