@@ -46,7 +46,7 @@ import torch
 
 import dflash
 from dflash import (DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk,
-                    tree_walk, walk_steps)
+                    walk_steps)
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -281,13 +281,10 @@ class NeuralDrafter:
 
     def draft(self, anchor, num_drafts):
         """The drafts after `anchor`, which sits at position self.length (its context is everything before it)."""
-        if self.cfg.dflash2:  # DFlash2: its selector's greedy path over the unary top-k
-            h = self.block_hidden(anchor)
-            logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
-            anchor_id = torch.tensor([anchor], device=h.device)
-            top = dflash.dflash2_top(self.drafter, logits[None])
-            return dflash.dflash2_drafts(self.drafter, top, h[None], anchor_id)[0, :num_drafts].tolist()
-        return self.block_logits(anchor).argmax(-1)[:num_drafts].tolist()
+        h = self.block_hidden(anchor)
+        logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
+        drafts = self.drafter.draft(logits[None], h[None], torch.tensor([anchor], device=h.device))[0]  # its rule
+        return drafts[0, :num_drafts].tolist()
 
     @torch.no_grad()
     def block_hidden(self, anchor):
@@ -505,7 +502,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
-    dflash2 = [name for name, (d, _) in drafters.items() if isinstance(d, NeuralDrafter) and d.cfg.dflash2]
+    dflash2 = [name for name, (d, _) in drafters.items() if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
     if tree_budgets and dflash2:
         raise DFlashError(f"--tree_budget: drafter {dflash2[0]} is a DFlash2 drafter, whose selector drafts one chain "
                           f"(no tree verification is defined for it); drop --tree_budget or that drafter")
@@ -569,8 +566,9 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
             if tree_budgets and isinstance(d, NeuralDrafter):  # prompt lookup has no distribution to branch on
                 K = min(max(tree_budgets), target.vocab_size)  # no tree of that many nodes reaches a deeper rank
                 at, logq, tokens = d.walk_drafts(target, prompt, continuation, ctx, B - 1, topk=K)
+                tree_walk = dflash.import_tool("tree", "--tree_budget").tree_walk
                 entry["tree"] = {str(b): tree_walk(continuation, logq, tokens, b) for b in tree_budgets}
-            elif isinstance(d, NeuralDrafter) and d.cfg.dflash2:
+            elif isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
                 at, details = d.walk_dflash2(target, prompt, continuation, ctx, B - 1,
                                              sampling.temperature if sampling else 0.0)
                 seen = (torch.arange(len(at))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
@@ -578,7 +576,7 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
                 entry["topk_hits"] = [int((details["covered"].cpu() & seen).sum()), int(seen.sum())]
             else:
                 at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
-            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.dflash2:
+            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
                 lengths = selector_sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation,
                                                                              sampling), details["q"],
                                                    torch.Generator().manual_seed(accept_seed))
