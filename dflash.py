@@ -2890,29 +2890,24 @@ def target_window(tc):
 
 def long_context_rope(tc, max_len):
     """(rope_scaling, max_position_embeddings) of a new drafter trained at max_len: plain RoPE and the target's
-    max_position_embeddings up to it (unchanged); past it, the target's own yarn and its reach (config_to_json writes
-    both, so the engines serve the drafter's positions as trained). A length the target's RoPE cannot take is
-    refused in one line."""
+    max_position_embeddings up to it (unchanged); past it, a yarn target's own yarn and its reach (config_to_json
+    writes both, so the engines serve the drafter's positions as trained). A sample past what the target takes is
+    refused where the data is read (check_lengths): --max_len alone may exceed it (the default 3072, tiny targets)."""
     native = getattr(tc, "max_position_embeddings", None) or 32768
-    if not max_len or max_len <= native:
-        return None, native
     reach, scaling = target_window(tc)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    need(scaling is not None, f"--max_len {max_len} is past the target's max_position_embeddings {native} and its "
-         f"RoPE has no scaling to reach it; use --max_len {native}, or give the target's config.json a yarn "
-         f"rope_parameters (factor {math.ceil(max_len / native)}, original_max_position_embeddings {native})")
-    need(kind == "yarn", f"--max_len {max_len} is past the target's max_position_embeddings {native}, and its RoPE "
-         f"scaling {kind!r} is not one a drafter takes (yarn); use --max_len {native}")
-    need(max_len <= reach, f"--max_len {max_len} is past what the target's yarn reaches ({reach} positions); use "
-         f"--max_len {reach}, or a larger yarn factor in the target's config.json")
+    if not max_len or max_len <= native or (scaling or {}).get("rope_type") != "yarn":
+        return None, native
     return scaling, reach
 
 def check_lengths(samples, tc, where):
     """Every sample fits in the positions the target takes (target_window), else one line naming the longest."""
-    reach, _ = target_window(tc)
-    longest = max((len(s["input_ids"]) for s in samples), default=0)
+    reach, scaling = target_window(tc)
+    longest = max((len(ids) for ids, _ in samples), default=0)
+    yarn = (scaling or {}).get("rope_type") == "yarn"
+    more = "" if yarn else f", or give the target's config.json a yarn rope_parameters (factor " \
+        f"{math.ceil(longest / reach)}, original_max_position_embeddings {reach})"
     need(longest <= reach, f"{where}: a sample of {longest} tokens is past the {reach} positions the target takes "
-         f"(max_position_embeddings, or its yarn's reach); use --max_len {reach}")
+         f"({'its yarn reach' if yarn else 'its max_position_embeddings'}); use --max_len {reach}{more}")
 
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
@@ -2927,11 +2922,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     tc = target.model.config.get_text_config()
     rope_theta, rope_note = target_rope(tc)
     n, L, problems = num_draft_layers, target.num_layers, []
-    try:
-        rope_scaling, max_positions = long_context_rope(tc, max_len)
-    except DFlashError as e:
-        problems.append(str(e))
-        rope_scaling, max_positions = None, getattr(tc, "max_position_embeddings", 32768)
+    rope_scaling, max_positions = long_context_rope(tc, max_len)
     heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)

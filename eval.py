@@ -895,8 +895,10 @@ def compare_reports(paths, depth_buckets=None):
     results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
                for path, r in reports.items() for res in r["results"]]
     timing = {k: sum(r["timing"][k] for r in reports.values()) for k in ("generate_s", "features_s")}
+    saved = {json.dumps(r.get("depth_edges")) for r in reports.values()}  # their own buckets where they share them
+    edges = depth_buckets or (next(iter(reports.values())).get("depth_edges") if len(saved) == 1 else None)
     return add_depth({**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
-                      "compared": list(paths)}, depth_buckets)
+                      "compared": list(paths)}, edges)
 
 
 def write_json(report, path):
