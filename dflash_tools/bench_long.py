@@ -139,7 +139,7 @@ def run_cpu(args):
     target = tiny_target(max(lengths) + 1)
     torch.manual_seed(0)
     drafter = dflash.DFlashDrafter(drafter_cfg()).train()
-    measure(target, drafter, 512, args.anchors)  # warm up (first-call allocations, thread pools)
+    measure(target, drafter, lengths[0], args.anchors)  # warm up (first-call allocations, thread pools)
     print(f"machine: {machine()}")
     print(f"tiny random Qwen3.5-hybrid target (4 layers, hidden 128), drafter 2 layers (sliding 2048 + full), "
           f"B 16, {args.anchors} anchors, fp32, dense path; peak = resident high-water above the phase's start")
@@ -169,51 +169,57 @@ def run_cpu(args):
 def run_flex(args):
     """Compiled flex_attention forward + backward at the Qwen3-8B drafter shape, enable_gqa vs K/V repeated."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if not torch.cuda.is_available():
+    cuda = args.flex_device == "cuda"
+    if cuda and not torch.cuda.is_available():
         print("--flex: no CUDA device; nothing measured")
         return {"machine": machine(), "mode": "flex", "rows": []}
-    dev, h, hk, hd, B, N = torch.device("cuda"), 32, 8, 128, 16, args.flex_anchors
-    print(f"machine: {torch.cuda.get_device_name(dev)}; torch {torch.__version__}")
+    dev, h, hk, hd, B, N = torch.device(args.flex_device), 32, 8, 128, 16, args.flex_anchors
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    print(f"machine: {torch.cuda.get_device_name(dev) if cuda else machine()}; torch {torch.__version__}")
     print(f"flex_attention fwd+bwd, compiled, one drafter layer at the Qwen3-8B drafter shape ({h} heads, {hk} kv "
-          f"heads, head_dim {hd}, {N} anchors, B {B}, bf16), full and sliding-2048 masks")
-    flex = torch.compile(flex_attention, dynamic=False)
+          f"heads, head_dim {hd}, {N} anchors, B {B}, bf16 on CUDA), the full layer's mask")
+    flex = torch.compile(flex_attention, dynamic=False) if cuda else flex_attention  # (cpu: an eager smoke run)
     rows = []
     for S in args.flex_lengths:
         g = torch.Generator().manual_seed(0)
         anchors, valid = dflash.sample_anchors(torch.ones(S, dtype=torch.long), N, g)
         anchors, valid = anchors[None].to(dev), valid[None].to(dev)
-        for window in (None, 2048):
+        for window in [None] + ([2048] if args.flex_sliding else []):
             mod = dflash.make_mask_mod(anchors, valid, S, B, window is not None, window)
             mask = create_block_mask(mod, 1, None, N * B, S + N * B, device=dev)
             for gqa in (True, False):
-                q = torch.randn(1, h, N * B, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                k = torch.randn(1, hk, S + N * B, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
-                v = torch.randn_like(k, requires_grad=True)
+                dt = torch.bfloat16 if cuda else torch.float32
+                q = torch.randn(1, h, N * B, hd, device=dev, dtype=dt, requires_grad=cuda)  # (CPU flex: no backward)
+                k = torch.randn(1, hk, S + N * B, hd, device=dev, dtype=dt, requires_grad=cuda)
+                v = torch.randn_like(k, requires_grad=cuda)
 
                 def step():
                     kk, vv = (k, v) if gqa else (k.repeat_interleave(h // hk, 1), v.repeat_interleave(h // hk, 1))
-                    flex(q, kk, vv, block_mask=mask, enable_gqa=gqa).float().sum().backward()
+                    out = flex(q, kk, vv, block_mask=mask, enable_gqa=gqa).float().sum()
+                    if cuda:
+                        out.backward()
                 t0 = time.perf_counter()
                 step()  # compiles
-                torch.cuda.synchronize()
+                sync()
                 compile_s = time.perf_counter() - t0
-                torch.cuda.reset_peak_memory_stats()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 times = []
                 for _ in range(5):
-                    torch.cuda.synchronize()
+                    sync()
                     t0 = time.perf_counter()
                     step()
-                    torch.cuda.synchronize()
+                    sync()
                     times.append(time.perf_counter() - t0)
                 r = {"length": S, "window": window, "enable_gqa": gqa, "ms": 1e3 * sorted(times)[2],
-                     "compile_s": compile_s, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
+                     "compile_s": compile_s, "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0}
                 rows.append(r)
                 print(f"  length {S:>6}  {'sliding 2048' if window else 'full':<12}  "
                       f"{'enable_gqa=True ' if gqa else 'K/V repeated   '}  {r['ms']:8.2f} ms fwd+bwd (median of "
                       f"5)  peak {r['peak_gb']:.2f} GB  (compile {compile_s:.0f} s)", flush=True)
                 del q, k, v
     for S in args.flex_lengths:
-        for window in (None, 2048):
+        for window in [None] + ([2048] if args.flex_sliding else []):
             pair = {r["enable_gqa"]: r["ms"] for r in rows if r["length"] == S and r["window"] == window}
             if len(pair) == 2:
                 keep = "keep enable_gqa" if pair[True] <= pair[False] else "repeat K/V in dflash.Attention"
@@ -226,7 +232,9 @@ def int_list(s):
     return [int(x) for x in s.split(",")]
 
 
-def main(argv=None):
+def main(argv=None, reexec=False):
+    """reexec (the command line): start again with glibc's mmap threshold fixed, so the resident set follows live
+    memory; in-process callers get the allocator as it is (their peaks are rougher)."""
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
     p.add_argument("--lengths", type=int_list, default=None, help="CPU: lengths (default 1k, 2k, 4k, ... until a "
@@ -238,9 +246,11 @@ def main(argv=None):
     p.add_argument("--flex", action="store_true", help="time the compiled flex attention on CUDA instead")
     p.add_argument("--flex_lengths", type=int_list, default=[8192, 32768])
     p.add_argument("--flex_anchors", type=int, default=512)
+    p.add_argument("--flex_sliding", action="store_true", help="--flex: also the sliding-2048 mask (more compiles)")
+    p.add_argument("--flex_device", default="cuda", help="--flex: cpu runs it eagerly at small sizes (a smoke test)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
-    if not args.flex and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD and sys.platform == "linux":
+    if reexec and not args.flex and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD and sys.platform == "linux":
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}  # glibc reads it at start: start again
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
     if args.threads:
@@ -254,4 +264,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(reexec=True)

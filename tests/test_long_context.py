@@ -206,3 +206,16 @@ def test_plan_prices_long_lengths_and_says_where_a_run_stops_fitting():
         assert grow[1] == pytest.approx(2 * grow[0], rel=0.01) and grow[2] == pytest.approx(2 * grow[1], rel=0.01)
         line = plan.length_line(t, d, run, 80e9)
         assert f"fits up to --max_len {longest:,}" in line and "32k" in line and "256k" in line
+
+
+def test_bench_long_runs_small(capsys):
+    """The long-context benchmark's CPU rows (tiny lengths) and its flex timing's code path (eager, forward only on
+    CPU): they run, and report what they measured."""
+    bench = dflash.import_tool("bench_long", "bench_long")
+    rows = bench.main(["--lengths", "256,512", "--anchors", "8"])["rows"]
+    assert [r["length"] for r in rows] == [256, 512]
+    assert rows[1]["drafter_saved_mb"] > rows[0]["drafter_saved_mb"] > 0 and all(r["target_s"] > 0 for r in rows)
+    flex = bench.main(["--flex", "--flex_device", "cpu", "--flex_lengths", "128", "--flex_anchors", "2"])["rows"]
+    assert [(r["length"], r["enable_gqa"]) for r in flex] == [(128, True), (128, False)]
+    out = capsys.readouterr().out
+    assert "machine:" in out and "enable_gqa / repeated K/V" in out
