@@ -4,6 +4,7 @@ Long-context benchmark: peak memory and time of one training step against the se
     python -m dflash_tools.bench_long                       # CPU: 1k, 2k, 4k, ... until a step passes the limits
     python -m dflash_tools.bench_long --lengths 1024,4096 --anchors 64 --json long.json
     python -m dflash_tools.bench_long --flex                # CUDA: the compiled flex attention at 8k and 32k
+    python -m dflash_tools.bench_long --write_prompts long.jsonl --target .cache/<tiny target>  # eval.py's depth
 
 CPU (the dense path, two_part_attention over context spans): a tiny random Qwen3.5-hybrid target (3 Gated DeltaNet
 + 1 full-attention layer, hidden 128) and the demo's drafter shape (2 layers, sliding 2048 + full, 4 heads of 32,
@@ -228,6 +229,20 @@ def run_flex(args):
     return {"machine": machine(), "mode": "flex", "rows": rows}
 
 
+def write_prompts(args):
+    """--write_prompts: long-document prompts for eval.py's depth report, from the demo's tiny target (its tokenizer):
+    held-out stdlib files (never in its pretraining or the drafter's data) cut to each of --prompt_lengths tokens,
+    --prompts_per_length of each, as {"input_ids": [...]} lines."""
+    from dflash_tools.tiny_target import heldout_prompts
+    dflash.need(args.target, "--write_prompts needs --target, the demo's tiny target directory (.cache/...)")
+    with open(args.write_prompts, "w") as f:
+        for i, n in enumerate(args.prompt_lengths):
+            for ids in heldout_prompts(args.target, args.prompts_per_length, n, seed=100 + i):
+                f.write(json.dumps({"input_ids": ids}) + "\n")
+    print(f"wrote {args.write_prompts}: {args.prompts_per_length} prompts of each of {args.prompt_lengths} tokens")
+    return {"mode": "prompts", "rows": []}
+
+
 def int_list(s):
     return [int(x) for x in s.split(",")]
 
@@ -248,9 +263,17 @@ def main(argv=None, reexec=False):
     p.add_argument("--flex_anchors", type=int, default=512)
     p.add_argument("--flex_sliding", action="store_true", help="--flex: also the sliding-2048 mask (more compiles)")
     p.add_argument("--flex_device", default="cuda", help="--flex: cpu runs it eagerly at small sizes (a smoke test)")
+    p.add_argument("--write_prompts", default=None, help="write long-document prompts for eval.py here instead "
+                   "(needs --target)")
+    p.add_argument("--target", default=None, help="--write_prompts: the demo's tiny target directory")
+    p.add_argument("--prompt_lengths", type=int_list, default=[48, 256, 512, 1024, 1900])
+    p.add_argument("--prompts_per_length", type=int, default=6)
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
-    if reexec and not args.flex and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD and sys.platform == "linux":
+    if args.write_prompts:
+        return write_prompts(args)
+    if reexec and not args.flex and os.environ.get("MALLOC_MMAP_THRESHOLD_") != MMAP_THRESHOLD and \
+            sys.platform == "linux":
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}  # glibc reads it at start: start again
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
     if args.threads:
