@@ -740,7 +740,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
 
 
 def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True,
-                   tree_budgets=()):
+                   tree_budgets=(), depth_buckets=None):
     """{name: samples} -> {"benchmarks": {name: report}, "average": {drafter: {"tau", "tau_per_prompt"}}}: each
     benchmark's report (every drafter on the same turns), and the mean over benchmarks of each convention."""
     reports = {}
@@ -748,7 +748,7 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
         r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
                               continuations=continuations, tree_budgets=tree_budgets,
-                              enable_thinking=bool(enable_thinking))
+                              enable_thinking=bool(enable_thinking), depth_buckets=depth_buckets)
         reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
@@ -1077,7 +1077,8 @@ def run(args):
     progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget)
+                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget,
+                                depth_buckets=args.depth_buckets)
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
