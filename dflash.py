@@ -2098,17 +2098,59 @@ def target_rope(tc):
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     return float(theta if theta is not None else getattr(tc, "rope_theta", None) or 1e4), None
 
+YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate")  # what yarn reads (never partial_rotary_factor, mrope_*)
+
+def target_window(tc):
+    """(positions the target takes, its RoPE scaling or None): max_position_embeddings, or for a yarn target
+    original_max_position_embeddings x factor where larger; the scaling (YARN_KEYS of its rope_parameters or
+    rope_scaling, its full-attention layers' when per layer type) is None for plain RoPE."""
+    native = getattr(tc, "max_position_embeddings", None) or 32768
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return native, None
+    scaling = {k: v for k, v in rope.items() if k in YARN_KEYS} if kind == "yarn" else dict(rope)
+    reach = int(scaling.get("original_max_position_embeddings") or native) * float(scaling.get("factor") or 1) \
+        if kind == "yarn" else native
+    return max(native, int(reach)), scaling
+
+def long_context_rope(tc, max_len):
+    """(rope_scaling, max_position_embeddings) of a new drafter trained at max_len: plain RoPE and the target's
+    max_position_embeddings up to it (unchanged); past it, a yarn target's own yarn and its reach (config_to_json
+    writes both, so the engines serve the drafter's positions as trained). A sample past what the target takes is
+    refused where the data is read (check_lengths): --max_len alone may exceed it (the default 3072, tiny targets)."""
+    native = getattr(tc, "max_position_embeddings", None) or 32768
+    reach, scaling = target_window(tc)
+    if not max_len or max_len <= native or (scaling or {}).get("rope_type") != "yarn":
+        return None, native
+    return scaling, reach
+
+def check_lengths(samples, tc, where):
+    """Every sample fits in the positions the target takes (target_window), else one line naming the longest."""
+    reach, scaling = target_window(tc)
+    longest = max((len(ids) for ids, _ in samples), default=0)
+    yarn = (scaling or {}).get("rope_type") == "yarn"
+    more = "" if yarn else f", or give the target's config.json a yarn rope_parameters (factor " \
+        f"{math.ceil(longest / reach)}, original_max_position_embeddings {reach})"
+    need(longest <= reach, f"{where}: a sample of {longest} tokens is past the {reach} positions the target takes "
+         f"({'its yarn reach' if yarn else 'its max_position_embeddings'}); use --max_len {reach}{more}")
+
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                       intermediate_size=None, say=print):
+                       intermediate_size=None, say=print, max_len=None):
     """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps from the target, rope_theta from its
     full-attention layers (target_rope; said when the layer types differ), and unless given its attention geometry
     (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP width; plain RoPE over the full
     head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise. Every problem of
-    these flags with this target is raised at once."""
+    these flags with this target is raised at once. max_len past the target's max_position_embeddings: the
+    target's yarn (long_context_rope)."""
     tc = target.model.config.get_text_config()
     rope_theta, rope_note = target_rope(tc)
     n, L, problems = num_draft_layers, target.num_layers, []
+    rope_scaling, max_positions = long_context_rope(tc, max_len)
     heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
@@ -2130,7 +2172,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
             vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
-            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
+            rope_scaling=rope_scaling, max_position_embeddings=max_positions, block_size=block_size,
             mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
     except DFlashError as e:
@@ -2188,7 +2230,8 @@ def check_run(args, world, device, master):
     cfg = variant = None
     try:
         cfg = read_drafter_config(init_from) if init_from else new_drafter_config(
-            meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, say=print if master else lambda *a: None)
+            meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, say=print if master else lambda *a: None,
+            max_len=args.max_len)
         arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
         variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
         stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
@@ -2243,6 +2286,7 @@ def read_data(args, target, say, cfg=None):
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
     check_mask_unused(train_samples + eval_samples, cfg.mask_token_id, "--data" + " and --eval_data" * bool(
         args.eval_data))
+    check_lengths(train_samples + eval_samples, target.model.config.get_text_config(), "--data")
     split = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
