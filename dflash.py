@@ -11,17 +11,10 @@ Quick start
     torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
     torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
-    python dflash.py --dflash2 ...        # a DFlash2 drafter (the pieces marked "DFlash2" below; skip them for DFlash)
 
-This file stands alone: copied into an empty directory (with requirements.txt installed) it trains, evaluates
-held-out tau and resumes. The optional extras live in dflash_tools/ and are never imported at module level: the
-demo (no arguments, --demo), the memory plan's arithmetic (--plan, and the plan every CUDA run prints when the folder
-is there; without it a CUDA run goes on unplanned), benchmarks.
-
-Reading order: Part I is the method, top to bottom (config, visibility rule, RoPE, drafter, target hooks and labels,
-anchors, noise, the loss, the exact tau walk, the training step and loop); Part II the exact fast paths (the same
-numbers, faster or in bounded memory); Part III operations (errors, config files, checkpoints, resume, data files,
-distributed set-up, the command line). A learner reads Part I and may stop there.
+This file is DFlash, trained and resumed safely, and it stands alone (copied into an empty directory with
+requirements.txt installed, it trains, walks held-out tau and resumes). Part I is the method in reading order, Part
+II the exact fast paths, Part III the operations a run needs; a learner reads Part I and may stop there.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
@@ -36,17 +29,19 @@ The method in ten lines
     against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
     most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
 
-DFlash2 (--dflash2) adds two pieces: a grouped dynamic causal convolution along each block's offsets on both sides
-    of every attention and MLP sublayer (identity at init), and a candidate selector that re-ranks the target head's
-    top-k tokens at each offset by S(a, b) = U(b) + <A[a] * H(h), Bc[b]> (a: the previous token of the block); the
-    drafted block is the selector's greedy path, and its CE on the teacher-forced path joins the loss.
+Variants and extras plug in from dflash_tools/, one module per role, each imported only where a flag, a config.json
+or a file kind asks for it (import_tool; without the folder that use is one error line): a variant, other losses,
+tree verification, config.json written by other trainers and hub ids, data formats beyond JSONL, trackers, the
+sharded target, the memory plan, the demo. To add a variant, write dflash_tools/<name>.py with a Config(DFlashConfig)
+dataclass (its fields, `architecture`, `problems()`, `dflash_config_keys()`) and a Drafter(DFlashDrafter) overriding
+the hooks it changes: Layer (the decoder layer), draft (the draft rule), block_loss and summary (its loss and the
+figures it logs); then name it in VARIANTS and declare its flags. Nothing else here changes.
 """
 
 import argparse
 import difflib
 import gzip
 import hashlib
-import heapq
 import importlib
 import itertools
 import json
@@ -60,7 +55,8 @@ import tempfile
 import time
 import zlib
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -74,11 +70,9 @@ from tqdm import tqdm
 # =============================================================================
 # PART I. THE METHOD
 #
-# Everything DFlash is, in reading order, each idea before its first use: the drafter's config, the visibility
-# rule, RoPE, the drafter, the target's hooks and labels, anchors, block inputs, context noise, the weighted loss,
-# the exact tau walk, the training step, held-out evaluation and the training loop. A reader who stops at the end of
-# Part I has read all of the method. Functions it calls from Part II (exact fast paths) and Part III (operations:
-# checks, files, the command line) are named for what they do; a learner need not jump to them.
+# Everything DFlash is, in reading order, each idea before its first use. Functions it calls from Part II (exact
+# fast paths) and Part III (operations: checks, files, the command line) are named for what they do; a learner need
+# not jump to them.
 # =============================================================================
 
 # -----------------------------------------------------------------------------
@@ -105,26 +99,18 @@ class DFlashConfig:
     layer_types: list = field(default_factory=lambda: ["sliding_attention"] * 4 + ["full_attention"])
     sliding_window: int | None = 2048    # W
     is_causal: bool | None = None        # None: a layer is causal iff it is a sliding layer
-    # DFlash2 (all four 0: plain DFlash): the grouped convolutions around each sublayer and the candidate selector
-    conv_kernel_size: int = 0            # K taps along the block offsets (released: 2)
-    conv_group_size: int = 0             # channels sharing one dynamic tap (released: 16)
-    selector_rank: int = 0               # r of the selector's codebooks (released: 256)
-    selector_top_k: int = 0              # k candidates per drafted offset (released: 16)
-    output_multiplier: float = 1.0       # DFlash2's unary logits c * tanh(m * z / c): m
-    final_logit_softcapping: float | None = None  # c (None: no cap)
-    input_embedding_scale: float = 1.0   # on the block embeddings
-
-    @property
-    def dflash2(self):
-        """A DFlash2 drafter: its four integers set (config_problems refuses a half-set one)."""
-        return self.selector_top_k > 0
+    architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's architectures; a variant names its own
 
     def __post_init__(self):
         """Every config, from config.json or from flags, passes through here: all its problems at once. is_causal is
         kept only where it differs from its default rule (causal iff sliding), so equal masks mean equal configs."""
-        config_problems(self)  # raises (Part III)
+        bad = self.problems()
+        need(not bad, "\n".join(bad))
         if self.is_causal is not None and all((t == "sliding_attention") == self.is_causal for t in self.layer_types):
             self.is_causal = None
+
+    def problems(self):
+        return config_problems(self)  # Part III; a variant adds its own rules
 
     def rope_type(self):
         s = self.rope_scaling or {}
@@ -136,7 +122,6 @@ class DFlashConfig:
         causal = bool(self.is_causal) if self.is_causal is not None else sliding
         return causal, self.sliding_window if sliding else None
 
-
 def default_target_layer_ids(num_target_layers, num_draft_layers):
     """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (also SGLang's
     rule for a config that names none). On a small target it repeats layers: see valid_target_layer_ids."""
@@ -144,7 +129,6 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
     if n == 1:
         return [L // 2]
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
-
 
 # -----------------------------------------------------------------------------
 # Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function.
@@ -202,7 +186,6 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
             ctx_visible, own_visible = dense_masks(mod, b, N, S, B, anchors.device)
             masks[kind] = ctx_visible, own_visible, context_spans(ctx_visible)
     return masks
-
 
 # -----------------------------------------------------------------------------
 # RoPE and the drafter: Qwen3 decoder layers whose keys/values also see the target's context features
@@ -304,69 +287,13 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-# DFlash2: the grouped dynamic causal convolution around each sublayer
-
-class GroupedCausalConv(nn.Module):
-    """DFlash2's convolution along the offsets of each block, one per sublayer (attention_conv, mlp_conv): side 0
-    convolves the normed sublayer input, side 1 the sublayer's output. For offset t and channel c of group
-    g(c) = c // group_size:  out[t, c] = sum_j (base_kernel[side, j, c] + delta[t, side, j, g(c)]) * x[t - j, c],
-    x[t - j] = 0 for t < j: the taps read offsets t, t-1, ..., t-K+1 of the same block and never the previous block
-    or the context. delta = kernel_projection(u[t]) (both sides from the same normed input u, at the output offset).
-    Initialised as the identity (tap 0 = 1, the others 0, the projection 0): a fresh DFlash2 drafter is DFlash."""
-
-    def __init__(self, hidden_size, kernel_size, group_size):
-        super().__init__()
-        self.K, self.gs, self.G = kernel_size, group_size, hidden_size // group_size
-        base = torch.zeros(2, kernel_size, hidden_size)
-        base[:, 0] = 1.0
-        self.base_kernel = nn.Parameter(base)                                         # (side, tap, channel)
-        with torch.random.fork_rng(devices=[]):  # built drawing nothing: the same seed gives DFlash's backbone
-            self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.G, bias=False)  # side*K*G + j*G + g
-        self.kernel_projection.identity_init = True  # DFlashDrafter's normal init leaves it at zero
-        self.reset_identity()
-
-    def reset_identity(self):
-        with torch.no_grad():
-            self.base_kernel.zero_()
-            self.base_kernel[:, 0] = 1.0
-            self.kernel_projection.weight.zero_()
-
-    def dynamic(self, u):
-        """u (b, N, B, D) normed sublayer input -> delta (b, N, B, 2, K, G): each group's dynamic taps, both sides."""
-        return self.kernel_projection(u).unflatten(-1, (2, self.K, self.G))
-
-    def forward(self, x, delta, side):
-        """x (b, N, B, D) -> (b, N, B, D), convolved along dim -2 (the block offsets) with zero left padding."""
-        B, out = x.shape[-2], 0
-        for j in range(self.K):
-            xj = F.pad(x, (0, 0, j, 0))[..., :B, :] if j else x                # x[t - j]: zero for t < j
-            dyn = (delta[..., side, j, :, None] * xj.unflatten(-1, (self.G, self.gs))).flatten(-2)
-            out = out + self.base_kernel[side, j] * xj + dyn
-        return out.to(x.dtype)
-
-class DFlash2DecoderLayer(DecoderLayer):
-    """DFlash2's decoder layer: DecoderLayer with a GroupedCausalConv on both sides of each sublayer, inside the
-    residual branch after the pre-norm: x + conv1(attn(conv0(norm(x)))), then the same around the MLP. The block's
-    queries, keys and values come from the convolved input; the context keys/values are untouched."""
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.attention_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-        self.mlp_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-
-    def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        u = self.input_layernorm(x)
-        delta = self.attention_conv.dynamic(u)
-        y = self.self_attn(self.attention_conv(u, delta, 0), cos, sin, k_ctx, v_ctx, mask)
-        x = x + self.attention_conv(y, delta, 1)
-        u = self.post_attention_layernorm(x)
-        delta = self.mlp_conv.dynamic(u)
-        return x + self.mlp_conv(self.mlp(self.mlp_conv(u, delta, 0)), delta, 1)
-
 class DFlashDrafter(nn.Module):
     """Holds no embedding and no lm_head: both are the target's (frozen, passed in by the caller).
     attention: "flex" (block-sparse, CUDA) or "dense" (two_part_attention: [context ; own block]; anywhere, also
-    backward on CPU where flex has none). Chosen once, here; it is not part of the checkpoint."""
+    backward on CPU where flex has none). Chosen once, here; it is not part of the checkpoint.
+    The hooks a variant overrides: Layer, draft, block_loss, summary (and STATS, what block_loss sums)."""
+    Layer = DecoderLayer
+    STATS = {"w": (), "ce_w": (), "correct": "B", "count": "B", "accepted": (), "blocks": ()}  # "B": per offset
 
     def __init__(self, cfg, attention="dense"):
         super().__init__()
@@ -375,18 +302,15 @@ class DFlashDrafter(nn.Module):
             compile_flex()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList((DFlash2DecoderLayer if cfg.dflash2 else DecoderLayer)(cfg)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         for m in self.modules():
-            if isinstance(m, nn.Linear) and not getattr(m, "identity_init", False):  # (DFlash2's stay at zero)
+            if isinstance(m, nn.Linear) and not getattr(m, "identity_init", False):  # (a variant's may stay at 0)
                 nn.init.normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        if cfg.dflash2:  # DFlash2: its selector, initialised after DFlash's weights (a seed gives the same backbone)
-            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank)
 
     def context_kv(self, context_features, start=0):
         """(b, S, m*D) concatenated target features h[t] -> ctx = hidden_norm(fc(.)), the same for every layer,
@@ -405,49 +329,34 @@ class DFlashDrafter(nn.Module):
 
     def blocks(self, x, anchors, anchor_valid, kv, S):
         """The decoder layers over the blocks, given per-layer context keys/values for S positions."""
-        if self.cfg.input_embedding_scale != 1:  # DFlash2's scale on the block embeddings
-            x = x * self.cfg.input_embedding_scale
-        pos = anchors[..., None] + torch.arange(self.cfg.block_size, device=anchors.device)  # (b, N, B): a+i
+        pos = block_positions(anchors, self.cfg.block_size)                                # (b, N, B): a+i
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, pos, x.dtype)
         masks = build_masks(self.cfg, anchors, anchor_valid, S, self.attention)
         for i, layer in enumerate(self.layers):  # --grad_checkpoint: keep each layer's inputs, recompute the rest
             a = (x, cos, sin, *kv[i], masks[self.cfg.layer_kind(i)])
-            x = checkpoint(layer, *a, use_reentrant=False) \
-                if self.grad_checkpoint and self.training else layer(*a)
+            x = checkpoint(layer, *a, use_reentrant=False) if self.grad_checkpoint and self.training else layer(*a)
         return self.norm(x)
 
+    def draft(self, logits, h, anchor_ids, truth=None, temperature=0.0):
+        """The draft rule: logits (n, B-1, V) of offsets 1..B-1 (h their hidden states, anchor_ids (n,) the anchor
+        tokens) -> the drafted tokens (n, B-1), DFlash's argmax, and a dict of a variant's diagnostics (given truth,
+        the true tokens (n, B), at the sampling temperature)."""
+        return logits.argmax(-1), {}
 
-# DFlash2: the candidate selector over the target head's top-k
+    def block_loss(self, hidden, lm_head, labels, weights, block_ids, reweight=None, progress=None):
+        """sum(w * CE) over the blocks and its stats (weighted_ce). block_ids (b, N, B): the blocks' input ids;
+        progress: (step, total_steps) in training, None in evaluation (a variant's schedule may read it)."""
+        return weighted_ce(hidden, lm_head, labels, weights, reweight=reweight)
 
-class CandidateSelector(nn.Module):
-    """DFlash2's re-ranking of the k best unary tokens at each drafted offset: S(a, b) = U(b) + <A[a] * H(h), Bc[b]>,
-    a the predecessor token (the anchor for offset 1, then the previous pick), U the unary logit of candidate b, A and
-    Bc low-rank codebooks (V, r), H a projection of the drafter's final-normed hidden state h. Bc starts at zero, so
-    a fresh selector ranks by U alone: its greedy path is the unary argmax."""
+    def summary(self, stats):
+        """A variant's figures from the summed stats, beside summarize's loss, tau and acc ({} for DFlash)."""
+        return {}
 
-    def __init__(self, hidden_size, vocab_size, rank):
-        super().__init__()
-        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
-        nn.init.normal_(self.hidden_projection.weight, std=0.02)
-        # plain parameters, not nn.Embedding: the released files name them without ".weight"
-        self.predecessor_codebook = nn.Parameter(torch.randn(vocab_size, rank) * 0.02)
-        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))  # 0: the unary ranking at first
+DFlashConfig.Drafter = DFlashDrafter  # the model a config builds: cfg.Drafter(cfg); a variant's config names its own
 
-    def scores(self, h, pred, cand, unary):
-        """h (..., D), pred (...,) predecessor ids, cand (..., k) candidate ids, unary (..., k) -> S (..., k) fp32."""
-        a = self.predecessor_codebook[pred] * self.hidden_projection(h)                   # (..., r)
-        dt = unary.dtype  # fp32 (float64 in the tests)
-        return unary + torch.einsum("...r,...kr->...k", a.to(dt), self.successor_codebook[cand].to(dt))
-
-    def greedy_path(self, h, cand, unary, anchor_ids):
-        """The drafted block at T = 0: h (n, B-1, D), cand/unary (n, B-1, k), anchor_ids (n,) -> (n, B-1) ids, each
-        offset's argmax over its candidates given the previous pick (lowest candidate slot on ties)."""
-        pred, path = anchor_ids, []
-        for i in range(cand.shape[1]):
-            s = self.scores(h[:, i], pred, cand[:, i], unary[:, i])
-            pred = cand[:, i].gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
-            path.append(pred)
-        return torch.stack(path, 1) if path else anchor_ids.new_zeros(len(anchor_ids), 0)
+def tied(target):
+    """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
+    return target.lm_head.weight is target.embed.weight
 
 @torch.no_grad()
 def start_off_mask(drafter, target):
@@ -463,11 +372,6 @@ def start_off_mask(drafter, target):
     if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
         g = torch.ones_like(u)
         drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
-
-def tied(target):
-    """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
-    return target.lm_head.weight is target.embed.weight
-
 
 # -----------------------------------------------------------------------------
 # The target: frozen; forward hooks capture the context features h[t] and the final hidden state f, whose greedy
@@ -530,7 +434,6 @@ def greedy_labels(final, lm_head, chunk=None):
     out = torch.cat([lm_head(f[s:s + chunk]).argmax(-1) for s in range(0, f.shape[0], chunk)])
     return torch.cat([out.new_full((b, 1), -1), out.view(b, S - 1)], dim=1)
 
-
 # -----------------------------------------------------------------------------
 # Anchors, block inputs and labels, context noise
 
@@ -542,11 +445,16 @@ def mix_seed(*keys):
         h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
 
+def anchor_candidates(loss_mask):
+    """The usable anchors of a loss_mask (S,): positions a with loss_mask[a] = loss_mask[a+1] = 1 (the anchor and at
+    least its first draft are response tokens). The one rule: sampling, data loading and --show_data use it."""
+    m = torch.as_tensor(loss_mask) > 0
+    return (m[:-1] & m[1:]).nonzero().squeeze(1)
+
 def sample_anchors(loss_mask, num_anchors, generator):
-    """loss_mask (S,) -> anchors (num_anchors,) long, valid (num_anchors,) bool. Candidates are positions with
-    loss_mask[a] = loss_mask[a+1] = 1 (the anchor and at least its first draft are response tokens), drawn uniformly
+    """loss_mask (S,) -> anchors (num_anchors,) long, valid (num_anchors,) bool: anchor_candidates drawn uniformly
     without replacement, fresh every step; padded to a fixed count (fixed shapes for torch.compile)."""
-    cand = ((loss_mask[:-1] > 0) & (loss_mask[1:] > 0)).nonzero().squeeze(1)
+    cand = anchor_candidates(loss_mask)
     pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
     anchors, valid = torch.zeros(num_anchors, dtype=torch.long), torch.zeros(num_anchors, dtype=torch.bool)
     anchors[:len(pick)], valid[:len(pick)] = pick, True
@@ -589,10 +497,8 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
         mix_seed(k, 7))) for k in keys])
     return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
 
-
 # -----------------------------------------------------------------------------
-# The corrected loss: hard cross-entropy, weighted by block offset (--loss ce, the paper's) or by the drafter's own
-# confidence (--loss dpace, D-PACE), normalised over the whole global batch
+# The corrected loss: hard cross-entropy weighted by block offset, normalised over the whole global batch
 
 MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
 
@@ -606,32 +512,18 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-LOSSES = ("ce", "dpace", "dpace-prefix", "dpace-continuation")  # --loss: the paper's CE, D-PACE, D-PACE's 2 factors
-
-def dpace_weights(q, valid, alpha, loss="dpace"):
-    """D-PACE's weights (b, N, B) from q, the drafter's probability of each label (detached), on the valid positions
-    (0 elsewhere). A block's expected number of accepted drafts is sum_m P_m, P_j = prod_{i<=j} s_i the chance its
-    first j drafts all pass, with the confidence smoothed to s_i = (1-alpha) q_i + alpha (an invalid position counts
-    as 1); offset j weighs what it moves in that sum, w_j = sum_{m>=j, m valid} P_m ("dpace") = P_j times the value
-    of continuing; "dpace-prefix" keeps P_j alone, "dpace-continuation" w_j / P_j alone."""
-    s = torch.where(valid, (1 - alpha) * q + alpha, 1.0)
-    prefix = s.cumprod(-1)                                                         # P_j
-    if loss == "dpace-prefix":
-        return prefix * valid
-    suffix = (prefix * valid).flip(-1).cumsum(-1).flip(-1)                         # sum_{m>=j, m valid} P_m
-    if loss == "dpace":
-        return suffix * valid
-    return suffix / prefix.clamp(min=torch.finfo(prefix.dtype).tiny) * valid     # dpace-continuation
-
-def loss_normaliser(loss, weights):
+def loss_normaliser(weights, reweight=None):
     """The loss's denominator over a batch (weights from loss_weights); train_step sums it over the global batch.
-    ce: sum(w), a mean over weighted tokens; D-PACE: the number of sequences (rows with a real anchor), as SpecForge."""
-    return weights.sum() if loss == "ce" else (weights > 0).flatten(1).any(1).sum().float()
+    sum(w), a mean over weighted tokens (the paper's CE); with a reweighting loss, the number of sequences
+    (rows with a real anchor), as SpecForge normalises it."""
+    return weights.sum() if reweight is None else (weights > 0).flatten(1).any(1).sum().float()
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss="ce", dpace_alpha=0.5):
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, reweight=None):
     """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
-    hidden (b, N, B, D), labels/weights (b, N, B): w = weights for "ce"; for a D-PACE loss, dpace_weights of the
-    drafter's own probability of each label where weights > 0. stats holds sums to all-reduce: w (the normaliser,
+    hidden (b, N, B, D), labels/weights (b, N, B). The CE and its gradient come from ChunkedLMHeadCE (Part II): the
+    gradient w.r.t. hidden, (softmax - onehot) @ W, is formed chunk by chunk in its forward, so [tokens, V] logits
+    never exist. reweight (another --loss, dflash_tools/losses.py): w = reweight(q, valid) from the drafter's own
+    probability q of each label, without gradient. stats holds sums to all-reduce: w (the normaliser,
     loss_normaliser), ce_w, correct[i] / count[i] per offset, accepted (sum of leading runs of correct drafts: what
     greedy verification accepts), blocks; these metrics (the tau estimate) never depend on the loss's weights."""
     w = weights.flatten()
@@ -639,118 +531,34 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss="ce", dpace_a
     ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
                                      labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
     valid = weights > 0
-    if loss != "ce":  # D-PACE: q = exp(-CE), the drafter's probability of the label; the weights get no gradient
+    if reweight is not None:  # q = exp(-CE), the drafter's probability of the label; the weights get no gradient
         q = torch.zeros_like(w).index_put((sel,), ce.detach().neg().exp()).view_as(weights)
-        w = dpace_weights(q, valid, dpace_alpha, loss).flatten()
+        w = reweight(q, valid).flatten()
     ce_w = (ce * w[sel]).sum()
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
     correct[sel] = pred == labels.flatten()[sel]
-    correct = correct.view_as(valid) & valid
-    blocks = valid[..., 1]  # a block counts if its first draft position is valid
-    accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
-    return ce_w, {"w": loss_normaliser(loss, weights).detach(), "ce_w": ce_w.detach(),
-                  "correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
-                  "accepted": (accepted * blocks).sum().float(), "blocks": blocks.sum().float()}
+    return ce_w, {"w": loss_normaliser(weights, reweight).detach(), "ce_w": ce_w.detach(),
+                  **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
-# DFlash2: the selector's term of the loss, beside weighted_ce's
-
-def unary_logits(logits, multiplier=1.0, softcap=None):
-    """DFlash2's unary logits z' = c * tanh(m * z / c) (m * z without a cap), in fp32: what its top-k, the selector's
-    U and the base CE read."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if multiplier != 1:
-        z = z * multiplier
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)
-    return z
-
-def selector_ce(selector, h, pred, vals, idx, labels, stop_gradient=False):
-    """DFlash2's teacher-forced selector term per token: h (T, D) final-normed hidden states, pred (T,) predecessor
-    ids, vals/idx (T, k) the unary top-k, labels (T,). Returns ce (T,) (0 where the label is not a candidate: a
-    recall miss is the backbone's, it carries no selector gradient), covered (T,) bool, and pick (T,) the selector's
-    argmax. stop_gradient: the selector CE trains the selector alone (h and U detached here only)."""
-    if stop_gradient:
-        h, vals = h.detach(), vals.detach()
-    s = selector.scores(h, pred, idx, vals)                                             # (T, k)
-    hit = idx == labels[:, None]
-    covered = hit.any(-1)
-    ce = s.logsumexp(-1) - torch.where(hit, s, 0.0).sum(-1)
-    pick = idx.gather(1, s.argmax(-1, keepdim=True)).squeeze(1)
-    return torch.where(covered, ce, 0.0), covered, pick
-
-def selector_alpha(step, total_steps, alpha, warmup_ratio=0.0, ramp_ratio=0.0):
-    """The selector term's weight at (0-based) optimizer step `step`: 0 during the first floor(warmup_ratio * total)
-    steps, then a linear ramp over floor(ramp_ratio * total) steps up to alpha (at once when that is 0)."""
-    warm, ramp = math.floor(total_steps * warmup_ratio), math.floor(total_steps * ramp_ratio)
-    if step < warm:
-        return 0.0
-    if ramp <= 0:
-        return alpha
-    return alpha * min(max((step - warm + 1) / ramp, 0.0), 1.0)
-
-def dflash2_predecessors(block_ids, labels):
-    """Teacher-forced predecessors (b, N, B): offset 1's is the anchor token, offset i >= 2's the label of offset i-1
-    (the target's greedy token under --labels target: what the walk's pick is while its drafts are accepted)."""
-    return torch.cat([block_ids[..., :1], block_ids[..., :1], labels[..., 1:-1].clamp(min=0)], -1)
-
-DFLASH2_STAT_KEYS = ("unary_correct", "unary_accepted", "covered", "sel_ce_w", "sel_w")
-
-def dflash2_weighted_ce(hidden, lm_head, labels, weights, cfg, selector, pred, alpha, stop_gradient, chunk=None):
-    """weighted_ce for DFlash2: sum(w * CE(z')) + alpha * sum(w * covered * CE_selector) over the block tokens, the
-    unary CE on DFlash2's unary logits z' (the logits it serves; SpecForge trains on them too) and the selector's CE
-    over their top-k, both from one chunked lm_head pass. The caller divides the sum by the batch's sum(w): one
-    denominator for both terms (SpecForge's rule: the selector's weight follows its top-k coverage). pred (b, N, B)
-    predecessor ids (dflash2_predecessors). Stats: the tau estimate and acc walk the selector's teacher-forced
-    picks (while they are right they are the greedy walk's picks too), the unary argmax's and the top-k recall
-    beside them, and the selector's CE over the covered tokens (sel_ce_w / sel_w)."""
-    w = weights.flatten()
-    sel = (w > 0).nonzero().squeeze(1)
-    h, y = hidden.reshape(-1, hidden.shape[-1])[sel], labels.flatten()[sel].clamp(min=0)
-    ce, unary_pred, vals, idx = ChunkedLMHeadTopK.apply(h, lm_head.weight, lm_head.bias, y,
-                                                        chunk or vocab_chunk(lm_head.weight.shape[0]),
-                                                        cfg.selector_top_k, cfg.output_multiplier,
-                                                        cfg.final_logit_softcapping)
-    sce, covered, pick = selector_ce(selector, h, pred.flatten()[sel], vals, idx, y, stop_gradient)
-    ce_w, sel_w = (ce * w[sel]).sum(), (sce * w[sel]).sum()
-    valid = weights > 0
-
-    def per_token(hit):  # (b, N, B) bool, False off the selected tokens
-        full = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
-        full[sel] = hit
-        return full.view_as(valid) & valid
+def accuracy_stats(correct, valid):
+    """correct, valid (b, N, B) bool -> correct[i] / count[i] per offset, accepted (the leading runs of correct
+    drafts: what greedy verification accepts) and blocks (a block counts if its first draft position is valid)."""
     blocks = valid[..., 1]
-    run = lambda c: (torch.cumprod(c[..., 1:].long(), -1).sum(-1) * blocks).sum().float()  # noqa: E731
-    correct, unary_correct, cov = per_token(pick == y), per_token(unary_pred == y), per_token(covered)
-    return ce_w + alpha * sel_w, {
-        "w": weights.sum().detach(), "ce_w": ce_w.detach(), "correct": correct.sum((0, 1)).float(),
-        "count": valid.sum((0, 1)).float(), "accepted": run(correct), "blocks": blocks.sum().float(),
-        "unary_correct": unary_correct.sum((0, 1)).float(), "unary_accepted": run(unary_correct),
-        "covered": cov.sum((0, 1)).float(), "sel_ce_w": sel_w.detach(), "sel_w": (w[sel] * covered).sum().detach()}
-
-def dflash2_summary(stats):
-    """summarize's DFlash2 figures: the selector's own CE (over the covered tokens), and the diagnostics."""
-    if "sel_w" not in stats:
-        return {}
-    count = stats["count"].clamp(min=1)
-    return {"selector_loss": (stats["sel_ce_w"] / stats["sel_w"].clamp(min=1e-9)).item(),
-            "unary_tau": 1.0 + (stats["unary_accepted"] / stats["blocks"].clamp(min=1)).item(),
-            "unary_acc": (stats["unary_correct"] / count).tolist()[1:],
-            "topk_recall": (stats["covered"][1:].sum() / stats["count"][1:].sum().clamp(min=1)).item()}
+    accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
+    return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
+            "accepted": (accepted * blocks).sum().float(), "blocks": blocks.sum().float()}
 
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
-                labels="target", pad_to=None, loss="ce", dpace_alpha=0.5, selector=None, selector_alpha=1.0,
-                selector_stop_gradient=False):
+                labels="target", pad_to=None, raw_model=None, **loss_kw):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
 
-    model: the drafter (or its compiled / DDP wrapper), cfg its config. anchors, anchor_valid (b, N) from
-    batch_anchors; weights (b, N, B) from loss_weights. labels: "target" (the target's greedy token at a+i: what
-    verification accepts) or "data" (the data token, for data the target regenerated). noise_std: context-feature
-    noise (0 in evaluation). loss, dpace_alpha: "ce" or a D-PACE loss (weighted_ce). Returns (loss, stats) with
-    loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's loss_normaliser; training passes the
-    sum over the whole global batch, so the split over ranks and micro-steps cannot dilute or reweight the loss.
-    stats holds numerators and denominators to all-reduce (see summarize). DFlash2 (cfg.dflash2; loss "ce"):
-    selector (the drafter's CandidateSelector; default: model's own, for an unwrapped drafter), selector_alpha (this
-    step's weight of its term, see selector_alpha) and selector_stop_gradient."""
+    model: the drafter (or its compiled / DDP wrapper; then raw_model is the drafter, whose block_loss is called),
+    cfg its config. anchors, anchor_valid (b, N) from batch_anchors; weights (b, N, B) from loss_weights. labels:
+    "target" (the target's greedy token at a+i: what verification accepts) or "data" (the data token, for data the
+    target regenerated). noise_std: context-feature noise (0 in evaluation). loss_kw go to block_loss (reweight,
+    progress). Returns (loss, stats) with loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's
+    loss_normaliser; training passes the sum over the whole global batch, so the split over ranks and micro-steps
+    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize)."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
@@ -764,14 +572,8 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
         context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
     with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
         hidden = model(context, x, anchors, anchor_valid)                      # (b, N, B, D)
-    if cfg.dflash2:  # DFlash2: its selector's term beside the CE, from the same chunked lm_head pass
-        ce_w, stats = dflash2_weighted_ce(hidden, target.lm_head, y, w, cfg, selector or model.candidate_selector,
-                                          dflash2_predecessors(ids, y), selector_alpha, selector_stop_gradient)
-    else:
-        ce_w, stats = weighted_ce(hidden, target.lm_head, y, w, loss=loss, dpace_alpha=dpace_alpha)
+    ce_w, stats = (raw_model or model).block_loss(hidden, target.lm_head, y, w, ids, **loss_kw)
     return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
-
-STAT_KEYS = ("w", "ce_w", "correct", "count", "accepted", "blocks")  # what weighted_ce sums; see summarize
 
 def add_stats(total, stats):
     return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
@@ -782,13 +584,13 @@ def all_reduce_sum(stats, world):
             dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return stats
 
-def summarize(stats):
-    """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
+def summarize(stats, drafter=None):
+    """Global metrics from summed numerators and denominators (exact, not a mean of means); a variant's own
+    figures (drafter.summary) beside them."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
     return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
             "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:],
-            **dflash2_summary(stats)}
-
+            **(drafter.summary(stats) if drafter is not None else {})}
 
 # -----------------------------------------------------------------------------
 # The exact tau walk (eval.py, and `eval_walk_tau` in training's held-out evaluation)
@@ -799,10 +601,7 @@ def summarize(stats):
 # block anchored at every position of s at once (each block sees only the context before its anchor, by the mask
 # rule), and tau_walk walks those blocks along s. At temperature T > 0 (eval.py --temperature) the same walk runs
 # along a continuation sampled from the target: a one-hot draft is accepted exactly when it equals the sampled token.
-#
-# Tree verification (DDTree's rule, greedy) walks the same blocks: at each anchor the drafter's per-depth
-# distributions build a tree of `budget` candidate tokens (tree_nodes), and the target accepts the longest path of
-# it that is a prefix of s (tree_accept), so only the acceptance rule changes.
+# Tree verification (dflash_tools/tree.py) walks the same drafts with another acceptance rule.
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""
@@ -831,43 +630,6 @@ def walk_steps(continuation, accept):
         k += accepted + 1
     return lengths
 
-def tree_nodes(logq, budget):
-    """DDTree's best-first draft tree at one anchor. logq[d][r]: log q of the r-th best token at depth d+1 (the
-    drafter's block offset d+1), ranked best first, K per depth; q_d is a depth marginal, so a path's score is the sum
-    of its tokens' log q. A node is a rank tuple (r_1, ..., r_d). Best-first from the depth-1 top token: each pop
-    adds the node and pushes its next sibling (r_d + 1) and its first child (rank 0 one depth down), until `budget`
-    nodes. Every node's parent is added before it, so the tree is prefix-closed. Returns the nodes in order added."""
-    D, K = len(logq), len(logq[0])
-    heap, nodes = [(-logq[0][0], (0,))], []  # (minus the score, ranks): heapq pops the best score first
-    while heap and len(nodes) < budget:
-        neg, ranks = heapq.heappop(heap)
-        nodes.append(ranks)
-        d, r = len(ranks) - 1, ranks[-1]
-        if r + 1 < K:
-            heapq.heappush(heap, (neg + logq[d][r] - logq[d][r + 1], ranks[:-1] + (r + 1,)))
-        if d + 1 < D:
-            heapq.heappush(heap, (neg - logq[d + 1][0], ranks + (0,)))
-    return nodes
-
-def tree_accept(logq, tokens, truth, budget):
-    """Accepted drafts at one anchor under tree verification: the length of the longest prefix of the truth (the
-    target's greedy tokens after the anchor) that is a path of the tree_nodes(logq, budget) tree. tokens[d][r]: the
-    token of rank r at depth d+1 (logq's ranking). The target follows its argmax down the tree, so this is what it
-    accepts. A chain is K = 1, budget B-1."""
-    tree, path = set(tree_nodes(logq, budget)), ()
-    for d, t in enumerate(truth[:len(tokens)]):
-        if t not in tokens[d] or path + (tokens[d].index(t),) not in tree:
-            break  # the target's token is not among this node's children
-        path += (tokens[d].index(t),)
-    return len(path)
-
-def tree_walk(continuation, logq, tokens, budget):
-    """Acceptance lengths of greedy tree verification along the greedy continuation: tau_walk with tree_accept.
-    logq, tokens (n, B-1, K): the drafter's top-K log-probabilities and tokens per depth at every anchor (from
-    draft_every_anchor(..., topk=K)); K >= budget is the exact DDTree tree (no node can rank deeper than budget)."""
-    logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
-    return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
-
 def step_anchors(lengths):
     """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
     return list(itertools.accumulate(lengths, initial=0))[:-1]
@@ -889,11 +651,10 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
 def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0, details=False,
                        temperature=0.0):
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
-    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (the argmax), row k for anchor
-    first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens per block offset with
-    their log-probabilities, best first (what tree verification builds its trees from). A DFlash2 drafter drafts its
-    selector's greedy path; with details=True also dflash2_details' diagnostics (the unary argmax, the top-k hits
-    of the true tokens ids[a+i], and at temperature > 0 the selector's q of them), each (S-1-first, B-1)."""
+    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (drafter.draft: DFlash's
+    argmax), row k for anchor first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens
+    per block offset with their log-probabilities, best first (what tree verification builds its trees from); with
+    details=True instead the variant's diagnostics (drafter.draft's dict, each (S-1-first, B-1))."""
     cfg, flex = drafter.cfg, drafter.attention == "flex"
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
@@ -914,51 +675,25 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
-        if cfg.dflash2:  # DFlash2: the selector's greedy path from the anchor token, over the unary top-k
-            hb, top = h[0, :n, 1:], dflash2_top(drafter, logits)  # one top-k over V serves path and diagnostics
-            drafts.append(dflash2_drafts(drafter, top, hb, ids[0, a[:n]]))
-            if details:
-                truth = ids[0, (a[:n, None] + torch.arange(B, device=ids.device)).clamp(max=ids.shape[1] - 1)]
-                extra.append(dflash2_details(drafter, logits, top, hb, truth, temperature))
-        else:
-            drafts.append(logits.argmax(-1))                                                 # (n, B-1)
+        truth = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)] if details else None  # (n, B)
+        d, more = drafter.draft(logits, h[0, :n, 1:], ids[0, a[:n]], truth, temperature)
+        drafts.append(d)                                                                  # (n, B-1)
+        extra.append(more)
         if topk:
             top = logits.topk(topk)
             logq.append(top.values.float() - logits.float().logsumexp(-1, keepdim=True))    # (n, B-1, K)
             tokens.append(top.indices)
     drafts = torch.cat(drafts) if drafts else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
     if details:
-        keys = ("unary", "covered") + (("q",) if temperature > 0 else ())
-        return drafts, {k: torch.cat([e[k] for e in extra]) if extra else drafts.new_zeros(0, B - 1) for k in keys}
+        if not extra:  # no anchor: the rule's (empty) diagnostics all the same
+            z = torch.zeros(0, dtype=torch.long, device=ids.device)
+            extra = [drafter.draft(z.new_zeros(0, B - 1, target.vocab_size).float(), z.new_zeros(
+                0, B - 1, cfg.hidden_size).float(), z, z.view(0, 1).expand(0, B), temperature)[1]]
+        return drafts, {k: torch.cat([e[k] for e in extra]) for k in extra[0]}
     if not topk:
         return drafts
     empty = drafts.new_zeros(0, B - 1, topk)
     return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
-
-# DFlash2: the drafted block is its selector's greedy path
-
-def dflash2_top(drafter, logits):
-    """The k candidates per offset: the top-k of DFlash2's unary logits (values fp32, sorted; ids)."""
-    cfg = drafter.cfg
-    return unary_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping).topk(cfg.selector_top_k)
-
-def dflash2_drafts(drafter, top, h, anchor_ids):
-    """The drafted blocks at T = 0: the selector's greedy path over the unary top-k. top: dflash2_top of the
-    logits (n, B-1, V), h (n, B-1, D) the final-normed hidden states of offsets 1..B-1, anchor_ids (n,) -> (n, B-1)."""
-    return drafter.candidate_selector.greedy_path(h, top.indices, top.values, anchor_ids)
-
-def dflash2_details(drafter, logits, top, h, truth, temperature=0.0):
-    """draft_every_anchor's DFlash2 diagnostics of n blocks: the unary argmax (n, B-1), whether each true token is
-    among the k candidates (n, B-1) and, at temperature > 0, q (n, B-1): the selector's softmax(S / T) of the true
-    token (0 when it is no candidate) with the previous true token as predecessor (while the drafts are accepted
-    the path is the truth). truth (n, B): the anchor token, then the true tokens of offsets 1..B-1; top: dflash2_top
-    of the logits."""
-    hit = top.indices == truth[:, 1:, None]                                              # (n, B-1, k)
-    out = {"unary": logits.argmax(-1), "covered": hit.any(-1)}
-    if temperature > 0:
-        s = drafter.candidate_selector.scores(h, truth[:, :-1], top.indices, top.values)   # (n, B-1, k)
-        out["q"] = torch.where(hit, (s / temperature).softmax(-1), 0.0).sum(-1)
-    return out
 
 def walk_prompts(samples, num_prompts):
     """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
@@ -980,43 +715,41 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
-def walk_tau(drafter, target, walk, world, tree_budget=0, unary=False):
-    """Pooled tau of the walk over every rank's prompts, with tree_budget the pooled tau of tree verification with
-    that many nodes on the same drafts (else None), and the chain's acceptance by block offset: [P(draft k accepted)
-    for k = 1..B-1] over all steps, as eval.py reports it; with unary=True (a DFlash2 drafter) also the unary
-    argmax's walked tau. Each rank walks its own prompts, then the totals of acceptance lengths and steps are summed
-    over ranks. Each is None if no steps or the walk is off (walk None, the same on every rank)."""
-    if walk is None:
-        return (None,) * (4 if unary else 3)
+def walk_tau(drafter, target, walk, world, tree=0):
+    """Pooled tau of the walk over every rank's prompts, and the acceptance by block offset: [P(draft k accepted)
+    for k = 1..B-1] over all steps, as eval.py reports it; and {name: pooled tau} of the other walks of the same
+    drafts: tree verification with `tree` nodes (dflash_tools/tree.py), a variant's diagnostic drafts
+    (drafter.WALKS). Each rank walks its own prompts, then the totals of acceptance lengths and steps are
+    summed over ranks. Each is None if no steps or the walk is off (walk None, the same on every rank)."""
+    if walk is None:  # (off)
+        return None, None, {}
     dev, B = target.lm_head.weight.device, drafter.cfg.block_size
-    total = torch.zeros(6 + B - 1, device=dev)  # acceptance lengths, steps: chain, tree, unary; steps accepting >= k
-    K = min(tree_budget, target.vocab_size)
+    names = (["tree"] if tree else []) + list(getattr(drafter, "WALKS", ()))
+    total = torch.zeros(2 + 2 * len(names) + B - 1, device=dev)  # lengths, steps; per other walk; steps accepting >= k
+    trees = import_tool("tree", "tree verification") if tree else None
     for prompt, continuation in zip(*walk):
         ids = torch.tensor([prompt + continuation], device=dev)
         features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
-        if K:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
-            drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt), topk=K)
-            tree = tree_walk(continuation, logq, tokens, tree_budget)
-        elif drafter.cfg.dflash2:  # DFlash2: its selector's path, and the unary argmax's walk as a diagnostic
-            drafts, extra = draft_every_anchor(drafter, target, features, ids, len(prompt), details=True)
-            tree, unary = [], tau_walk(continuation, extra["unary"].tolist())
+        others = []
+        if trees:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
+            drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt),
+                                                      topk=min(tree, target.vocab_size))
+            others.append(trees.walk(continuation, logq, tokens, tree))
         else:
-            drafts, tree = draft_every_anchor(drafter, target, features, ids, len(prompt)), []
-        if not drafter.cfg.dflash2:
-            unary = []
+            drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), details=True)
+            others += [tau_walk(continuation, more.get(k, drafts).tolist()) for k in names]
         lengths = tau_walk(continuation, drafts.tolist())
         accepted = [sum(n > k for n in lengths) for k in range(1, B)]  # lengths are accepted drafts + 1
-        total += torch.tensor([sum(lengths), len(lengths), sum(tree), len(tree), sum(unary), len(unary), *accepted],
+        total += torch.tensor([sum(lengths), len(lengths), *[x for o in others for x in (sum(o), len(o))], *accepted],
                               device=dev)
     if world > 1:
         dist.all_reduce(total)
-    tau, tree_tau, unary_tau = ((total[i] / total[i + 1]).item() if total[i + 1] > 0 else None for i in (0, 2, 4))
-    acceptance = (total[6:] / total[1]).tolist() if total[1] > 0 else None
-    return (tau, tree_tau, acceptance, unary_tau) if unary else (tau, tree_tau, acceptance)
-
+    tau = lambda i: (total[i] / total[i + 1]).item() if total[i + 1] > 0 else None  # noqa: E731
+    acceptance = (total[2 + 2 * len(names):] / total[1]).tolist() if total[1] > 0 else None
+    return tau(0), acceptance, {name: tau(2 + 2 * j) for j, name in enumerate(names)}
 
 # -----------------------------------------------------------------------------
-# Training: the step, held-out evaluation, the loop
+# Training: the step, held-out evaluation, the drafter's build, the batches, the loop
 
 def lr_at(step, total_steps, lr, warmup_ratio):
     """Linear warmup over warmup_ratio of the run, then cosine decay to 0. A pure function of the step."""
@@ -1026,24 +759,23 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, loss="ce",
-               **loss_kw):
+def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
     """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
     step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
     skips it: grads are all-reduced and the loss summed, so every rank skips together).
     The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
-    the whole global batch's loss_normaliser (sum(w), or its number of sequences for D-PACE), whatever the split."""
+    the whole global batch's loss_normaliser (sum(w), or its number of sequences), whatever the split."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
-    w_total = sum(loss_normaliser(loss, w) for w in weights).to(device)
+    w_total = sum(loss_normaliser(w, loss_kw.get("reweight")) for w in weights).to(device)
     w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
     total = None
     for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
         # no gradient all-reduce until the last micro-step, around forward *and* backward
         sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
         with sync:
-            out, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, loss=loss, **loss_kw)
+            out, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, **loss_kw)
             out.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     total = all_reduce_sum(total, world)
@@ -1063,14 +795,12 @@ def rank_share(items, rank, world):
 
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
-    """Held-out loss and tau estimate on every rank (its shard), combined by summing numerators/denominators.
-    Anchors are keyed by the sample's index in the eval set: the same blocks whatever the number of ranks."""
+    """Held-out loss and tau estimate, each rank on its share, summed over ranks; anchors keyed by the sample's index
+    in the eval set (the same blocks whatever the number of ranks)."""
     cfg = drafter.cfg
     z = torch.zeros((), device=target.lm_head.weight.device)
-    keys = STAT_KEYS + (DFLASH2_STAT_KEYS if cfg.dflash2 else ())  # a rank may have none
-    total = {k: z.new_zeros(cfg.block_size if k in ("correct", "count", "unary_correct", "covered") else ())
-             for k in keys}
-    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
+    total = {k: z.new_zeros(cfg.block_size if per == "B" else ()) for k, per in drafter.STATS.items()}  # a rank may
+    mine, per_rank = rank_share(list(range(len(samples))), rank, world)                                 # have none
     for s in range(0, per_rank, batch_size):  # a short rank's last batch is all empty rows (see rank_share)
         idx = mine[s:s + batch_size]
         fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
@@ -1079,57 +809,119 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
         anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
         w = loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, gamma)
         total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
-                                             **{**loss_kw, "noise_std": 0})[1])
-    return summarize(all_reduce_sum(total, world))
+                                             **{**loss_kw, "noise_std": 0, "progress": None})[1])
+    return summarize(all_reduce_sum(total, world), drafter)
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, loss="ce", selector_alpha=None):
-    """The console line and the metrics.jsonl record of a logged training step (total: its summed stats; loss: the
-    --loss that trained it)."""
-    m, mem = summarize(total), peak_memory_mb(device)
+def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
+    return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
+
+def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):
+    """The console line and the metrics.jsonl record of a logged step (total: its summed stats; loss: --loss)."""
+    m, mem = summarize(total, drafter), peak_memory_mb(device)
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB")
+            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
     record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem}
-    if selector_alpha is not None:  # DFlash2: the selector's figures and its term's weight this step
-        line += dflash2_said(m)
-        record.update({k: m[k] for k in DFLASH2_LOGGED}, selector_alpha=selector_alpha)
+              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
     return line, record
 
-def dflash2_said(m, unary_walked=None):
-    """DFlash2's figures on the console: tau and acc are its selector's; the unary argmax's, the top-k recall and
-    the selector's own CE beside them."""
-    return (f"  (DFlash2: selector loss {m['selector_loss']:.4f}, unary tau {m['unary_tau']:.3f}"
-            + (f", unary walked tau {unary_walked:.3f}" if unary_walked is not None else "")
-            + f", top-k recall {m['topk_recall']:.3f})")
+def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
+    shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
+    return f"  ({', '.join(shown)})" if shown else ""
 
-DFLASH2_LOGGED = ("selector_loss", "unary_tau", "unary_acc", "topk_recall")
-
-def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say,
-                  log_metrics):
+def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
     """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau and acceptance by
-    block offset (walk_tau) and, with --eval_walk_tree_budget, the tree's; said (the console) and logged
-    (metrics.jsonl), the walk with how it was measured (measurement). Nothing without eval_samples."""
+    block offset (walk_tau, with its other walks: tree, a variant's); said (the console) and logged (metrics.jsonl),
+    the walk with how it was measured (measurement). Nothing without eval_samples."""
     if not eval_samples:
         return
     drafter.eval()
-    m = evaluate(drafter, target, eval_samples, args.batch_size, args.num_anchors, pad_id, args.seed, rank, world,
+    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
                  **loss_kw)
-    walked, tree_walked, walk_acceptance, *unary = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget,
-                                                            unary=drafter.cfg.dflash2)
-    unary_walked = unary[0] if unary else None  # DFlash2: the unary argmax's walked tau
+    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
     drafter.train()
+    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
     say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-        + (f"  walked tau {walked:.3f}" if walked is not None else "")
-        + (f"  tree ({args.eval_walk_tree_budget} nodes) {tree_walked:.3f}" if tree_walked is not None else "")
-        + (dflash2_said(m, unary_walked) if drafter.cfg.dflash2 else ""))
-    tree = {"eval_walk_tree_tau": tree_walked} if args.eval_walk_tree_budget else {}
-    v2 = {"eval_walk_unary_tau": unary_walked, **{f"eval_{k}": m[k] for k in DFLASH2_LOGGED}} \
-        if drafter.cfg.dflash2 else {}  # DFlash2: tau walks its selector's path; the unary argmax's beside it
+        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
     measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
                            prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
-    walk = {"eval_walk_acceptance": walk_acceptance, "measured": measured} if walked is not None else {}
+    walk = {"eval_walk_acceptance": acceptance, "measured": measured} if walked is not None else {}
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **tree, **walk, **v2})
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
+
+def build_drafter(args, run, target, world, device, say=print):
+    """The drafter (new, --init_from's or the checkpoint's), its AdamW (--zero: moments split over the ranks), the
+    model the loop calls (compiled, wrapped in DDP under torchrun), and the loss's keyword arguments."""
+    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
+    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    cfg, state, source = run.cfg, run.state, run.resume_dir or run.init_from
+    drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
+    if run.variant:  # the variant's own set-up from its flags
+        drafter = run.variant.prepare(drafter, cfg, args)
+    if not source and tied(target):
+        start_off_mask(drafter, target)
+        say("tied embeddings: the new drafter's final norm starts off the mask token's row (its first drafts would "
+            "otherwise all be the mask token, which the tied lm_head scores highest)")
+    drafter.grad_checkpoint = args.grad_checkpoint
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
+    if args.zero and world > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **kw)
+    else:
+        optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        say(f"resumed from {run.resume_dir} at step {state['step']}")
+    drafter.train()
+    model = torch.compile(drafter) if compile_ else drafter
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
+        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
+        f"{attention}, compile {compile_}")
+    reweight = None if args.loss == "ce" else import_tool("losses", f"--loss {args.loss}").reweight_of(args)
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, raw_model=drafter, reweight=reweight,
+                   pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    return drafter, model, optimizer, loss_kw
+
+def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding
+    return min(args.num_anchors, args.max_len - 1)
+
+def collate(samples, pad_id, keys=None):
+    """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
+    causal target's real positions). keys: one random key per sample for its anchors and noise."""
+    S = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
+    for r, (ids, mask) in enumerate(samples):
+        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
+    keys = keys if keys is not None else list(range(len(samples)))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
+
+class Batches:
+    """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
+    own slice. Deterministic for a given seed, so the data position is just the step number."""
+
+    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
+        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
+        self.seed, self.pad_id = seed, pad_id
+        self.global_batch = batch_size * grad_accum * world
+        self.steps_per_epoch = len(samples) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
+                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
+                              f"--grad_accum")
+        self._order = (None, None)
+
+    def get(self, step, micro):
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if self._order[0] != epoch:
+            g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+            self._order = (epoch, torch.randperm(len(self.samples), generator=g).tolist())
+        start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
+        idx = self._order[1][start:start + self.bs]
+        return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -1177,11 +969,9 @@ def train(args):
     with StopFlag(args.out, say) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
-            if run.cfg.dflash2:  # DFlash2: the selector term's weight this step (warmup, then ramp)
-                loss_kw["selector_alpha"] = selector_alpha(step, total_steps, *selector_schedule(args))
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, args.num_anchors,
-                                              args.grad_clip, world, **loss_kw)
+            total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
+                                              args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             bad_steps = 0 if ok else count_bad_step(bad_steps, step + 1, total, grad_norm, args, say)
             step += 1
             bar.update(1)
@@ -1190,7 +980,7 @@ def train(args):
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
                 line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device, args.loss, loss_kw.get("selector_alpha"))
+                                           device, drafter, args.loss)
                 say(line)
                 log_metrics(record)
                 bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
@@ -1323,60 +1113,6 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
 
-# DFlash2: the chunked pass also gives the unary logits' top-k
-
-class ChunkedLMHeadTopK(torch.autograd.Function):
-    """ChunkedLMHeadCE on the unary logits z' (see unary_logits), also returning their top-k (values, differentiable
-    w.r.t. h, and ids) from the same chunked pass: no (T, V) tensor is kept."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk, topk, multiplier, softcap):
-        T = h.shape[0]
-        ce = torch.empty(T, dtype=torch.float32, device=h.device)
-        pred = torch.empty(T, dtype=torch.long, device=h.device)
-        vals = torch.empty(T, topk, dtype=torch.float32, device=h.device)
-        idx = torch.empty(T, topk, dtype=torch.long, device=h.device)
-        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        for s in range(0, T, chunk):
-            hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
-            logits = F.linear(hs, weight, bias).float()
-            z = unary_logits(logits, multiplier, softcap)
-            lse = z.logsumexp(-1)
-            ce[s:s + chunk] = lse - z.gather(1, ys[:, None]).squeeze(1)
-            pred[s:s + chunk] = z.argmax(-1)
-            top = z.topk(topk)
-            vals[s:s + chunk], idx[s:s + chunk] = top.values, top.indices
-            if grad is not None:
-                p = (z - lse[:, None]).exp_()
-                p[torch.arange(len(ys), device=h.device), ys] -= 1.0
-                p = p * unary_slope(z, multiplier, softcap)
-                grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
-                del p
-            del logits, z
-        ctx.save_for_backward(grad, vals, idx, weight)
-        ctx.chunk, ctx.multiplier, ctx.softcap = chunk, multiplier, softcap
-        ctx.mark_non_differentiable(pred, idx)
-        return ce, pred, vals, idx
-
-    @staticmethod
-    def backward(ctx, grad_ce, grad_pred, grad_vals, grad_idx):
-        grad, vals, idx, weight = ctx.saved_tensors
-        g = grad * grad_ce[:, None].to(grad.dtype)
-        if grad_vals is not None:  # d vals / d h = t'(z) * W[idx]: k rows of the head per token, in chunks
-            slope = grad_vals * unary_slope(vals, ctx.multiplier, ctx.softcap)
-            for s in range(0, len(g), ctx.chunk):
-                rows = weight[idx[s:s + ctx.chunk]].float()                          # (chunk, k, D)
-                g[s:s + ctx.chunk] += torch.einsum("tk,tkd->td", slope[s:s + ctx.chunk], rows).to(g.dtype)
-        return g, None, None, None, None, None, None, None
-
-
-def unary_slope(z, multiplier, softcap):
-    """dz'/dz of unary_logits at transformed values z': m * (1 - (z' / c)^2) with a cap, m without."""
-    slope = torch.full_like(z, float(multiplier))
-    if softcap:
-        slope = slope * (1 - (z / softcap).square())
-    return slope
-
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
     the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
@@ -1387,7 +1123,6 @@ def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     if attention == "dense":
         per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
     return max(1, budget // per_anchor)
-
 
 def yarn_inv_freq(cfg, inv_freq):
     """yarn, as Hugging Face computes it: interpolate the low frequencies by `factor`, keep the high ones (a linear
@@ -1414,10 +1149,9 @@ def yarn_inv_freq(cfg, inv_freq):
 # =============================================================================
 # PART III. OPERATIONS
 #
-# What makes it safe to run, and nothing of the method: errors, config validation and config.json reading/writing,
-# checkpoint files and resume, the hub, loading (and sharding) the target, data files and chat loss masks, signals
-# and distributed set-up, the run's checks, memory hints, and the command line. Every input is checked once, here,
-# where it enters; the method above trusts its inputs.
+# What makes a DFlash run safe, and nothing of the method: one-line errors, config.json, atomic checkpoints and
+# resume, the target, JSONL data with exact chat loss masks, signals and distributed set-up, the run's checks,
+# metrics, the command line. Every input is checked once, here, where it enters; the method above trusts it.
 # =============================================================================
 
 # -----------------------------------------------------------------------------
@@ -1448,9 +1182,22 @@ def run_main(fn, args):
             print(f"error: {line}", file=sys.stderr)
         sys.exit(2)
 
+def import_tool(name, why):
+    """An extra from dflash_tools/ (they import this file as `dflash`), imported where a flag, a config or a file asks
+    for it; without the folder, one error line naming the module and what asked for it."""
+    sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
+    try:
+        return importlib.import_module(f"dflash_tools.{name}")
+    except ModuleNotFoundError as e:
+        if e.name not in ("dflash_tools", f"dflash_tools.{name}"):
+            raise
+        raise DFlashError(f"{why} needs dflash_tools/{name}.py, which is not beside {os.path.basename(sys.argv[0])}; "
+                          f"copy the dflash_tools folder next to it") from None
 
 # -----------------------------------------------------------------------------
-# Drafter configs: validation, and config.json as vLLM and SGLang read it
+# Drafter configs: their rules, and config.json in z-lab's layout as vLLM and SGLang read it
+
+VARIANTS = {"DFlash2DraftModel": "dflash2"}  # config.json's architectures -> the dflash_tools module defining it
 
 POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
@@ -1472,262 +1219,43 @@ def valid_target_layer_ids(num_target_layers, num_draft_layers):
     return sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))] for i in range(n)})
 
 def config_problems(cfg):
-    """Every problem of a drafter config at once (one line each), raised as one DFlashError."""
+    """Every problem of a drafter config at once, one line each."""
     bad = [f"{k} must be a positive integer, got {getattr(cfg, k)!r}" for k in POSITIVE_INT_FIELDS
            if not (is_int(getattr(cfg, k)) and getattr(cfg, k) > 0)]
     if bad:  # the checks below compute with these
-        raise DFlashError("\n".join(bad))
-    ids, types, W, n = cfg.target_layer_ids, cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers
+        return bad
+    ids, types, W, n, L = cfg.target_layer_ids, cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers, \
+        cfg.num_target_layers
     ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
+    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
     checks = [
         (cfg.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {cfg.head_dim}"),
         (cfg.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {cfg.block_size}"),
-        (cfg.num_attention_heads % cfg.num_key_value_heads == 0,
-         f"num_attention_heads {cfg.num_attention_heads} (--num_heads) is not a multiple of num_key_value_heads "
-         f"{cfg.num_key_value_heads} (--num_kv_heads); use one of "
-         f"{[k for k in range(1, min(cfg.num_attention_heads, 1024) + 1) if cfg.num_attention_heads % k == 0]}"),
-        (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size,
-         f"mask_token_id {cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass "
-         f"--mask_token_id with an id the target's embedding has"),
-        (isinstance(ids, list) and all(is_int(t) for t in ids) and len(ids) > 0,
-         f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
-        (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without "
-                                              f"duplicates"),
-        (not ints or 0 <= min(ids) and max(ids) < cfg.num_target_layers,
-         f"target_layer_ids {ids} out of range: the target has {cfg.num_target_layers} decoder layers (valid "
-         f"ids 0..{cfg.num_target_layers - 1}); e.g. --target_layer_ids "
-         f"{','.join(map(str, valid_target_layer_ids(cfg.num_target_layers, n)))}"),
+        (cfg.num_attention_heads % cfg.num_key_value_heads == 0, f"num_attention_heads {cfg.num_attention_heads} "
+         f"(--num_heads) is not a multiple of num_key_value_heads {cfg.num_key_value_heads} (--num_kv_heads)"),
+        (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size, f"mask_token_id "
+         f"{cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass --mask_token_id with an id "
+         f"the target's embedding has"),
+        (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
+        (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
+        (not ints or 0 <= min(ids) and max(ids) < L, f"target_layer_ids {ids} out of range: the target has {L} "
+         f"decoder layers; e.g. --target_layer_ids {','.join(map(str, valid_target_layer_ids(L, n)))}"),
         (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
          f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
         (not isinstance(types, list) or len(types) == n,
-         f"layer_types has {len(types) if isinstance(types, list) else 0} entries but num_hidden_layers is {n}; "
-         f"give one entry per drafter layer"),
+         f"layer_types has {len(types) if isinstance(types, list) else 0} entries but num_hidden_layers is {n}"),
         (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
         (not isinstance(types, list) or "sliding_attention" not in types or bool(W),
          "layer_types has sliding_attention layers but sliding_window is not set"),
-        (isinstance(cfg.rms_norm_eps, (int, float)) and 0 < cfg.rms_norm_eps < math.inf,
-         f"rms_norm_eps must be a positive finite number, got {cfg.rms_norm_eps!r}"),
-        (isinstance(cfg.rope_theta, (int, float)) and 0 < cfg.rope_theta < math.inf,
-         f"rope_theta must be a positive finite number, got {cfg.rope_theta!r}"),
-        (isinstance(cfg.attention_bias, bool), f"attention_bias must be true or false, got "
-                                                f"{cfg.attention_bias!r}"),
-        (cfg.is_causal is None or isinstance(cfg.is_causal, bool),
-         f"is_causal must be null, true or false, got {cfg.is_causal!r}"),
+        (real(cfg.rms_norm_eps), f"rms_norm_eps must be a positive finite number, got {cfg.rms_norm_eps!r}"),
+        (real(cfg.rope_theta), f"rope_theta must be a positive finite number, got {cfg.rope_theta!r}"),
+        (isinstance(cfg.attention_bias, bool), f"attention_bias must be true or false, got {cfg.attention_bias!r}"),
+        (cfg.is_causal is None or isinstance(cfg.is_causal, bool), f"is_causal must be null, true or false, got "
+         f"{cfg.is_causal!r}"),
         (cfg.rope_scaling is None or (isinstance(cfg.rope_scaling, dict) and cfg.rope_type() == "yarn"),
-         f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn); refusing to fall back "
-         f"silently to plain RoPE"),
-    ]
-    bad = [msg for ok, msg in checks if not ok] + dflash2_problems(cfg)
-    if bad:
-        raise DFlashError("\n".join(bad))
-
-# Keys of DFlash's relatives that change the drafter's math, with the values that leave it plain DFlash. Any other
-# value is refused: this drafter does not implement it, and ignoring it would train or measure another model.
-NOT_IMPLEMENTED = {
-    "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
-    "add_swa_attention_sink_bias": ((False, None), "a learned per-head attention sink"),
-    "attention_value_scale": ((1, None), "a scale on the attention values"),
-    "projector_type": ((None,), "another context projector (Domino's GRU correction head)"),
-    "shift_label": ((False, None), "Domino's shifted labels"),
-    "gru_hidden_dim": ((None,), "Domino's GRU correction head"),
-    "sample_from_anchor": ((False, None), "the anchor's own output predicts the next token, as in DSpark and Domino; "
-                                          "DFlash predicts token a+i at block offset i"),
-    "use_aux_hidden_state": ((True, None), "false: no fc projection of the target's layer features"),
-    "is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
-    "rope_is_neox_style": ((True, None), "false: interleaved RoPE pairs; this drafter rotates halves (neox style)"),
-    "partial_rotary_factor": ((1, None), "RoPE over part of head_dim; this drafter rotates all of it (often copied "
-                                         "from a Qwen3.5/3.6 target config: vLLM honours it, HF Qwen3 ignores it)"),
-}
-
-# DFlash2: the rules of its config fields, and its config.json keys
-
-DFLASH2_INTS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DFLASH2_UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
-
-def dflash2_problems(cfg):
-    """DFlash2's rules, as the engines and trainers that serve or train it enforce them: all four integers or none
-    (z-lab's and vLLM's loaders need all four, SGLang refuses a half pair), K <= block_size, the group size divides
-    the hidden size, 1 <= top_k <= vocab, a positive multiplier and scale, a softcap null or > 0."""
-    ints = {k: getattr(cfg, k) for k in DFLASH2_INTS}
-    bad = [f"{k} must be an integer >= 1 (DFlash2) or 0 (DFlash), got {v!r}" for k, v in ints.items()
-           if not (is_int(v) and v >= 0)]
-    if bad:
-        return bad
-    K, gs, r, k = ints.values()
-    on = [n for n, v in ints.items() if v]
-    m, c, s = cfg.output_multiplier, cfg.final_logit_softcapping, cfg.input_embedding_scale
-    real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
-    checks = [
-        (len(on) in (0, 4), f"DFlash2 needs all of {', '.join(DFLASH2_INTS)}; only {', '.join(on)} set (a half "
-                            f"DFlash2 config is refused by z-lab's, vLLM's and SGLang's loaders); set all four or "
-                            f"none"),
-        (not K or K <= cfg.block_size, f"conv_kernel_size {K} is larger than block_size {cfg.block_size}: the "
-                                       f"convolution runs along one block's offsets; use 1..{cfg.block_size}"),
-        (not gs or cfg.hidden_size % gs == 0, f"conv_group_size {gs} does not divide hidden_size {cfg.hidden_size}; "
-                                              f"use a divisor such as {math.gcd(cfg.hidden_size, 16)}"),
-        (not k or k <= cfg.vocab_size, f"selector_top_k {k} is larger than the vocabulary {cfg.vocab_size}"),
-        (real(m), f"output_multiplier must be a positive finite number, got {m!r}"),
-        (c is None or real(c), f"final_logit_softcapping must be null (off) or > 0, got {c!r} (z-lab and the engines "
-                               f"read 0 as off, SpecForge refuses it: write null)"),
-        (real(s), f"input_embedding_scale must be a positive finite number, got {s!r}"),
-        (len(on) > 0 or (m, c, s) == (1.0, None, 1.0),
-         "output_multiplier, final_logit_softcapping and input_embedding_scale are implemented only for DFlash2 "
-         "drafters (they transform its selector's unary logits and block embeddings)"),
+         f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn)"),
     ]
     return [msg for ok, msg in checks if not ok]
-
-def dflash2_fields(d, dc, where):
-    """DFlash2's keys of a config.json: ({field: value}, problems). Read from dflash_config, then the top level (z-lab's
-    order); a key only at the top level is a problem (vLLM reads DFlash2's keys from dflash_config alone), and so
-    is an `architectures` that disagrees with the keys (vLLM and z-lab pick the model class by it)."""
-    kw, problems, arch = {}, [], d.get("architectures") or []
-    for k in (*DFLASH2_INTS, *DFLASH2_UNARY):
-        v = dc[k] if k in dc else d.get(k)
-        if k not in dc and k in d and v not in (0, None, DFLASH2_UNARY.get(k)):
-            problems.append(f"{k} is at the top level, not in dflash_config: vLLM reads DFlash2's keys from "
-                            f"dflash_config only; move it there")
-        if v is not None:
-            kw[k] = v
-    v2 = any(kw.get(k) for k in DFLASH2_INTS)
-    if v2 and "DFlash2DraftModel" not in arch:
-        problems.append(f"dflash_config has DFlash2's keys but architectures is {arch}: vLLM and z-lab would load it "
-                        f"as plain DFlash, without its convolutions and selector; set architectures to "
-                        f"[\"DFlash2DraftModel\"]")
-    if "DFlash2DraftModel" in arch and not v2:
-        problems.append(f"architectures names DFlash2DraftModel but dflash_config lacks "
-                        f"{', '.join(DFLASH2_INTS)}; the engines cannot build it")
-    return kw, problems
-
-def dflash2_json(cfg, d):
-    """Pop DFlash2's fields off asdict(cfg) (d, the top level) and return the keys dflash_config gets: the four
-    integers and each transform that is not the identity (softcap only when set: never 0), none for plain DFlash."""
-    for k in (*DFLASH2_INTS, *DFLASH2_UNARY):
-        d.pop(k)
-    if not cfg.dflash2:
-        return {}
-    return {**{k: getattr(cfg, k) for k in DFLASH2_INTS},
-            **{k: getattr(cfg, k) for k, plain in DFLASH2_UNARY.items() if getattr(cfg, k) != plain}}
-
-def dflash2_shapes(cfg):
-    """The tensors DFlash2 adds, with the names and shapes of z-lab's released files (codebooks without .weight)."""
-    if not cfg.dflash2:
-        return {}
-    D, V, r, K = cfg.hidden_size, cfg.vocab_size, cfg.selector_rank, cfg.conv_kernel_size
-    shapes = {"candidate_selector.hidden_projection.weight": (r, D), "candidate_selector.predecessor_codebook": (V, r),
-              "candidate_selector.successor_codebook": (V, r)}
-    for i in range(cfg.num_hidden_layers):
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, K, D)
-            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * K * D // cfg.conv_group_size, D)
-    return shapes
-
-def not_implemented(d, dc, ec, rope):
-    """One line per key of NOT_IMPLEMENTED set to another value, wherever an engine may read it."""
-    places = (("", d), ("dflash_config.", dc), ("eagle_config.", ec), ("rope_parameters.", rope),
-              ("rope_scaling.", d.get("rope_scaling")))
-    found = {}  # (key, value): the first place; transformers copies a top-level RoPE key into rope_parameters
-    for k, (plain, meaning) in NOT_IMPLEMENTED.items():
-        for place, src in places:
-            if isinstance(src, dict) and k in src and src[k] not in plain:
-                found.setdefault((k, repr(src[k])), f"{place}{k}={src[k]!r} ({meaning}) is not implemented by this "
-                                                    f"drafter; refusing it rather than ignoring it")
-    return list(found.values())
-
-def transformers_config(d, where):
-    """config.json as both engines hold it: transformers' own config class for its model_type (AutoConfig), which owns
-    the defaults and derived fields (Qwen3: head_dim 128 and 32 kv heads when missing, no sliding_window unless
-    use_sliding_window, layer_types from max_window_layers on when missing, rope_parameters from rope_theta)."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import CONFIG_MAPPING, AutoConfig
-    need(isinstance(d, dict), f"{where}: expected a JSON object")
-    kind = d.get("model_type")
-    need(isinstance(kind, str) and kind in CONFIG_MAPPING, f"{where}: model_type {kind!r} is not a transformers "
-         f"config class (both engines build the drafter's config from it); write \"model_type\": \"qwen3\"")
-    try:
-        c = AutoConfig.for_model(**d)
-    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
-        raise DFlashError(f"{where}: transformers' {CONFIG_MAPPING[kind].__name__} refuses it: "
-                          f"{' '.join(str(e).split())}") from None
-    need(c.get_text_config() is c, f"{where}: model_type {kind!r} nests sub-configs; a DFlash drafter is a plain "
-         f"decoder config: write \"model_type\": \"qwen3\"")
-    return c
-
-def vllm_aux_ids(c, dc, ec):
-    """(key, its ids, the aux hidden states vLLM captures: target id + 1) from the first of these keys that is set, as
-    vLLM reads them; (None, None, None) when none is (vLLM then takes the target model's own default layers)."""
-    top = lambda k: getattr(c, k, None)  # noqa: E731
-    for key, ids, plus in (("eagle_aux_hidden_state_layer_ids", top("eagle_aux_hidden_state_layer_ids"), 0),
-                           ("dflash_config.target_layer_ids", dc.get("target_layer_ids"), 1),
-                           ("dspark_target_layer_ids", top("dspark_target_layer_ids"), 1),
-                           ("target_layer_ids", top("target_layer_ids"), 1),
-                           ("dflash_config.layer_ids", dc.get("layer_ids"), 0),
-                           ("eagle_config.layer_ids", ec.get("layer_ids"), 0)):
-        if ids:
-            return key, ids, [t + plus for t in ids] if isinstance(ids, list) and all(map(is_int, ids)) else ids
-    return None, None, None
-
-def engines_differ(d, c, dc, ec, ids, num_target):
-    """One line per key of transformers' config object c that vLLM and SGLang would serve differently (or that both
-    refuse), saying what each does and what to write instead. ids: the target layers as SGLang reads them
-    (dflash_config, then the top level; None when neither has them)."""
-    out, D = [], c.hidden_size
-    act, width, scale = getattr(c, "hidden_act", "silu"), getattr(c, "target_hidden_size", None), \
-        getattr(c, "logit_scale", None)
-    if act != "silu":
-        out.append(f"hidden_act={act!r}: both engines serve DFlash drafters with silu only (and so does this drafter); "
-                   f"write \"hidden_act\": \"silu\"")
-    if width not in (None, D):
-        out.append(f"target_hidden_size={width!r} differs from hidden_size {D}: vLLM sizes fc for target layers of "
-                   f"width {width}, SGLang for {D}; drop it (the drafter's hidden_size is the target's)")
-    if scale not in (None, 1):
-        out.append(f"logit_scale={scale!r}: vLLM scales the drafter's logits by it, SGLang ignores it; drop it")
-    top = getattr(c, "mask_token_id", None)
-    vllm_mask, sglang_mask = {**ec, **dc}.get("mask_token_id", top), dc.get("mask_token_id", top)
-    if vllm_mask != sglang_mask:
-        out.append(f"eagle_config.mask_token_id={vllm_mask!r} is read by vLLM only (SGLang reads dflash_config, then "
-                   f"the top level: {sglang_mask!r}); write the mask token id as dflash_config.mask_token_id")
-    if getattr(c, "draft_vocab_size", None) not in (None, c.vocab_size):
-        out.append(f"draft_vocab_size={c.draft_vocab_size} (a reduced draft vocabulary vLLM maps through d2t, SGLang "
-                   f"ignores) is not implemented by this drafter; refusing it rather than ignoring it")
-    key, raw, aux = vllm_aux_ids(c, dc, ec)
-    if ids is None:
-        vllm = f"{key} {raw}" if key else "the target model's own default layers"
-        L, n = num_target, c.num_hidden_layers
-        example = f", e.g. {valid_target_layer_ids(L, n)}" if is_int(L) and L > 0 else ""
-        out.append(f"target_layer_ids is missing: vLLM would capture {vllm}, SGLang its spread of layers 1..L-3; "
-                   f"write dflash_config.target_layer_ids{example}")
-    elif isinstance(ids, list) and all(map(is_int, ids)) and aux != [t + 1 for t in ids]:
-        out.append(f"{key} {raw} names other target layers than target_layer_ids {ids}: vLLM would serve the first, "
-                   f"SGLang the second; make them equal (eagle_aux ids and layer_ids are target ids + 1)")
-    return out + attention_differs(d, c, dc)
-
-def attention_differs(d, c, dc):
-    """The attention keys of c that the engines serve differently or both refuse. Both read layer_types,
-    sliding_window and the top-level is_causal (absent: a layer is causal iff it is sliding); vLLM alone also reads
-    dflash_config.causal (below is_causal), use_swa (every layer sliding when layer_types lists none) and
-    swa_window_size (over sliding_window)."""
-    types, W, out = getattr(c, "layer_types", None) or [], getattr(c, "sliding_window", None), []
-    sliding = [t == "sliding_attention" for t in types]
-    given = d.get("sliding_window") or dc.get("swa_window_size")
-    if any(sliding) and W is None:
-        also = ("SGLang then refuses a sliding layer without it (vLLM falls back to dflash_config.swa_window_size)"
-                if "swa_window_size" in dc else "both engines then refuse a sliding layer without it")
-        out.append(f"layer_types has sliding layers, sliding_window {given} but use_sliding_window "
-                   f"{str(d.get('use_sliding_window')).lower() if 'use_sliding_window' in d else 'missing'}: "
-                   f"transformers drops the window, {also}; set \"use_sliding_window\": true" if given else
-                   "layer_types has sliding layers but no sliding_window: both engines refuse it; set sliding_window "
-                   "and \"use_sliding_window\": true")
-    if dc.get("use_swa") and not any(sliding):
-        out.append("dflash_config.use_swa makes every layer sliding in vLLM, not in SGLang; list the sliding layers "
-                   "in layer_types instead")
-    if any(sliding) and W is not None and dc.get("swa_window_size", W) != W:
-        out.append(f"dflash_config.swa_window_size {dc['swa_window_size']} (vLLM) differs from sliding_window {W} "
-                   f"(SGLang); make them equal")
-    if getattr(c, "is_causal", None) is None and dc.get("causal") is not None \
-            and any(s != bool(dc["causal"]) for s in sliding):
-        out.append(f"dflash_config.causal={dc['causal']!r} is read by vLLM only (SGLang makes a layer causal iff it "
-                   f"is sliding); state it as the top-level is_causal, which both read")
-    return out
 
 def engine_problems(cfg):
     """Layouts that are legal drafters here (their masks are well defined) but that one engine would serve as another
@@ -1747,106 +1275,66 @@ def engine_problems(cfg):
 
 def config_to_json(cfg):
     """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
-    every key vLLM and SGLang read (see attention_differs), so that no engine default decides what it means.
-    Nothing is copied from the target config but the fields above (never partial_rotary_factor). A layout one engine
-    would serve as another drafter (engine_problems) is never written."""
+    every key vLLM and SGLang read, so that no engine default decides what it means: is_causal when all layers agree
+    (both engines read it; mixed, causal iff sliding is both engines' rule), use_sliding_window and dflash_config's
+    swa_window_size when a layer slides. A variant's fields go to dflash_config (cfg.dflash_config_keys). A layout
+    one engine would serve as another drafter (engine_problems) is never written."""
     bad = engine_problems(cfg)
     need(not bad, "\n".join(bad))
-    d = asdict(cfg)
-    v2 = dflash2_json(cfg, d)  # DFlash2's keys go to dflash_config
+    base = {f.name for f in fields(DFlashConfig)}
+    d = {k: v for k, v in asdict(cfg).items() if k in base}
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
         d.pop("rope_scaling")
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
-    causal = {c for c, _ in kinds}
-    # one causality for all layers: said outright (both engines read is_causal, older vLLM dflash_config.causal);
-    # mixed: causal iff sliding, the rule both engines apply to layer_types when is_causal is absent
+    causal, sliding = {c for c, _ in kinds}, any(w is not None for _, w in kinds)
     d.pop("is_causal")
     said = {"is_causal": causal.pop()} if len(causal) == 1 else {}
-    sliding = any(w is not None for _, w in kinds)
     dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
-          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **v2}
-    return {"architectures": ["DFlash2DraftModel" if cfg.dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
-            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
-            **d, **said,
+          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **cfg.dflash_config_keys()}
+    return {"architectures": [cfg.architecture], "model_type": "qwen3", "hidden_act": "silu",
+            "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
+DFlashConfig.dflash_config_keys = lambda cfg: {}  # a variant's config returns its dflash_config keys
+
+def config_class(d, where="config.json"):
+    """The config class config.json's architectures names: DFlashConfig, or a variant's (VARIANTS)."""
+    arch = next((a for a in (d.get("architectures") or []) if a in VARIANTS), None) if isinstance(d, dict) else None
+    return import_tool(VARIANTS[arch], f"{where} ({arch})").Config if arch else DFlashConfig
+
 def config_from_json(d, where="config.json"):
-    """Read a z-lab, NeMo, SpecForge or our config.json as vLLM and SGLang serve it: through transformers' config
-    class (transformers_config), then the DFlash keys from that object in the engines' order (dflash_config, then the
-    top level). A key this drafter does not implement (not_implemented) or that the engines serve differently
-    (engines_differ, engine_problems) is refused, one line each, never ignored."""
-    c = transformers_config(d, where)
-    n, dc, ec = c.num_hidden_layers, *(getattr(c, k, None) or {} for k in ("dflash_config", "eagle_config"))
-    need(isinstance(dc, dict) and isinstance(ec, dict), f"{where}: dflash_config and eagle_config must be JSON objects")
-    get = lambda k, default=None: dc[k] if k in dc else getattr(c, k, default)  # noqa: E731
-    rope = dict(c.rope_parameters or {})
-    need("rope_theta" in rope, f"{where}: per-layer-type rope_parameters are not supported")
-    ids, num_target = get("target_layer_ids"), get("num_target_layers")
-    bad = [msg for ok, msg in ((num_target is not None, "num_target_layers is missing; set it to the target's number "
-                                                        "of decoder layers"),
-                               (get("mask_token_id") is not None, "mask_token_id is missing (expected in "
-                                                                  "dflash_config)")) if not ok]
-    bad += not_implemented(d, dc, ec, rope) + engines_differ(d, c, dc, ec, ids, num_target)
-    v2, v2_problems = dflash2_fields(d, dc, where)  # DFlash2's keys
-    bad += v2_problems
-    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    try:  # a config class of another model_type may lack a field Qwen3's has
-        cfg = DFlashConfig(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=n,
-            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // max(c.num_attention_heads, 1),
-            vocab_size=c.vocab_size, rms_norm_eps=c.rms_norm_eps, rope_theta=rope["rope_theta"],
-            rope_scaling=scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None,
-            max_position_embeddings=c.max_position_embeddings, attention_bias=getattr(c, "attention_bias", False),
-            block_size=get("block_size", 16), mask_token_id=get("mask_token_id"), num_target_layers=num_target,
-            target_layer_ids=ids, layer_types=getattr(c, "layer_types", None) or ["full_attention"] * n,
-            sliding_window=getattr(c, "sliding_window", None), is_causal=getattr(c, "is_causal", None), **v2)
-    except AttributeError as e:
-        raise DFlashError(f"{where}: required field {e.name!r} is missing") from None
-    except DFlashError as e:
-        raise DFlashError("\n".join(f"{where}: {p}; the config is corrupt" for p in str(e).splitlines())) from None
-    bad = engine_problems(cfg)
-    need(not bad, "\n".join(f"{where}: {p}" for p in bad))
-    return cfg
-
-
-
-def dflash2_from(drafter, cfg):
-    """--init_from a DFlash drafter with --dflash2: the DFlash2 drafter of cfg (that drafter's config plus DFlash2's
-    fields) holding its weights, its own pieces fresh (identity convolutions, a zero successor codebook), so that at
-    step 0 it drafts exactly what that drafter drafts."""
-    w = drafter.fc.weight
-    new = DFlashDrafter(cfg, drafter.attention).to(w.device, w.dtype)
-    missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and set(missing) == set(dflash2_shapes(cfg)), (missing, unexpected)
-    new.grad_checkpoint = drafter.grad_checkpoint
-    return new
-
+    """Read config.json. The layout config_to_json writes (ours: it reads back to exactly the same JSON) is read
+    here; any other (z-lab's, NeMo's, SpecForge's, a hand-edited one) as vLLM and SGLang serve it, through
+    transformers' config class, by dflash_tools/engines.py, which refuses every key they would serve differently."""
+    try:
+        cls = config_class(d, where)
+        dc = d["dflash_config"]
+        base = {f.name for f in fields(DFlashConfig)} - {"mask_token_id", "target_layer_ids"}
+        kw = {f.name: (d if f.name in base else dc)[f.name] for f in fields(cls) if f.name in (d if f.name in base
+                                                                                               else dc)}
+        kw["rope_theta"] = d["rope_parameters"]["rope_theta"]
+        kw["rope_scaling"] = {k: v for k, v in d["rope_parameters"].items() if k != "rope_theta"}
+        kw["rope_scaling"] = None if kw["rope_scaling"] == {"rope_type": "default"} else kw["rope_scaling"]
+        kw.update(mask_token_id=dc["mask_token_id"], target_layer_ids=dc["target_layer_ids"],
+                  is_causal=d.get("is_causal"))
+        cfg = cls(**kw)
+        if config_to_json(cfg) == {k: v for k, v in d.items() if k != "torch_dtype"}:
+            return cfg
+    except (DFlashError, KeyError, TypeError, AttributeError):
+        pass
+    return import_tool("engines", f"{where} (not this trainer's own layout)").config_from_json(d, where)
 
 # -----------------------------------------------------------------------------
 # Checkpoints: a drafter directory in the z-lab layout (config.json + model.safetensors, no "model." prefix);
 # a training checkpoint <out>/step_N adds train_state.pt, and <out>/latest names the newest complete one
 
 def expected_shapes(cfg):
-    D, hd, h, hk, I = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.intermediate_size
-    shapes = {"fc.weight": (D, len(cfg.target_layer_ids) * D), "hidden_norm.weight": (D,), "norm.weight": (D,)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                       p + "self_attn.q_proj.weight": (h * hd, D), p + "self_attn.k_proj.weight": (hk * hd, D),
-                       p + "self_attn.v_proj.weight": (hk * hd, D), p + "self_attn.o_proj.weight": (D, h * hd),
-                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-                       p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
-                       p + "mlp.down_proj.weight": (D, I)})
-        if cfg.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (h * hd,), p + "self_attn.k_proj.bias": (hk * hd,),
-                           p + "self_attn.v_proj.bias": (hk * hd,), p + "self_attn.o_proj.bias": (D,)})
-    return {**shapes, **dflash2_shapes(cfg)}
+    """{tensor name: shape} of a drafter of cfg (its class built on the meta device: no memory, no init)."""
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in cfg.Drafter(cfg).state_dict().items()}
 
 def read_json(path, what):
     try:
@@ -1862,8 +1350,7 @@ def read_drafter_config(path):
     cfg_path = os.path.join(path, "config.json")
     need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
     need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
-         f"mask token's embedding with it, SGLang does not (it embeds mask_token_id with the target's table, as "
-         f"training here does); remove it from the drafter directory")
+         f"mask token's embedding with it, SGLang does not; remove it from the drafter directory")
     return config_from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
 
 def safetensors_files(path):
@@ -1896,10 +1383,6 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     cfg = read_drafter_config(path)
     tensors, expected = read_safetensors(path), expected_shapes(cfg)
     shape = lambda k: tuple(tensors[k].shape)  # noqa: E731
-    if "fc.weight" in tensors and shape("fc.weight") != expected["fc.weight"]:  # the likeliest mismatch, explained
-        raise DFlashError(f"{path}: tensor fc.weight has shape {shape('fc.weight')} but len(target_layer_ids) * "
-                          f"hidden_size = {len(cfg.target_layer_ids)} * {cfg.hidden_size} needs "
-                          f"{expected['fc.weight']}")
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     need(not missing, f"{path}: missing tensor {missing[:1] and missing[0]}"
          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -1907,9 +1390,10 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
          f"belong to the target; keys carry no 'model.' prefix)")
     wrong = next((k for k in expected if shape(k) != expected[k]), None)
     need(wrong is None, f"{path}: tensor {wrong} has shape {wrong and shape(wrong)}, expected "
-         f"{wrong and expected[wrong]}")
+         f"{wrong and expected[wrong]}" + (" (len(target_layer_ids) * hidden_size columns)" if wrong == "fc.weight"
+                                           else ""))
     with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
-        drafter = DFlashDrafter(cfg, attention)
+        drafter = cfg.Drafter(cfg, attention)
     drafter.load_state_dict(tensors, strict=True, assign=True)
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
@@ -1978,44 +1462,12 @@ def check_trained_against(path, record, what, allow=False):
     print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
 def resolve_drafter(path, flag="--drafter"):
-    """A drafter directory, or a hub id (owner/name) downloaded once into the Hugging Face cache."""
+    """A drafter directory, or a hub id (owner/name), which dflash_tools/engines.py downloads once."""
     if os.path.exists(path):
         return path
     need(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path,
          f"{flag} {path!r} does not exist; give a drafter directory or a hub id (owner/name)")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise DFlashError(f"{flag} {path!r} is not a local directory; downloading it as a hub id needs "
-                          f"huggingface_hub (pip install huggingface_hub)") from None
-    patterns = ["*.json", "*.safetensors"]
-    fix = f"download it elsewhere (huggingface-cli download {path} --local-dir DIR) and pass DIR"
-    try:  # already in the cache: no network at all
-        return snapshot_download(path, allow_patterns=patterns, local_files_only=True)
-    except Exception:
-        pass
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    need(os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"), f"{flag} {path!r} is not a "
-         f"local directory nor in the Hugging Face cache, and HF_HUB_OFFLINE is set; {fix}")
-    need(hub_reachable(endpoint), f"{flag} {path!r} is not a local directory nor in the Hugging Face cache, and "
-         f"{endpoint} cannot be reached (offline?); {fix}")
-    try:
-        return snapshot_download(path, allow_patterns=patterns)
-    except Exception as e:  # no such repository, gated, ...
-        raise DFlashError(f"{flag} {path!r} is not a local directory, and downloading it from the hub failed "
-                          f"({first_line(e)}); when offline, {fix}") from None
-
-def hub_reachable(endpoint, timeout=3.0):
-    """Whether a TCP connection to the hub (or the https proxy) opens within `timeout` seconds: offline,
-    huggingface_hub retries for about 30 s before it fails."""
-    import socket
-    from urllib.parse import urlsplit
-    u = urlsplit(os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy") or endpoint)
-    try:
-        socket.create_connection((u.hostname, u.port or (443 if u.scheme == "https" else 80)), timeout).close()
-        return True
-    except (OSError, ValueError):
-        return False
+    return import_tool("engines", f"{flag} {path!r} (a hub id)").download(path, flag)
 
 TRAIN_STATE_KEYS = {"step", "optimizer", "args", "global_batch", "bad_steps"}
 
@@ -2046,22 +1498,11 @@ def step_of(name):
     m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(name)))
     return int(m[1]) if m else None
 
-def previous_checkpoint(out, below=None):
-    """The complete step_N directory of out with the highest N < below (any N when below is None), or None."""
+def complete_checkpoints(out):
+    """The complete step_N directories of out, the newest first."""
     names = os.listdir(out) if os.path.isdir(out) else []
-    for n, name in sorted(((step_of(n), n) for n in names if step_of(n) is not None), reverse=True):
-        if (below is None or n < below) and checkpoint_problem(os.path.join(out, name)) is None:
-            return os.path.join(out, name)
-    return None
-
-def fallback_hint(out, corrupt=None):
-    """What to do when a checkpoint of out is corrupt: point latest at the previous complete one, if any."""
-    prev, latest = previous_checkpoint(out, step_of(corrupt) if corrupt else None), os.path.join(out, "latest")
-    if prev:
-        return f"the previous complete checkpoint is {prev}: point {latest} at it (echo {os.path.basename(prev)} > " \
-               f"{latest}) and resume"
-    return f"there is no earlier complete checkpoint in {out}: --resume auto starts anew in it (nothing there can " \
-           f"be continued), or give a new --out"
+    steps = sorted((step_of(n) for n in names if step_of(n) is not None), reverse=True)
+    return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
 def latest_checkpoint(out):
     """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
@@ -2073,12 +1514,22 @@ def latest_checkpoint(out):
             name = f.read(4096).decode().strip()
     except (OSError, UnicodeDecodeError):
         name = ""
-    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); "
-         f"{fallback_hint(out)}")
+    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); write the "
+         f"name of a complete step_N directory into it")
     d = os.path.join(out, name)
     why = checkpoint_problem(d)
-    need(why is None, f"{latest} names {d}, which is incomplete or corrupt: {why}; {fallback_hint(out, d)}")
+    need(why is None, f"{latest} names {d}, which is incomplete or corrupt: {why}; write the name of a complete "
+         f"step_N directory into {latest}")
     return d
+
+def last_complete(out):
+    """What a run that stops now leaves behind: the checkpoint <out>/latest names (read, not checked)."""
+    try:
+        with open(os.path.join(out, "latest")) as f:
+            d = os.path.join(out, f.read(4096).strip())
+    except (OSError, UnicodeDecodeError):
+        return f"no complete checkpoint in {out} yet"
+    return f"the last complete checkpoint is {d} (resume from it with --resume)"
 
 def write_latest(out, name):
     """<out>/latest := name, atomically (written aside, synced, then renamed): it never names a partial checkpoint."""
@@ -2132,18 +1583,8 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
     if world > 1:
         dist.barrier()
 
-def last_complete(out):
-    """The sentence naming what a run that stops now leaves behind: the checkpoint <out>/latest names."""
-    try:
-        d = latest_checkpoint(out)
-    except DFlashError:
-        d = previous_checkpoint(out)
-    return f"the last complete checkpoint is {d} (resume from it with --resume)" if d else \
-        f"no complete checkpoint in {out} yet"
-
-
 # -----------------------------------------------------------------------------
-# Loading the target (AutoModelForCausalLM), and --shard_target
+# Loading the target (AutoModelForCausalLM)
 
 SUPPORTED_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5/3.6, Llama, Mistral, Gemma3, Phi3, Olmo2 (and others of that kind)"
 
@@ -2170,36 +1611,10 @@ def load_tokenizer(name, trust_remote_code=False):
         return None
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
-def target_load_error(name, e):
-    """One line for a target that cannot be loaded, naming its corrupt weight file or index when it is local."""
-    from safetensors import safe_open
-    for f in sorted(os.listdir(name)) if os.path.isdir(name) else []:
-        path = os.path.join(name, f)
-        try:
-            if f.endswith(".safetensors"):
-                with safe_open(path, "pt"):
-                    pass
-            elif f.endswith(".safetensors.index.json"):
-                weight_map = read_json(path, "safetensors index").get("weight_map")
-                need(isinstance(weight_map, dict), f"{path}: no weight_map; the index is corrupt")
-        except Exception as bad:  # safetensors' own error types, or read_json's one line
-            return DFlashError(f"cannot load target {name!r}: {path} is truncated or garbage ({first_line(bad)})")
-    return DFlashError(f"cannot load target {name!r}: {first_line(e)}")
-
-def kernel_note(config):
-    """transformers says flash-linear-attention "is not installed" when a hybrid target's linear-attention layers
-    cannot import it; with torch's CPU wheel it is installed but needs triton, which that wheel lacks: say so."""
-    import importlib.util
-    if "linear_attention" in (getattr(config.get_text_config(), "layer_types", None) or []) and \
-            importlib.util.find_spec("fla") and not importlib.util.find_spec("triton"):
-        print("note: flash-linear-attention is installed but needs triton, which this torch build lacks (the CPU "
-              "wheel): the linear-attention layers run transformers' PyTorch reference, correct but slower",
-              file=sys.stderr)
-
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
     """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise.
-    device "meta": built from config.json alone (no weights read), for the memory plan. shard (--shard_target under
-    torchrun): loaded on the CPU, then the decoder layers split over the ranks onto the device (shard_target)."""
+    device "meta": built from config.json alone (no weights read), for the checks before loading. shard
+    (--shard_target under torchrun): its decoder layers split over the ranks by dflash_tools/shard.py."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     if dtype is None:
@@ -2213,45 +1628,20 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
-            kernel_note(model.config)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
-        raise target_load_error(name, e) from None
+        kind = ".safetensors" if "deserializing" in str(e) else ".index.json" if isinstance(e, ValueError) else "-"
+        files = [os.path.join(name, f) for f in sorted(os.listdir(name)) if f.endswith(kind)] if \
+            os.path.isdir(name) else []
+        raise DFlashError(f"cannot load target {name!r}: {first_line(e)}" + (
+            f" (in {', '.join(files)}: not valid JSON or a truncated or garbage weight file)" if files else "")
+        ) from None
     model.eval().requires_grad_(False)
     need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head (get_output_embeddings() is None)")
     target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
                     load_tokenizer(name, trust_remote_code), name)
     if shard:
-        return shard_target(target, device)
+        return import_tool("shard", "--shard_target").shard_target(target, device)
     model.to(device)
-    return target
-
-def shard_target(target, device):
-    """--shard_target: each decoder layer's weights split 1/world per rank (FSDP2 fully_shard, frozen: no gradient or
-    optimizer state), all-gathered one layer at a time while the target runs, the next layer prefetched, and freed
-    again after its forward. The rest (embedding, final norm, lm_head, rotary buffers) stays whole on every rank: the
-    drafter calls target.embed and target.lm_head itself. The target arrives on the CPU in its final dtype (real
-    weights: a meta-device build would leave RoPE buffers unset and untie a tied lm_head)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    layers, kind = target.layers, type(target.layers[0]).__name__
-    whole = set(target.backbone.parameters()) - set(layers.parameters())  # embedding, final norm (, tied lm_head)
-    target.backbone.layers = nn.ModuleList()  # everything but the decoder layers onto the device, whole
-    target.model.to(device)
-    target.backbone.layers = layers
-    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))  # all ranks, on every node
-    try:
-        for layer in layers:  # reshard_after_forward: gathered for its forward only
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)
-        # one root over the layers, so they share one all-gather stream; it owns no weights of its own
-        fully_shard(target.backbone, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
-        for layer, after in zip(layers, layers[1:]):  # layer i's forward starts gathering layer i+1
-            layer.set_modules_to_forward_prefetch([after])
-        with torch.no_grad():  # FSDP checks the layers at the first forward (one token, on every rank): now
-            target.backbone(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
-    except (ValueError, TypeError, RuntimeError, AssertionError, NotImplementedError) as e:
-        raise DFlashError(f"--shard_target: cannot shard the {kind} layers of {target.name!r} "
-                          f"({first_line(e)}); drop --shard_target") from None
-    target.sharded = True
     return target
 
 def check_compatible(cfg, target, where="drafter"):
@@ -2262,11 +1652,9 @@ def check_compatible(cfg, target, where="drafter"):
         need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; the drafter was made for another "
              f"target")
 
-
 # -----------------------------------------------------------------------------
-# Data files: JSONL, JSON arrays, Parquet or a datasets.save_to_disk directory -> (input_ids, loss_mask) per sample
-# with exact chat loss masks; one sample per row (HF targets do not separate packed samples); the held-out split and
-# the batches
+# Data: JSONL (other formats: dflash_tools/formats.py) -> (input_ids, loss_mask) per sample with exact chat loss
+# masks; one sample per row (HF targets do not separate packed samples); the held-out split
 
 def read_jsonl(path, what, hint=""):
     """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line.
@@ -2290,114 +1678,24 @@ def read_jsonl(path, what, hint=""):
         raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}") \
             from None
 
-def optional_package(module, package, why):
-    """An optional package's module, or one error line naming the package and the pip command."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise DFlashError(f"{why} needs the {package} package: pip install {package}") from None
+def read_records(path, what, hint=""):
+    """Yield (where, record) for each record of a data file, every problem one error naming the file and line: JSONL
+    (or .jsonl.gz); a JSON array, Parquet or a datasets.save_to_disk directory by dflash_tools/formats.py."""
+    need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
+    kind = "a directory" if os.path.isdir(path) else data_kind(path)
+    if kind:
+        yield from import_tool("formats", f"{what} {path!r} ({kind})").read_records(path, what)
+    else:
+        yield from read_jsonl(path, what, hint)
 
-def data_package(path):
-    """(module, package, what the data is) that reading the data at path needs; None for JSONL and JSON arrays (the
-    standard library)."""
-    if os.path.isdir(path):
-        return "datasets", "datasets", "a datasets.save_to_disk directory"
+def data_kind(path):
+    """What a data file is when it is not JSONL: a JSON array or Parquet (by its first bytes), else None."""
     try:
         with open(path, "rb") as f:
-            return ("pyarrow.parquet", "pyarrow", "Parquet") if f.read(4) == b"PAR1" else None
+            head = f.read(4096)
     except OSError:  # unreadable: read_jsonl says so
         return None
-
-def read_records(path, what, hint=""):
-    """Yield (where, record) for each record of a data file, every problem one error naming the file and the line
-    or row: JSONL (or .jsonl.gz; "file:line"), a JSON array (as many published ShareGPT sets; "file item i"), Parquet
-    (found by its magic bytes; "file row i") or a directory written by datasets' save_to_disk ("dir row i").
-    pyarrow and datasets are imported only for those. A table's row drops its null fields: columns that only other
-    rows' formats fill."""
-    if os.path.isdir(path):
-        yield from read_saved_dataset(path, what)
-        return
-    need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
-    if data_package(path):
-        yield from read_parquet(path, what)
-        return
-    try:
-        with open(path, "rb") as f:
-            array = f.read(4096).lstrip()[:1] == b"["
-    except OSError:  # unreadable: read_jsonl says so
-        array = False
-    if not array:
-        yield from read_jsonl(path, what, hint)
-        return
-    try:
-        with open(path, "rb") as f:
-            items = json.loads(f.read())
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"cannot read {what} file {path!r} as a JSON array: {first_line(e)}") from None
-    for i, rec in enumerate(items):
-        yield f"{path} item {i}", rec
-
-def drop_nulls(x):
-    if isinstance(x, dict):
-        return {k: drop_nulls(v) for k, v in x.items() if v is not None}
-    return [drop_nulls(v) for v in x] if isinstance(x, list) else x
-
-def read_parquet(path, what):
-    pq = optional_package("pyarrow.parquet", "pyarrow", f"{what} file {path!r} is Parquet: reading it")
-    import pyarrow
-    try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
-        rows = (row for batch in batches for row in batch.to_pylist())
-        for i, row in enumerate(rows):
-            yield f"{path} row {i}", drop_nulls(row)
-    except (OSError, pyarrow.ArrowException) as e:
-        raise DFlashError(f"cannot read {what} file {path!r} as Parquet: {first_line(e)}") from None
-
-def saved_dataset(path):
-    """Whether path is a directory written by datasets' save_to_disk (a Dataset's state.json, a DatasetDict's
-    dataset_dict.json)."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("state.json",
-                                                                                        "dataset_dict.json"))
-
-def read_saved_dataset(path, what):
-    """The rows of a datasets.save_to_disk directory: a Dataset, or a DatasetDict's only split (else say which)."""
-    need(saved_dataset(path), f"{what} {path!r} is a directory but not one written by datasets' save_to_disk (no "
-         f"state.json or dataset_dict.json); pass a JSONL or Parquet file")
-    datasets = optional_package("datasets", "datasets", f"{what} {path!r} is a datasets.save_to_disk directory: "
-                                f"reading it")
-    try:
-        ds = datasets.load_from_disk(path)
-    except Exception as e:  # the library's own errors for a damaged directory
-        raise DFlashError(f"cannot read {what} {path!r} with datasets.load_from_disk: {first_line(e)}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        need(len(ds) == 1, f"{what} {path!r} holds the splits {', '.join(ds)}; pass one of them: "
-             f"{os.path.join(path, next(iter(ds)))}")
-        path, ds = os.path.join(path, next(iter(ds))), next(iter(ds.values()))
-    for i, row in enumerate(ds):
-        yield f"{path} row {i}", drop_nulls(row)
-
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
-                  "tool": "tool"}
-
-def chat_record(record, where):
-    """ShareGPT's {"conversations": [{"from": human | gpt | system | tool, "value": ...}, ...]} (or turns of
-    role/content) -> {"messages": [...]}, encoded as any chat; every other record as it is."""
-    if not isinstance(record, dict) or "conversations" not in record or "messages" in record:
-        return record
-    turns = record["conversations"]
-    need(isinstance(turns, list) and turns, f"{where}: conversations must be a non-empty list of {{\"from\": ..., "
-         f"\"value\": ...}} turns")
-    messages = []
-    for j, t in enumerate(turns):
-        need(isinstance(t, dict), f"{where}: conversations[{j}] is not an object")
-        if "role" in t:
-            messages.append(t)
-            continue
-        need(t.get("from") in SHAREGPT_ROLES, f"{where}: conversations[{j}] has from {t.get('from')!r}; expected "
-             f"human, gpt, system or tool (or role/content turns)")
-        need(isinstance(t.get("value"), str), f"{where}: conversations[{j}] has no string value")
-        messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
-    return {"messages": messages}
+    return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
 def check_ids(ids, vocab_size, where):
     if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
@@ -2487,8 +1785,8 @@ def show_data(samples, tokenizer, n, file=None):
     decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
     for i, (ids, mask) in enumerate(samples[:n]):
         runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
-        anchors = sum(a and b for a, b in zip(mask, mask[1:]))
-        print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {anchors} usable anchors", file=file)
+        print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {len(anchor_candidates(mask))} usable "
+              f"anchors", file=file)
         print("".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file)
 
 def record_kind(record, where, tokenizer, kinds):
@@ -2511,13 +1809,19 @@ def record_kind(record, where, tokenizer, kinds):
         need(f == "messages" or isinstance(record[f], str), f"{where}: {f} must be a string")
     return kind
 
+def chat_record(record, where):
+    """ShareGPT's {"conversations": [...]} as {"messages": [...]} (dflash_tools/formats.py); any other record as is."""
+    if isinstance(record, dict) and "conversations" in record and "messages" not in record:
+        return import_tool("formats", f"{where} (ShareGPT conversations)").chat_record(record, where)
+    return record
+
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
     """One record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
-    Formats: {"messages": [...]} (loss on the assistant turns; ShareGPT's {"conversations": [...]} the same way),
-    {"prompt", "response"}, {"text"} (loss everywhere), {"input_ids", "loss_mask"?} (pre-tokenized; ids checked
-    against vocab_size when given). Chat data is rendered as at inference (enable_thinking passed as eval.py passes
-    it); a turn ends at the tokenizer's eos or any of eos_ids (e.g. the target's generation_config.eos_token_id).
-    The stable entry point for every format."""
+    Formats: {"messages": [...]} (loss on the assistant turns; ShareGPT's {"conversations": [...]} the same way, by
+    dflash_tools/formats.py), {"prompt", "response"}, {"text"} (loss everywhere), {"input_ids", "loss_mask"?}
+    (pre-tokenized; ids checked against vocab_size when given). Chat data is rendered as at inference
+    (enable_thinking passed as eval.py passes it); a turn ends at the tokenizer's eos or any of eos_ids (e.g. the
+    target's generation_config.eos_token_id). The stable entry point for every format."""
     record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
@@ -2542,7 +1846,7 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """Read a data file (read_records) through encode_sample; truncate to max_len; skip (and count) samples with
-    nothing to learn."""
+    nothing to learn (no usable anchor)."""
     samples, skipped, lines = [], 0, 0
     for where, rec in read_records(path, "data", "; pass --data with a JSONL or Parquet file or a save_to_disk "
                                    "directory"):
@@ -2551,15 +1855,13 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
         if "input_ids" not in rec:  # a tokenizer may have more tokens than the target's embedding rows
             check_ids(ids, vocab_size, where)
         ids, mask = ids[:max_len], mask[:max_len]
-        if any(mask[j] and mask[j + 1] for j in range(len(ids) - 1)):  # at least one anchor (see sample_anchors)
+        if len(anchor_candidates(mask)):
             samples.append((ids, mask))
         else:
             skipped += 1
-    if not lines:
-        raise DFlashError(f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
-    if not samples:
-        raise DFlashError(f"{path}: no usable samples ({skipped} skipped: fewer than 2 tokens or no two consecutive "
-                          f"response tokens); check the file and the loss_mask")
+    need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
+    need(samples, f"{path}: no usable samples ({skipped} skipped: no two consecutive response tokens within "
+         f"--max_len {max_len}); check the file and the loss_mask")
     if skipped:
         say(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
@@ -2575,42 +1877,6 @@ def split_eval(samples, eval_fraction, seed):
     n_eval = held_out_count(len(samples), eval_fraction)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
-
-def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
-    causal target's real positions). keys: one random key per sample for its anchors and noise."""
-    S = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
-    for r, (ids, mask) in enumerate(samples):
-        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    keys = keys if keys is not None else list(range(len(samples)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
-
-class Batches:
-    """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
-    own slice. Deterministic for a given seed, so the data position is just the step number."""
-
-    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
-        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
-        self.seed, self.pad_id = seed, pad_id
-        self.global_batch = batch_size * grad_accum * world
-        self.steps_per_epoch = len(samples) // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
-                              f"--grad_accum")
-        self._order = (None, None)
-
-    def get(self, step, micro):
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if self._order[0] != epoch:
-            g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
-            self._order = (epoch, torch.randperm(len(self.samples), generator=g).tolist())
-        start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
-        idx = self._order[1][start:start + self.bs]
-        return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
-
 
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
@@ -2698,9 +1964,8 @@ def any_rank(flag, world, device):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
-
 # -----------------------------------------------------------------------------
-# The run's checks and set-up: outputs, resume, the drafter config, data, the drafter and its optimizer
+# The run's checks and set-up: outputs, resume, the drafter config, data, the trackers
 
 def check_writable_dir(d, what, subdirs=False):
     """Prove d can take our outputs by the operations the end uses: create it (and its parents), then create and
@@ -2775,28 +2040,27 @@ RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data
 
 def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
-    Without either, an --out that holds a run is refused (never started over in place); a checkpoint made on other
-    data, with another flag that decides the data order, or with another loss (--loss, and --dpace_alpha for
-    D-PACE; a checkpoint without them was trained with the CE) is refused (a mismatch is never a fresh start). The
-    drafter geometry and the global batch are checked once the target is loaded."""
+    Without either, an --out that holds a run is refused (never started over in place); so is a checkpoint made on
+    other data, with another flag that decides the data order, or with another loss (--loss, and --dpace_alpha for
+    D-PACE; a checkpoint without them was trained with the CE). The drafter and the global batch are checked once
+    the target is loaded (check_resume)."""
     mode, out = resume_mode(args), args.out
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        if mode != "auto" or previous_checkpoint(out) is not None:
-            raise DFlashError(f"--resume: {e}") from None
+        left = complete_checkpoints(out)
+        need(mode == "auto" and not left, f"--resume: {e}" + (
+            "" if left else "; no complete checkpoint is left: --resume auto starts anew in it, or give a new --out"))
         d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
         if master:
             print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
     if d is None:
-        earlier = earlier_run(out)
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); " + (
-            f"it holds {earlier}: --resume auto starts anew in it, or give a new --out" if earlier else
-            "drop --resume to start"))
+        earlier, left = earlier_run(out), complete_checkpoints(out)
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); "
+             + ("--resume auto starts anew in it, or give a new --out" if earlier else "drop --resume to start"))
         need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
-            "pass --resume to continue it" if previous_checkpoint(out) else "it has no complete checkpoint to "
-            "continue: pass --resume auto to start anew in it") + ", or give a new --out (a run is never started "
-             "over in place without --resume)")
+            "pass --resume to continue it" if left else "it has no complete checkpoint: pass --resume auto to start "
+            "anew in it") + ", or give a new --out")
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
@@ -2804,57 +2068,22 @@ def resume_point(args, data_digest, master=True):
         need(old.get(k, getattr(args, k)) == getattr(args, k), f"cannot resume {d}: it was made with --{k} {old.get(k)}"
              f", this run has --{k} {getattr(args, k)} (it decides the data order); use {old.get(k)} or a new --out")
     loss, alpha = state.get("loss", "ce"), state.get("dpace_alpha")  # the objective (none recorded: the CE)
-    need(loss == args.loss, f"cannot resume {d}: it was trained with --loss {loss}, this run has --loss {args.loss} "
-         f"(another objective); use --loss {loss}, or a new --out")
+    need(loss == args.loss, f"cannot resume {d}: it was trained with --loss {loss}, this run has --loss {args.loss}; "
+         f"use --loss {loss}, or a new --out")
     need(loss == "ce" or alpha == args.dpace_alpha, f"cannot resume {d}: it was trained with --dpace_alpha {alpha}, "
-         f"this run has --dpace_alpha {args.dpace_alpha} (another objective); use --dpace_alpha {alpha}, or a new "
-         f"--out")
+         f"this run has --dpace_alpha {args.dpace_alpha}; use --dpace_alpha {alpha}, or a new --out")
     saved = state.get("data")
     need(not saved or not data_digest or saved == data_digest or args.allow_data_change,
-         f"cannot resume {d}: --data {args.data} changed since it was written ({saved and saved['size']} -> "
-         f"{data_digest and data_digest['size']} bytes, another sha256), so the data order would silently differ; "
+         f"cannot resume {d}: --data {args.data} changed since it was written, so the data order would differ; "
          f"restore the file, or pass --allow_data_change to continue on the new data")
     return d, state
 
-def mask_token_hint(target, free=None):
-    """What to pass as --mask_token_id when the tokenizer defines no mask token: an unused embedding row, else (free)
-    ids the data never uses, counted (free_ids); z-lab's ids only where they fit the vocabulary."""
-    used, V = (len(target.tokenizer) if target.tokenizer is not None else None), target.vocab_size
-    rows = f"embedding rows {used}..{V - 1} are no token of its tokenizer, e.g. --mask_token_id {used}" \
-        if used is not None and used < V else \
-        f"every embedding row is a token; ids the data never uses, counted: {', '.join(map(str, free))}, e.g. " \
-        f"--mask_token_id {free[0]}" if free else "pick an id your data never uses"
-    zlab = [f"{i} for {what}" for i, what in ((248070, "Qwen3.5/3.6 targets"), (151669, "Qwen3")) if i < V]
-    return f"no mask token: the target's tokenizer defines none; pass --mask_token_id ({rows}" + \
-        (f"; z-lab uses {', '.join(zlab)}" if zlab else "") + ")"
-
-def has_spare_row(target):
-    """Whether the embedding has rows that are no token of the tokenizer (unknown without a tokenizer)."""
-    return target.tokenizer is None or len(target.tokenizer) < target.vocab_size
-
-def free_ids(samples, target, n=3):
-    """Up to n token ids the samples never use, counted: spare embedding rows first (no token of the tokenizer),
-    then the highest ids of the vocabulary the data does not contain."""
-    used = {t for ids, _ in samples for t in ids}
-    V = target.vocab_size
-    first_spare = min(len(target.tokenizer), V) if target.tokenizer is not None else V
-    spare = (i for i in range(first_spare, V) if i not in used)
-    rest = (i for i in range(first_spare - 1, -1, -1) if i not in used)
-    return list(itertools.islice(itertools.chain(spare, rest), n))
-
-def check_mask_unused(samples, mask_token_id, target, where):
+def check_mask_unused(samples, mask_token_id, where):
     """The mask token must be no token of the data: its embedding is the drafter's only sign that an offset is to be
-    drafted, and a data token of that id (an anchor, a label) would carry the same sign. Counted once the samples
-    are encoded; a refusal names ids the data never uses."""
+    drafted, and a data token of that id (an anchor, a label) would carry the same sign."""
     n = sum(ids.count(mask_token_id) for ids, _ in samples)
-    if n == 0:
-        return
-    free = free_ids(samples, target)
-    raise DFlashError(f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be one the "
-                      f"data never uses; pass one of {', '.join(map(str, free))} (never in the data), e.g. "
-                      f"--mask_token_id {free[0]}" if free else f"--mask_token_id {mask_token_id} occurs {n} times "
-                      f"in {where}, and so does every other id of the vocabulary; the mask needs an id the data never "
-                      f"uses")
+    need(n == 0, f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be an id the data "
+         f"never uses; pass another --mask_token_id")
 
 def target_rope(tc):
     """(rope_theta, note) of the target's full-attention layers, whose geometry a new drafter takes: rope_parameters
@@ -2869,23 +2098,65 @@ def target_rope(tc):
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     return float(theta if theta is not None else getattr(tc, "rope_theta", None) or 1e4), None
 
+YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate")  # what yarn reads (never partial_rotary_factor, mrope_*)
+
+def target_window(tc):
+    """(positions the target takes, its RoPE scaling or None): max_position_embeddings, or for a yarn target
+    original_max_position_embeddings x factor where larger; the scaling (YARN_KEYS of its rope_parameters or
+    rope_scaling, its full-attention layers' when per layer type) is None for plain RoPE."""
+    native = getattr(tc, "max_position_embeddings", None) or 32768
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return native, None
+    scaling = {k: v for k, v in rope.items() if k in YARN_KEYS} if kind == "yarn" else dict(rope)
+    reach = int(scaling.get("original_max_position_embeddings") or native) * float(scaling.get("factor") or 1) \
+        if kind == "yarn" else native
+    return max(native, int(reach)), scaling
+
+def long_context_rope(tc, max_len):
+    """(rope_scaling, max_position_embeddings) of a new drafter trained at max_len: plain RoPE and the target's
+    max_position_embeddings up to it (unchanged); past it, a yarn target's own yarn and its reach (config_to_json
+    writes both, so the engines serve the drafter's positions as trained). A sample past what the target takes is
+    refused where the data is read (check_lengths): --max_len alone may exceed it (the default 3072, tiny targets)."""
+    native = getattr(tc, "max_position_embeddings", None) or 32768
+    reach, scaling = target_window(tc)
+    if not max_len or max_len <= native or (scaling or {}).get("rope_type") != "yarn":
+        return None, native
+    return scaling, reach
+
+def check_lengths(samples, tc, where):
+    """Every sample fits in the positions the target takes (target_window), else one line naming the longest."""
+    reach, scaling = target_window(tc)
+    longest = max((len(ids) for ids, _ in samples), default=0)
+    yarn = (scaling or {}).get("rope_type") == "yarn"
+    more = "" if yarn else f", or give the target's config.json a yarn rope_parameters (factor " \
+        f"{math.ceil(longest / reach)}, original_max_position_embeddings {reach})"
+    need(longest <= reach, f"{where}: a sample of {longest} tokens is past the {reach} positions the target takes "
+         f"({'its yarn reach' if yarn else 'its max_position_embeddings'}); use --max_len {reach}{more}")
+
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
-                       intermediate_size=None, free=None, say=print):
+                       intermediate_size=None, say=print, max_len=None):
     """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps from the target, rope_theta from its
     full-attention layers (target_rope; said when the layer types differ), and unless given its attention geometry
     (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP width; plain RoPE over the full
     head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise. Every problem of
-    these flags with this target is raised at once, each with a value that works (free: ids the data never uses,
-    for the mask token hint)."""
+    these flags with this target is raised at once. max_len past the target's max_position_embeddings: the
+    target's yarn (long_context_rope)."""
     tc = target.model.config.get_text_config()
     rope_theta, rope_note = target_rope(tc)
     n, L, problems = num_draft_layers, target.num_layers, []
+    rope_scaling, max_positions = long_context_rope(tc, max_len)
     heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
         mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
     if mask_token_id is None:
-        problems.append(mask_token_hint(target, free))
+        problems.append("no mask token: the target's tokenizer defines none; pass --mask_token_id with an id the data "
+                        "never uses (z-lab's drafters use a spare embedding row)")
     ids = target_layer_ids or default_target_layer_ids(L, n)
     if not target_layer_ids and len(set(ids)) < len(ids):
         good = valid_target_layer_ids(L, n)
@@ -2901,7 +2172,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
             vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
-            max_position_embeddings=getattr(tc, "max_position_embeddings", 32768), block_size=block_size,
+            rope_scaling=rope_scaling, max_position_embeddings=max_positions, block_size=block_size,
             mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
     except DFlashError as e:
@@ -2916,21 +2187,14 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
 @dataclass
 class RunSetup:
     """What check_run found: the drafter config (None for --show_data), the checkpoint to resume (and its train
-    state), the data file's digest (recorded in every checkpoint), and the --init_from drafter directory."""
+    state), the data file's digest (recorded in every checkpoint), the --init_from drafter directory, and the
+    variant's module (dflash_tools/, None for DFlash)."""
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
     data_digest: dict | None = None
     init_from: str | None = None
-
-def flag_problems(args):
-    """Flags that each pass their own check but not together: what is wrong, and which to change."""
-    problems = []
-    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
-        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
-                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or "
-                        f"--eval_walk_tree_budget")
-    return problems
+    variant: object = None
 
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
@@ -2939,20 +2203,22 @@ def check_run(args, world, device, master):
     RunSetup; its cfg is None for --show_data (it looks at the data alone)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
-    # a missing data file is said with the config's problems, before any weights load (not after a 27B target)
-    problems = [f"{flag} {path!r} is a directory, not a data file or a datasets.save_to_disk directory (no "
-                f"state.json or dataset_dict.json); pass {flag} with a JSONL (.jsonl, .jsonl.gz) or Parquet file"
-                if os.path.isdir(path) else f"data file {path!r} does not exist; pass {flag} with a JSONL or Parquet "
-                f"file or a save_to_disk directory" for path, flag in ((args.data, "--data"), (args.eval_data,
-                "--eval_data")) if path and not args.plan and not (os.path.isfile(path) or saved_dataset(path))] \
-        + flag_problems(args) + data_package_problems(args)  # Parquet or save_to_disk data without its package
-    # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding, allocated every step
-    args.num_anchors = min(args.num_anchors, args.max_len - 1)
+    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL or Parquet file or a save_to_disk dir"
+                for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
+                if path and not args.plan and not os.path.exists(path)]
+    for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")):  # not JSONL: its package, now
+        if path and not args.plan and os.path.exists(path) and (os.path.isdir(path) or data_kind(path)):
+            import_tool("formats", f"{flag} {path!r}").check_readable(path, flag)
+    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
+                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or the budget")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
-        check_trackers(report_to(args))
-    data_digest = path_digest(args.data) if writes and os.path.exists(args.data) else None
+    trackers = [n for n in report_to(args)] if writes else []
+    if trackers:
+        import_tool("trackers", f"--report_to {','.join(trackers)}").check_trackers(trackers)
+    data_digest = broadcast(path_digest(args.data) if master and writes and os.path.exists(args.data) else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
@@ -2961,75 +2227,33 @@ def check_run(args, world, device, master):
         need(not problems, "\n".join(problems))
         return RunSetup()
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
+    cfg = variant = None
     try:
-        cfg = read_drafter_config(init_from) if init_from else \
-            new_drafter_config(meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, free=mask_candidates(args, meta),
-                               say=print if master else lambda *a: None)
-        cfg = dflash2_config(cfg, args)
+        cfg = read_drafter_config(init_from) if init_from else new_drafter_config(
+            meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, say=print if master else lambda *a: None,
+            max_len=args.max_len)
+        arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
+        variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
+        stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
+        need(variant or not stray, f"--{stray and stray[0]} is DFlash2's; add --dflash2 (or drop it)")
+        cfg = variant.configure(cfg, args) if variant else cfg
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
     need(not problems, "\n".join(problems))
-    if args.plan or device.type == "cuda":
-        memory_plan(args, cfg, meta, world, device)
-    if device.type == "cpu" and master:
-        cpu_step_hint(args, cfg, meta)
+    if args.plan or (device.type == "cuda" and os.path.isdir(os.path.join(os.path.dirname(__file__), "dflash_tools"))):
+        import_tool("plan", "--plan").memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
-    return RunSetup(cfg, resume_dir, state, data_digest, init_from)
+    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
-def dflash2_config(cfg, args):
-    """--dflash2: the drafter config with DFlash2's fields from the flags (released geometry by default: K 2, group
-    16, rank 256, top-k 16); a drafter that already is DFlash2 (--init_from one) keeps its own. Flags that only mean
-    something for DFlash2 are refused on a DFlash drafter, as is a tree budget on a DFlash2 one (no source defines
-    tree verification for DFlash2: its selector drafts one chain). Fills in the selector loss flags' defaults."""
-    geometry = {k: getattr(args, k) for k in DFLASH2_INTS}
-    loss = [f for f in ("selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio")
-            if getattr(args, f) is not None]
-    given = [k for k, v in geometry.items() if v is not None]
-    need(args.dflash2 or not given, f"--{given and given[0]} is DFlash2's; add --dflash2 (or drop it)")
-    if args.dflash2 and not cfg.dflash2:
-        try:
-            cfg = DFlashConfig(**{**asdict(cfg), **{k: DFLASH2_DEFAULTS[k] if v is None else v
-                                                    for k, v in geometry.items()}})
-        except DFlashError as e:
-            raise DFlashError("\n".join(f"--dflash2: {p}" for p in str(e).splitlines())) from None
-    need(cfg.dflash2 or not (loss or args.selector_stop_gradient), f"--{(loss or ['selector_stop_gradient'])[0]} "
-         f"shapes DFlash2's selector loss; add --dflash2 (or drop it)")
-    need(not (cfg.dflash2 and args.eval_walk_tree_budget), "--eval_walk_tree_budget: a DFlash2 drafter's selector "
-         "drafts one chain, and no tree verification is defined for it; drop --eval_walk_tree_budget")
-    need(not (cfg.dflash2 and args.loss != "ce"), f"--loss {args.loss} with a DFlash2 drafter is not implemented (its "
-         f"selector's term is defined beside the CE); drop --loss")
-    for f, default in (("selector_alpha", 1.0), ("selector_warmup_ratio", 0.0), ("selector_ramp_ratio", 0.0)):
-        if getattr(args, f) is None:
-            setattr(args, f, default)
-    return cfg
-
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-
-def data_package_problems(args):
-    """One line per --data / --eval_data whose format needs a package that is not installed."""
-    problems = []
-    for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")):
-        needs = data_package(path) if path and not args.plan and os.path.exists(path) else None
-        if needs:
-            try:
-                optional_package(needs[0], needs[1], f"{flag} {path!r} is {needs[2]}: reading it")
-            except DFlashError as e:
-                problems.append(str(e))
-    return problems
-
-def mask_candidates(args, meta):
-    """Ids --data never uses, counted, for the mask token hint: only when one is needed (no --mask_token_id, none in
-    the tokenizer) and the vocabulary has no spare row to suggest; None otherwise."""
-    if args.mask_token_id is not None or getattr(meta.tokenizer, "mask_token_id", None) is not None or \
-            has_spare_row(meta) or args.init_from or not os.path.isfile(args.data or ""):
-        return None
-    try:
-        return free_ids(load_samples(args.data, meta.tokenizer, args.max_len, say=lambda *a: None,
-                                     enable_thinking=args.enable_thinking, eos_ids=meta.eos_ids()), meta)
-    except DFlashError:  # bad data is said where the data loads
-        return None
+def broadcast(obj, world):
+    """Rank 0's object on every rank (e.g. the data file's digest: one rank reads the file)."""
+    if world > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        obj = box[0]
+    return obj
 
 def check_resume(out, run, global_batch, master):
     """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
@@ -3038,6 +2262,8 @@ def check_resume(out, run, global_batch, master):
     resume_dir, state = run.resume_dir, run.state
     if state:
         saved = read_drafter_config(resume_dir)
+        need(saved.architecture == run.cfg.architecture, f"cannot resume {resume_dir}: it is a {saved.architecture}, "
+             f"this run trains a {run.cfg.architecture} (a variant's flag differs); use the original flags")
         for k, v in asdict(run.cfg).items():
             need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
                  f"this run has {v}; use the original target and flags, or a new --out")
@@ -3058,27 +2284,41 @@ def read_data(args, target, say, cfg=None):
         train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
     else:
         train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
-    check_mask_unused(train_samples + eval_samples, cfg.mask_token_id, target,
-                      "--data" + (" and --eval_data" if args.eval_data else ""))
+    check_mask_unused(train_samples + eval_samples, cfg.mask_token_id, "--data" + " and --eval_data" * bool(
+        args.eval_data))
+    check_lengths(train_samples + eval_samples, target.model.config.get_text_config(), "--data")
     split = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
 
+class NoTrackers:
+    """What the loop logs to without --report_to (dflash_tools/trackers.py has the real ones)."""
+    wandb_id = None
+
+    def log(self, record):
+        pass
+
+    def close(self):
+        pass
+
+def report_to(args):
+    """The trackers asked for, in order, each once (--report_to may repeat; none is none)."""
+    return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
+
 def start_trackers(args, run, master):
     """Rank 0's --report_to trackers (none elsewhere, nor for --show_data), given the run's flags and drafter
     config, continuing a resumed run's curves."""
-    return Trackers(report_to(args) if master and run.cfg else [], args.out,
-                    {"args": vars(args), "drafter": asdict(run.cfg) if run.cfg else None}, run.state)
+    names = report_to(args) if master and run.cfg else []
+    if not names:
+        return NoTrackers()
+    config = {"args": vars(args), "drafter": asdict(run.cfg)}
+    return import_tool("trackers", "--report_to").Trackers(names, args.out, config, run.state)
 
 def progress_bar(total_steps, step, master, args):
     """Rank 0's tqdm bar of the training steps, on a terminal only (redirected, the log lines alone; or
     --no_progress)."""
     off = not master or args.no_progress or not sys.stderr.isatty()
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
-
-def selector_schedule(args):
-    """DFlash2: selector_alpha's (alpha, warmup_ratio, ramp_ratio) from the flags."""
-    return args.selector_alpha, args.selector_warmup_ratio, args.selector_ramp_ratio
 
 def load_run_target(args, run, world, device):
     """The run's target, loaded (and with --shard_target under torchrun, sharded), and its record (target_record):
@@ -3105,50 +2345,8 @@ def count_bad_step(bad_steps, step, total, grad_norm, args, say):
     say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, skipped the update "
         f"({bad_steps} in a row)")
     need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr "
-         f"or check the data; the last good checkpoint is in {args.out}")
+         f"or check the data")
     return bad_steps
-
-def build_drafter(args, run, target, world, device, say=print):
-    """The drafter (new, --init_from's, or the checkpoint's), its AdamW (with --zero under torchrun its moments are
-    split over the ranks), the model the loop calls (compiled with --compile, wrapped in DDP under torchrun), and the
-    loss's keyword arguments (flex and compiled runs pad every batch to one of a few lengths: fewer recompilations)."""
-    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
-    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg, resume_dir, state, source = run.cfg, run.resume_dir, run.state, run.resume_dir or run.init_from
-    drafter = load_drafter(source, device, attention=attention) if source else DFlashDrafter(cfg, attention).to(device)
-    if cfg.dflash2 and not drafter.cfg.dflash2:  # --init_from a DFlash drafter with --dflash2
-        drafter = dflash2_from(drafter, cfg)
-    if cfg.dflash2 and args.selector_alpha == 0:  # no selector objective: the selector is not trained
-        drafter.candidate_selector.requires_grad_(False)
-    if not source and tied(target):
-        start_off_mask(drafter, target)
-        say("tied embeddings: the new drafter's final norm starts off the mask token's row (its first drafts would "
-            "otherwise all be the mask token, which the tied lm_head scores highest)")
-    drafter.grad_checkpoint = args.grad_checkpoint
-    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
-    if args.zero and world > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **kw)
-    else:
-        optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        say(f"resumed from {resume_dir} at step {state['step']}")
-    drafter.train()
-    model = torch.compile(drafter) if compile_ else drafter
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
-    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
-        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
-        f"{attention}, compile {compile_}")
-    loss_kw = dict(gamma=args.gamma, loss=args.loss, dpace_alpha=args.dpace_alpha, noise_std=args.noise_std,
-                   labels=args.labels, pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
-    if cfg.dflash2:  # DFlash2: its selector (the raw module: the wrappers' forward is the drafter's) and its term
-        loss_kw.update(selector=drafter.candidate_selector, selector_alpha=args.selector_alpha,
-                       selector_stop_gradient=args.selector_stop_gradient)
-    return drafter, model, optimizer, loss_kw
 
 def append_metrics(out, record):
     try:
@@ -3156,7 +2354,6 @@ def append_metrics(out, record):
             f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
-
 
 # -----------------------------------------------------------------------------
 # How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
@@ -3205,133 +2402,6 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
         m["prompts"] = short_hash(json.dumps([[int(t) for t in p] for p in prompts]))
     return m
 
-
-# -----------------------------------------------------------------------------
-# Trackers (--report_to): every metrics.jsonl record also goes to TensorBoard and/or Weights & Biases, from rank 0
-
-TRACKERS = ("tensorboard", "wandb")  # --report_to names, each the package it needs
-
-def tracker_list(s):
-    """--report_to: a comma list of none | tensorboard | wandb (repeatable)."""
-    names = [n.strip() for n in s.split(",") if n.strip()]
-    bad = [n for n in names if n != "none" and n not in TRACKERS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected none, tensorboard or wandb (a comma list)")
-    return [n for n in names if n != "none"]
-
-def report_to(args):
-    """The trackers asked for, in order, each once (--report_to may repeat)."""
-    return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
-
-def check_trackers(names):
-    """Each tracker's package imports, before any weights load; else one line naming it and the pip command."""
-    for name in names:
-        try:
-            importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else "wandb")
-        except ImportError:
-            raise DFlashError(f"--report_to {name} needs the {name} package: pip install {name}") from None
-
-def scalars(record):
-    """A metrics record -> {name: number}: lists become name/k per block offset k = 1.. (acc/1 is acc[0]), and what
-    is not a number (None, the measurement settings) is left out; the step is the tracker's own axis."""
-    out = {}
-    for k, v in record.items():
-        if k == "step":
-            continue
-        for name, x in ([(f"{k}/{i + 1}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
-            if isinstance(x, (int, float)) and not isinstance(x, bool):
-                out[name] = x
-    return out
-
-class Trackers:
-    """Rank 0's trackers. A resumed run continues the same curves: TensorBoard writes into <out>/tensorboard again,
-    purging any event after the checkpoint's step (a run killed after its last checkpoint logged steps that are
-    logged again); W&B continues the run whose id the checkpoint saved (train_state's "wandb_id")."""
-
-    def __init__(self, names, out, config, state):
-        self.tb = self.wandb = None
-        step = state["step"] if state else -1
-        if names:
-            os.makedirs(out, exist_ok=True)
-        if "tensorboard" in names:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=step + 1)
-            self.tb.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", step + 1)
-        if "wandb" in names:
-            import wandb
-            run_id = (state or {}).get("wandb_id")  # None: a new run, its id chosen by wandb
-            try:
-                self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dflash"), dir=out, id=run_id,
-                                        resume="allow", name=os.path.basename(os.path.abspath(out)), config=config)
-            except Exception as e:  # not logged in, no network: one line, before any weights load
-                raise DFlashError(f"--report_to wandb: wandb.init failed ({first_line(e)}); run `wandb login`, or "
-                                  f"set WANDB_MODE=offline to write the run locally") from None
-
-    @property
-    def wandb_id(self):
-        return self.wandb.id if self.wandb else None
-
-    def log(self, record):
-        values = scalars(record)
-        if self.tb:
-            for k, v in values.items():
-                self.tb.add_scalar(k, v, record["step"])
-            self.tb.flush()  # on disk as metrics.jsonl is, should the run be killed
-        if self.wandb:
-            self.wandb.log(values, step=record["step"])
-
-    def close(self):
-        if self.tb:
-            self.tb.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
-# -----------------------------------------------------------------------------
-# Memory hints: the memory plan (an optional extra) and the CPU first-step estimate
-
-def memory_plan(args, cfg, meta, world, device):
-    """The memory plan (dflash_tools/plan.py) from the configs alone (meta: the target on the meta device): --plan
-    prints it and exits; a CUDA run prints it and stops early if it cannot fit. The plan is an optional extra: a CUDA
-    run without dflash_tools/ goes on without it."""
-    if not args.plan and not os.path.isfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools",
-                                                         "plan.py")):
-        return
-    plan = import_tool("plan", "--plan")
-    plan.memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
-
-CPU_FLOPS = 5e10  # what a few CPU cores sustain in fp32 matmuls, roughly (FLOP/s)
-
-def first_step_flops(args, cfg, target_params):
-    """A rough cost of one optimizer step on one rank, from the shapes alone: 2 FLOPs per parameter per token for
-    the target's forward over max_len tokens, 6 per drafter parameter (and per lm_head weight) per drafted token
-    (forward + backward over num_anchors * block_size tokens), times batch_size * grad_accum. Attention is left out."""
-    drafter = sum(torch.Size(s).numel() for s in expected_shapes(cfg).values())
-    drafted = args.num_anchors * cfg.block_size
-    per_sample = 2 * target_params * args.max_len + 6 * (drafter + cfg.vocab_size * cfg.hidden_size) * drafted
-    return per_sample * args.batch_size * args.grad_accum
-
-def cpu_step_hint(args, cfg, meta):
-    """A CPU run whose first step would take over a minute says which flags make it small (it still runs)."""
-    seconds = first_step_flops(args, cfg, sum(p.numel() for p in meta.model.parameters())) / CPU_FLOPS
-    if seconds > 60:
-        print(f"note: the first step will take ~{seconds:.0f} s on this CPU (2 FLOPs per target parameter per token "
-              f"over --max_len {args.max_len}, 6 per drafter parameter per drafted token, at ~{CPU_FLOPS / 1e9:.0f} "
-              f"GFLOP/s); for a small first run: --num_draft_layers 2 --num_anchors 32 --max_len 256 --grad_accum 1",
-              file=sys.stderr)
-
-def import_tool(name, flag):
-    """An optional extra from dflash_tools/ (the tools import this file as `dflash`), or one error line without it."""
-    sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
-    try:
-        return importlib.import_module(f"dflash_tools.{name}")
-    except ModuleNotFoundError as e:
-        if e.name not in ("dflash_tools", f"dflash_tools.{name}"):
-            raise
-        raise DFlashError(f"{flag} needs dflash_tools/{name}.py, which is not beside {os.path.basename(sys.argv[0])}; "
-                          f"copy the dflash_tools folder next to it") from None
-
-
 # -----------------------------------------------------------------------------
 # Command line: every flag is checked once, here, where it enters
 
@@ -3371,19 +2441,14 @@ def layer_type_list(s):
     return types
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Each flag's default after its help, unless there is none or the help already says it ("default", or the
-    value explained as in "auto: ...")."""
-
-    def _get_help_string(self, action):
+    def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
         h, v = action.help or "", action.default
-        if v not in (None, False, [], argparse.SUPPRESS) and "default" not in h and f"{v}:" not in h and \
-                action.option_strings:
-            h += f" (default: {v})"
-        return h
+        hidden = v is None or v is False or v == [] or v == () or "default" in h or f"{v}:" in h
+        return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with flag errors as one `error:` line and exit code 2 like every other input error. Flags are
-    exact (argparse would take --max_step for --max_steps, silently); an unknown one names the closest flag."""
+    """argparse with each flag's default in --help, exact flags (argparse would take --max_step for --max_steps,
+    silently) and flag errors as one `error:` line with exit code 2, like every other input error."""
 
     def __init__(self, **kw):
         super().__init__(formatter_class=HelpFormatter, allow_abbrev=False, **kw)
@@ -3394,7 +2459,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         args, extra = self.parse_known_args(args, namespace)
-        if extra:
+        if extra:  # an unknown flag names the closest one
             bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
             self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
@@ -3410,33 +2475,29 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
-                        # of a bigger tree grows past any run's patience
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+VARIANT_FLAGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_alpha",
+                 "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")  # what --dflash2 reads
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
     g = p.add_argument_group("run")
     flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
-    flag(g, "--data", help="training data: JSONL (.jsonl, .jsonl.gz) or a JSON array of messages | conversations "
-         "(ShareGPT) | prompt+response | text | input_ids(+loss_mask) records; or Parquet, or a datasets.save_to_disk "
-         "directory, of the same (pyarrow / datasets needed only for those)")
+    flag(g, "--data", help="training data: JSONL (.jsonl, .jsonl.gz) of messages | conversations (ShareGPT) | "
+         "prompt+response | text | input_ids(+loss_mask) records; or a JSON array, Parquet or a datasets.save_to_disk "
+         "directory of the same")
     flag(g, "--out", "out", "output directory for checkpoints and metrics.jsonl")
     flag(g, "--init_from", help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
-    flag(g, "--resume", nargs="?", const="must", choices=["must", "auto"],
-         help="continue from <out>/latest (--resume: it must be there; --resume auto: when it is, else start); a "
-         "worker torchrun restarts (--max_restarts, TORCHELASTIC_RESTART_COUNT > 0) resumes as with auto. Without it "
-         "a used --out is refused")
-    flag(g, "--allow_data_change", False, "with --resume: continue although --data changed since the checkpoint was "
-         "written (the data order then differs)", action="store_true")
-    flag(g, "--allow_other_target", False, "use an --init_from drafter (or resume a checkpoint) recorded as "
-         "trained against another target", action="store_true")
+    flag(g, "--resume", nargs="?", const="must", choices=["must", "auto"], help="continue from <out>/latest "
+         "(--resume: it must be there; auto: when it is, else start); a worker torchrun restarts resumes as with auto")
+    flag(g, "--allow_data_change", False, "with --resume: continue although --data changed", action="store_true")
+    flag(g, "--allow_other_target", False, "use a drafter recorded as trained against another target",
+         action="store_true")
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    # the geometry's upper bounds are far above any drafter's (a few layers, B 8-16) and keep a mistyped value from
-    # allocating without end
     flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
     flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
@@ -3445,106 +2506,83 @@ def get_parser():
     flag(g, "--sliding_window", 2048, "window of the sliding layers (0: no sliding layers)", int)
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
-    flag(g, "--num_heads", None, "attention heads (default: the target's; a hybrid's full-attention layers')", int,
-         lo=1, hi=256)
+    flag(g, "--num_heads", None, "attention heads (default: the target's)", int, lo=1, hi=256)
     flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
-    flag(g, "--head_dim", None, "head dimension (even: RoPE rotates pairs; default: the target's)", int, lo=2, hi=1024)
+    flag(g, "--head_dim", None, "head dimension (even; default: the target's)", int, lo=2, hi=1024)
     flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
-    flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does "
-         "(default: its own)", action=argparse.BooleanOptionalAction)
-    flag(g, "--show_data", 0, "print the first N encoded samples with their loss spans in [[...]], then exit (0: "
-         "train)", int)
-    flag(g, "--eval_fraction", 0.01, "held-out fraction of --data, at least 16 samples, at most half (0: no held-out "
-         "evaluation)", float, hi=0.5)
+    flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does",
+         action=argparse.BooleanOptionalAction)
+    flag(g, "--show_data", 0, "print the first N encoded samples, loss spans in [[...]], then exit (0: train)", int)
+    flag(g, "--eval_fraction", 0.01, "held-out fraction of --data, at least 16 samples, at most half", float, hi=0.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
-    flag(g, "--loss", "ce", "ce (default): the paper's CE weighted exp(-(i-1)/gamma) at block offset i, over sum(w); "
-         "dpace: D-PACE, the CE weighted by the expected accepted drafts each offset moves (from the drafter's own "
-         "confidence, without gradient), per sequence; dpace-prefix, dpace-continuation: its two factors alone",
-         choices=LOSSES)
+    flag(g, "--loss", "ce", "ce: the paper's CE weighted exp(-(i-1)/gamma) at offset i; dpace: D-PACE (and its "
+         "two factors alone), by dflash_tools/losses.py", choices=["ce", "dpace", "dpace-prefix", "dpace-continuation"])
     flag(g, "--gamma", 4.0, "--loss ce's decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
-    flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing: confidence (1-alpha) q + alpha of the drafter's probability q "
-         "of the label (0: q itself; 1: no confidence, a linear decay)", float, hi=1)
-    flag(g, "--labels", "target", "target: the target's greedy token (teacher-forced); data: the data token",
-         choices=["target", "data"])
+    flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing of the drafter's confidence q: (1-alpha) q + alpha", float, hi=1)
+    flag(g, "--labels", "target", "target: the target's greedy token; data: the data token", choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
     g = p.add_argument_group("optimisation")
     flag(g, "--batch_size", 1, "sequences per rank per micro-step", int, lo=1)
     flag(g, "--grad_accum", 4, "micro-steps per optimizer step", int, lo=1)
     flag(g, "--lr", 6e-4, "peak learning rate (AdamW)", float, open_lo=True)
-    flag(g, "--warmup_ratio", 0.04, "linear warmup fraction, then cosine to 0 (0: none)", float, hi=1)
+    flag(g, "--warmup_ratio", 0.04, "linear warmup fraction, then cosine to 0", float, hi=1)
     flag(g, "--epochs", 6, "epochs (unless --max_steps)", int, lo=1)
     flag(g, "--max_steps", 0, "optimizer steps (0: from --epochs)", int)
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
-    add_dflash2_flags(p)
-    add_system_flags(p)
-    return p
-
-def add_dflash2_flags(p):
-    """get_parser's DFlash2 group: the drafter's two extra pieces (geometry) and the selector term's schedule."""
-    g = p.add_argument_group("DFlash2 (with --dflash2)")
-    flag(g, "--dflash2", False, "a DFlash2 drafter: DFlash plus grouped dynamic causal convolutions around each "
-         "sublayer and a candidate selector over the target head's top-k (with --init_from a DFlash drafter: that "
-         "drafter, its DFlash2 pieces fresh)", action="store_true")
-    flag(g, "--conv_kernel_size", None, "with --dflash2: K, the convolution's taps along the block (default 2)", int,
-         lo=1, hi=256)
-    flag(g, "--conv_group_size", None, "with --dflash2: channels sharing one dynamic tap, a divisor of the hidden "
-         "size (default 16)", int, lo=1, hi=65536)
-    flag(g, "--selector_rank", None, "with --dflash2: rank of the selector's codebooks (default 256)", int, lo=1,
-         hi=8192)
-    flag(g, "--selector_top_k", None, "with --dflash2: candidates per drafted offset (default 16)", int, lo=1,
-         hi=1024)
-    flag(g, "--selector_alpha", None, "DFlash2: weight of the selector's CE beside the DFlash CE (default 1; 0: "
-         "the selector is not trained)", float)
-    flag(g, "--selector_warmup_ratio", None, "DFlash2: fraction of the steps with the selector term at 0 (default 0)",
-         float, hi=1)
-    flag(g, "--selector_ramp_ratio", None, "DFlash2: fraction of the steps over which its weight then rises "
-         "linearly to --selector_alpha (default 0: at once)", float, hi=1)
-    flag(g, "--selector_stop_gradient", False, "DFlash2: the selector's CE trains the selector alone (the unary "
-         "logits and hidden states detached in it)", action="store_true")
+    g = p.add_argument_group("DFlash2 (with --dflash2; dflash_tools/dflash2.py)")
+    flag(g, "--dflash2", False, "a DFlash2 drafter (with --init_from a DFlash drafter: it, plus fresh DFlash2 pieces)",
+         action="store_true")
+    flag(g, "--conv_kernel_size", None, "K, the convolution's taps along the block (default 2)", int, lo=1, hi=256)
+    flag(g, "--conv_group_size", None, "channels sharing one dynamic tap (default 16)", int, lo=1, hi=65536)
+    flag(g, "--selector_rank", None, "rank of the selector's codebooks (default 256)", int, lo=1, hi=8192)
+    flag(g, "--selector_top_k", None, "candidates per drafted offset (default 16)", int, lo=1, hi=1024)
+    flag(g, "--selector_alpha", None, "weight of the selector's CE (default 1; 0: not trained)", float)
+    flag(g, "--selector_warmup_ratio", None, "fraction of the steps with the selector at 0 (default 0)", float, hi=1)
+    flag(g, "--selector_ramp_ratio", None, "fraction of the steps of its linear ramp to alpha (default 0)", float, hi=1)
+    flag(g, "--selector_stop_gradient", False, "the selector's CE trains the selector alone", action="store_true")
+    return add_system_flags(p)
 
 def add_system_flags(p):
-    """get_parser's last two groups: how the run executes, logs, evaluates and saves; and what saves memory."""
+    """get_parser's last groups: how the run executes, logs, evaluates and saves; what saves memory."""
     g = p.add_argument_group("system")
-    flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA, off on CPU)",
-         choices=["auto", "on", "off"])
-    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, dense elsewhere)",
-         choices=["auto", "flex", "dense"])
+    flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
+    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
     flag(g, "--dtype", "auto", "target dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=list(DTYPES))
-    flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly; bf16 halves the size)",
-         choices=list(SAVE_DTYPES))
+    flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly)", choices=list(SAVE_DTYPES))
     flag(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     flag(g, "--seed", 0, "random seed", int)
     flag(g, "--log_every", 10, "log every N steps", int, lo=1)
-    flag(g, "--report_to", None, "also send every metrics.jsonl record to: none | tensorboard (<out>/tensorboard) | "
-         "wandb (project $WANDB_PROJECT, default dflash); a comma list, or repeat it (default: none)",
-         type=tracker_list, action="append")
-    flag(g, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal: a redirected log has "
-         "one line per logged step)", action="store_true")
+    flag(g, "--report_to", None, "also log to none | tensorboard | wandb (comma list)", action="append",
+         type=tracker_list)
+    flag(g, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal)", action="store_true")
     flag(g, "--eval_every", 500, "held-out evaluation every N steps (0: only at the start and the end)", int)
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
-    flag(g, "--eval_walk_tree_budget", 0, "also log eval_walk_tree_tau: the walked tau of tree verification "
-         "(DDTree's rule) with this many draft nodes per step (0: off)", int, hi=TREE_BUDGET_MAX)
+    flag(g, "--eval_walk_tree_budget", 0, "also walk tree verification with this many nodes (0: off)", int,
+         hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")
-    flag(g, "--zero", False, "shard AdamW's state over the ranks (ZeroRedundancyOptimizer; plain AdamW on one "
-         "process)", action="store_true")
-    flag(g, "--shard_target", False, "split the frozen target's decoder layers over the ranks (FSDP2, under "
-         "torchrun): each rank holds 1/world of them and gathers one layer at a time while the target runs",
+    flag(g, "--zero", False, "shard AdamW's state over the ranks (ZeroRedundancyOptimizer)", action="store_true")
+    flag(g, "--shard_target", False, "split the target's decoder layers over the ranks (FSDP2, under torchrun)",
          action="store_true")
-    flag(g, "--grad_checkpoint", False, "recompute each drafter layer in backward instead of keeping its "
-         "activations", action="store_true")
-    flag(g, "--plan", False, "print the per-GPU memory plan from the target's and drafter's configs (no weights), "
-         "then exit (needs dflash_tools/)", action="store_true")
+    flag(g, "--grad_checkpoint", False, "recompute each drafter layer in backward", action="store_true")
+    flag(g, "--plan", False, "print the per-GPU memory plan, then exit (needs dflash_tools/)", action="store_true")
     flag(g, "--plan_world_size", None, "ranks to plan for (default: this run's)", int, lo=1)
     flag(g, "--plan_gpu_gb", None, "memory per GPU in GB to plan for (default: this machine's)", float, open_lo=True)
+    return p
+
+def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
+    names = [n.strip() for n in s.split(",") if n.strip()]
+    if not names or any(n not in ("none", "tensorboard", "wandb") for n in names):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected none, tensorboard or wandb (a comma list)")
+    return [n for n in names if n != "none"]
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
@@ -3556,4 +2594,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-

@@ -46,7 +46,7 @@ import torch
 
 import dflash
 from dflash import (DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk,
-                    tree_walk, walk_steps)
+                    walk_steps)
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -134,6 +134,60 @@ def acceptance_stats(lengths, block_size):
     per_offset = [sum(n > k for n in lengths) / steps if steps else 0.0 for k in range(1, block_size)]
     return {"tau": sum(lengths) / steps if steps else None, "steps": steps, "histogram": histogram,
             "per_offset_acceptance": per_offset}
+
+
+# tau by context depth: a step's depth is its anchor's absolute position (prompt + continuation so far), the
+# context the drafter drafts from. Acceptance decays with depth for drafters trained at short length, and a pooled
+# tau hides it: each report also splits every figure by depth bucket, the buckets summing back to the pooled ones.
+DEPTH_EDGES_LONG = (1024, 4096, 16384, 65536)        # < 1k, 1-4k, 4-16k, 16-64k, >= 64k
+DEPTH_EDGES_SHORT = (128, 256, 512, 1024, 2048)     # runs whose deepest anchor is below 4k
+
+
+def depth_edges(max_depth, edges=None):
+    """The bucket edges of a run (given ones kept): 1k, 4k, 16k, 64k when an anchor lies at 4k or deeper, else
+    powers of two from 128 (empty buckets are left out of the report)."""
+    if edges:
+        return sorted(set(int(e) for e in edges))
+    return list(DEPTH_EDGES_LONG if max_depth >= 4096 else DEPTH_EDGES_SHORT)
+
+
+def depth_label(lo, hi):
+    k = lambda n: f"{n // 1024}k" if n % 1024 == 0 else str(n)  # noqa: E731
+    return f"< {k(hi)}" if lo == 0 else f">= {k(lo)}" if hi is None else f"{k(lo)}-{k(hi)}"
+
+
+def step_depths(entry):
+    """Each verification step's depth: the absolute position of its anchor, prompt_tokens + step_anchors."""
+    return [entry["prompt_tokens"] + a for a in step_anchors(entry["acceptance_lengths"])]
+
+
+def max_depth(results):
+    return max((d for r in results for e in r.get("prompts", []) for d in step_depths(e)), default=0)
+
+
+def depth_stats(entries, block_size, edges):
+    """The steps of entries split by depth bucket [lo, hi): per non-empty bucket acceptance_stats (tau, steps,
+    histogram, P(draft at offset k accepted)) and its accepted tokens (sum of acceptance lengths). Every step falls in
+    exactly one bucket, so steps, tokens and histograms sum to the pooled ones, and tau and each P(offset k) are the
+    step-weighted mean of the buckets'."""
+    bounds = [0, *edges, None]
+    buckets = [[] for _ in edges + [None]]
+    for e in entries:
+        for depth, n in zip(step_depths(e), e["acceptance_lengths"]):
+            buckets[sum(depth >= x for x in edges)].append(n)
+    return [{"depth": depth_label(lo, hi), "lo": lo, "hi": hi, **acceptance_stats(lengths, block_size),
+             "accepted_tokens": sum(lengths)}
+            for lo, hi, lengths in zip(bounds, bounds[1:], buckets) if lengths]
+
+
+def add_depth(report, edges=None):
+    """Every result of the report gets its depth buckets ("depth"), all on the same edges (report["depth_edges"]):
+    the run's (depth_edges) unless given."""
+    edges = depth_edges(max_depth(report["results"]), edges)
+    for r in report["results"]:
+        r["depth"] = depth_stats(r.get("prompts", []), r["block_size"], edges)
+    report["depth_edges"] = edges
+    return report
 
 
 # -----------------------------------------------------------------------------
@@ -281,13 +335,10 @@ class NeuralDrafter:
 
     def draft(self, anchor, num_drafts):
         """The drafts after `anchor`, which sits at position self.length (its context is everything before it)."""
-        if self.cfg.dflash2:  # DFlash2: its selector's greedy path over the unary top-k
-            h = self.block_hidden(anchor)
-            logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
-            anchor_id = torch.tensor([anchor], device=h.device)
-            top = dflash.dflash2_top(self.drafter, logits[None])
-            return dflash.dflash2_drafts(self.drafter, top, h[None], anchor_id)[0, :num_drafts].tolist()
-        return self.block_logits(anchor).argmax(-1)[:num_drafts].tolist()
+        h = self.block_hidden(anchor)
+        logits = self.target.lm_head(h.to(self.target.lm_head.weight.dtype))
+        drafts = self.drafter.draft(logits[None], h[None], torch.tensor([anchor], device=h.device))[0]  # its rule
+        return drafts[0, :num_drafts].tolist()
 
     @torch.no_grad()
     def block_hidden(self, anchor):
@@ -482,7 +533,8 @@ def check_modes(mode, sampled, tree_budgets, given_continuations):
 
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
-                      progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None):
+                      progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None,
+                      depth_buckets=None):
     """tau of each drafter on the same prompts and the same target continuations.
 
     drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
@@ -491,8 +543,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
     walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
     walk tree verification with each number of draft nodes (greedy, neural drafters). enable_thinking: what the prompts
-    were rendered with (recorded in the report's "measured" settings, see dflash.measurement). Returns the JSON-shaped
-    report."""
+    were rendered with (recorded in the report's "measured" settings, see dflash.measurement). depth_buckets: the
+    edges of the depth buckets (default: depth_edges). Returns the JSON-shaped report."""
     from tqdm import tqdm
     if not drafters:
         raise DFlashError("no drafters to evaluate")
@@ -502,10 +554,11 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
         raise DFlashError("every prompt needs at least one token")
     if continuations is not None and len(continuations) != len(prompts):
         raise DFlashError(f"{len(continuations)} continuations for {len(prompts)} prompts")
+    check_prompt_lengths(target, prompts)
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
-    dflash2 = [name for name, (d, _) in drafters.items() if isinstance(d, NeuralDrafter) and d.cfg.dflash2]
+    dflash2 = [name for name, (d, _) in drafters.items() if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
     if tree_budgets and dflash2:
         raise DFlashError(f"--tree_budget: drafter {dflash2[0]} is a DFlash2 drafter, whose selector drafts one chain "
                           f"(no tree verification is defined for it); drop --tree_budget or that drafter")
@@ -538,11 +591,22 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                 per[name]["prompts"].append({**entry, "sample": j} if sampled else entry)
     results = [summarize_drafter(name, B, per[name], mode, timing if continuations is None else None,
                                  samples if sampled else None) for name, (_, B) in drafters.items()]
-    return {"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
-            "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
-            "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling, prompts),
-            "timing": timing, "results": results}
+    return add_depth({"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
+                      "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
+                      **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
+                      "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling,
+                                                     prompts),
+                      "timing": timing, "results": results}, depth_buckets)
+
+
+def check_prompt_lengths(target, prompts):
+    """A prompt the target cannot take (at least as many tokens as its positions: max_position_embeddings, or its
+    yarn's reach) is one line naming its length and the limit, before any generation."""
+    limit, _ = dflash.target_window(target.model.config.get_text_config())
+    i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
+    dflash.need(longest < limit, f"prompt {i} is {longest} tokens, and the target takes {limit} positions "
+                f"(max_position_embeddings, or its yarn's reach) with room for one new token; shorten it or leave it "
+                f"out")
 
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
@@ -569,8 +633,9 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
             if tree_budgets and isinstance(d, NeuralDrafter):  # prompt lookup has no distribution to branch on
                 K = min(max(tree_budgets), target.vocab_size)  # no tree of that many nodes reaches a deeper rank
                 at, logq, tokens = d.walk_drafts(target, prompt, continuation, ctx, B - 1, topk=K)
+                tree_walk = dflash.import_tool("tree", "--tree_budget").tree_walk
                 entry["tree"] = {str(b): tree_walk(continuation, logq, tokens, b) for b in tree_budgets}
-            elif isinstance(d, NeuralDrafter) and d.cfg.dflash2:
+            elif isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
                 at, details = d.walk_dflash2(target, prompt, continuation, ctx, B - 1,
                                              sampling.temperature if sampling else 0.0)
                 seen = (torch.arange(len(at))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
@@ -578,7 +643,7 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
                 entry["topk_hits"] = [int((details["covered"].cpu() & seen).sum()), int(seen.sum())]
             else:
                 at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
-            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.dflash2:
+            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
                 lengths = selector_sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation,
                                                                              sampling), details["q"],
                                                    torch.Generator().manual_seed(accept_seed))
@@ -673,7 +738,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
 
 
 def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True,
-                   tree_budgets=()):
+                   tree_budgets=(), depth_buckets=None):
     """{name: samples} -> {"benchmarks": {name: report}, "average": {drafter: {"tau", "tau_per_prompt"}}}: each
     benchmark's report (every drafter on the same turns), and the mean over benchmarks of each convention."""
     reports = {}
@@ -681,7 +746,7 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
         r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
                               continuations=continuations, tree_budgets=tree_budgets,
-                              enable_thinking=bool(enable_thinking))
+                              enable_thinking=bool(enable_thinking), depth_buckets=depth_buckets)
         reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
@@ -769,6 +834,21 @@ def print_report(report, file=None):
             p = f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"
             cells.append(f"{r['histogram'][L - 1]:>9} | {p:>6}".rjust(cw))
         out(f"{L:>3}  " + "  ".join(cells))
+    print_depth(results, w, out)
+
+
+def print_depth(results, w, out):
+    """tau, steps and P(draft at offset k accepted) per depth bucket (the anchor's position), each drafter's rows."""
+    if not any(r.get("depth") for r in results):
+        return
+    out()
+    out("by context depth (the anchor's position: prompt + continuation so far); the buckets sum to the pooled figures")
+    out(f"{'drafter':<{w}}  {'depth':>9}  {'tau':>6}  {'steps':>7}  P(draft at offset k accepted), k = 1..B-1")
+    for r in results:
+        for d in r.get("depth", []):
+            tau = f"{d['tau']:.3f}" if d["tau"] is not None else "-"
+            out(f"{r['drafter']:<{w}}  {d['depth']:>9}  {tau:>6}  {d['steps']:>7}  "
+                + " ".join(f"{p:.3f}"[1:] if p < 1 else "1.00" for p in d["per_offset_acceptance"]))
 
 
 def print_trees(results, budgets, w, out):
@@ -794,7 +874,7 @@ def check_output_file(path, flag):
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
 
 
-def compare_reports(paths):
+def compare_reports(paths, depth_buckets=None):
     """--compare: saved --json reports -> one report holding all their drafters (named FILE:drafter when two share
     a name), refused unless every report was measured on the same target under the same settings."""
     reports = {}
@@ -813,8 +893,10 @@ def compare_reports(paths):
     results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
                for path, r in reports.items() for res in r["results"]]
     timing = {k: sum(r["timing"][k] for r in reports.values()) for k in ("generate_s", "features_s")}
-    return {**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
-            "compared": list(paths)}
+    saved = {json.dumps(r.get("depth_edges")) for r in reports.values()}  # their own buckets where they share them
+    edges = depth_buckets or (next(iter(reports.values())).get("depth_edges") if len(saved) == 1 else None)
+    return add_depth({**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
+                      "compared": list(paths)}, edges)
 
 
 def write_json(report, path):
@@ -868,6 +950,17 @@ def budget_list(s):
     return budgets
 
 
+def depth_list(s):
+    """--depth_buckets: comma-separated positive anchor positions."""
+    try:
+        edges = sorted({int(x) for x in s.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+    if edges[0] < 1:
+        raise argparse.ArgumentTypeError(f"{s}: every edge must be a position of at least 1")
+    return edges
+
+
 def sampling_args(args):
     """--temperature and its flags -> a Sampling, or None for greedy (where they have no meaning)."""
     if args.temperature == 0:
@@ -918,6 +1011,9 @@ def get_parser():
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
          "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
          "chain)", type=budget_list)
+    flag(p, "--depth_buckets", None, "edges of the context-depth buckets every report splits tau by, comma-separated "
+         "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else "
+         "128,256,512,1024,2048)", type=depth_list)
     flag(p, "--enable_thinking", None, "passed to the chat template when it reads enable_thinking (default: the "
          "template's own default)", action=argparse.BooleanOptionalAction)
     flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")
@@ -948,7 +1044,7 @@ def run(args):
     if args.compare:
         given = next((f"--{k}" for k in ("target", "drafter", "prompts", "bench") if getattr(args, k)), None)
         dflash.need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
-        report = compare_reports(args.compare)
+        report = compare_reports(args.compare, args.depth_buckets)
         print_report(report)
         return finish(report, args)
     dflash.need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
@@ -979,7 +1075,8 @@ def run(args):
     progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
     if bench is not None:
         report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget)
+                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget,
+                                depth_buckets=args.depth_buckets)
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
@@ -987,7 +1084,8 @@ def run(args):
             prompts = prompts[:args.limit]
         report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
                                    args.dump_drafts, progress=progress, sampling=sampling,
-                                   tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking)
+                                   tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking,
+                                   depth_buckets=args.depth_buckets)
         print_report(report)
     return finish(report, args)
 

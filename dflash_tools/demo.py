@@ -78,7 +78,7 @@ def run_demo(argv):
     t_train = time.time() - t_train
     print(f"== 4/4 tau on {DEMO_PROMPTS} held-out stdlib prompts, {DEMO_NEW_TOKENS}-token greedy continuations")
     torch.manual_seed(args.seed)
-    untrained = dflash.DFlashDrafter(cfg).eval()
+    untrained = cfg.Drafter(cfg).eval()
     prompts = heldout_prompts(target_path, num_prompts=DEMO_PROMPTS)
     report = tau_eval.evaluate_drafters(target, {"trained": drafter.eval(), "untrained": untrained,
                                                  "prompt-lookup": tau_eval.PromptLookupDrafter()},
@@ -88,7 +88,7 @@ def run_demo(argv):
     tau_eval.write_json(report, os.path.join(out, "demo_eval.json"))
     tau = {r["drafter"]: r["tau"] for r in report["results"]}
     check_walked_tau(train_args, data, target, drafter)
-    print(f"demo done in {time.time() - t0:.0f}s (training {t_train:.0f}s, a {'DFlash2' if cfg.dflash2 else 'DFlash'} "
+    print(f"demo done in {time.time() - t0:.0f}s (training {t_train:.0f}s, a {'DFlash2' if cfg.architecture == 'DFlash2DraftModel' else 'DFlash'} "
           f"drafter): tau trained {tau['trained']:.2f}, "
           f"untrained {tau['untrained']:.2f}, prompt-lookup {tau['prompt-lookup']:.2f}; "
           f"wrote {os.path.join(out, 'demo_eval.json')}")

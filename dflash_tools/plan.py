@@ -16,6 +16,8 @@ Per rank, with P_t target parameters, P_d drafter parameters, R ranks, T = batch
   backward          the gradients of one layer's saved tensors, alive while that layer runs backward
   loss buffers      one chunk of logits (vocab_chunk rows x V, fp32, and its bf16 original)
   target forward    the target pass under no_grad: captured features plus one layer's working set
+Every term but the weights grows linearly with --max_len at fixed anchors (flex: block-sparse; dense: each group
+of blocks' scores over its span of the context); the plan prices 4k to 256k and says where a run stops fitting.
 The peak is the static terms plus the larger of (activations + backward + loss buffers) and the target forward.
 """
 import os
@@ -154,6 +156,33 @@ def fitting_flags(target, drafter, run, gpu_bytes):
     return None
 
 
+LONG_LENGTHS = (4096, 16384, 32768, 65536, 131072, 262144)  # the --max_len values the plan also prices
+
+
+def longest_fitting(target, drafter, run, gpu_bytes, top=1 << 22):
+    """The longest --max_len whose plan fits (every term grows with it: the target's grad-free forward over max_len
+    tokens, the captured features, the drafter's context keys/values and its attention), or 0; a binary search."""
+    fits = lambda n: plan_rows(target, drafter, {**run, "max_len": n})[-1][1] <= gpu_bytes  # noqa: E731
+    if not fits(2):
+        return 0
+    lo, hi = 2, top
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def length_line(target, drafter, run, gpu_bytes):
+    """The peak at each of LONG_LENGTHS, and where the run stops fitting, for the run's flags and anchors."""
+    peaks = "  ".join(f"{n // 1024}k {plan_rows(target, drafter, {**run, 'max_len': n})[-1][1] / GB:.1f}"
+                      for n in LONG_LENGTHS)
+    longest = longest_fitting(target, drafter, run, gpu_bytes)
+    return (f"  by --max_len (GB, these flags, {run['num_anchors']} anchors): {peaks}; fits up to --max_len "
+            f"{longest:,}" if longest else f"  by --max_len (GB, these flags): {peaks}; no length fits")
+
+
 def format_plan(rows, world, gpu_bytes, where):
     lines = [f"memory plan per rank ({world} rank(s), {gpu_bytes / GB:.0f} GB each, {where}):"]
     lines += [f"  {name:<40} {v / GB:8.2f} GB  {note}" for name, v, note in rows]
@@ -229,6 +258,7 @@ def memory_plan(args, cfg, shapes, meta_target, world, device):
     fits = rows[-1][1] <= gpu_bytes
     say(f"  verdict: {'fits' if fits else 'does not fit'}"
         + ("" if fits else f"; fits with {' '.join(fit)}" if fit else f"; nothing fits: {NOTHING_FITS}"))
+    say(length_line(t, d, run, gpu_bytes))
     if world > 1 and (run["shard_target"] or "--shard_target" in (fit or []) and not fits):
         gathered, nvlink, pcie, compute = shard_traffic(t, run)
         say(f"  --shard_target: each target forward all-gathers {gathered / GB:.1f} GB per rank: {nvlink:.2f} s over "

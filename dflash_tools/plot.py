@@ -143,7 +143,11 @@ def draw_histograms(report):
     the measurement settings. A --bench report draws its benchmarks' turns pooled per drafter."""
     results = report_results(report)
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results) + 0.8, 3.4), sharey=True, squeeze=False)
+    rows = 2 if any(r.get("depth") for r in results) else 1  # the second row: tau by context depth
+    fig, axes = plt.subplots(rows, len(results), figsize=(3.2 * len(results) + 0.8, 3.4 * rows), sharey="row",
+                             squeeze=False)
+    if rows == 2:
+        draw_depth(axes[1], results)
     for ax, r in zip(axes[0], results):
         shares = histogram_shares(r)
         ax.bar(range(len(shares)), [100 * s for s in shares], color="tab:blue")
@@ -157,6 +161,21 @@ def draw_histograms(report):
         fig.suptitle(", ".join(f"{k} {v}" for k, v in m.items()), fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def draw_depth(axes, results):
+    """Each drafter's tau per context-depth bucket (eval.py's "depth"), its steps over each bar."""
+    for ax, r in zip(axes, results):
+        buckets = r.get("depth", [])
+        x = range(len(buckets))
+        ax.bar(x, [d["tau"] for d in buckets], color="tab:orange")
+        for i, d in zip(x, buckets):
+            ax.annotate(f"{d['steps']}", (i, d["tau"]), ha="center", va="bottom", fontsize=7)
+        ax.set(title="tau by context depth (steps)", xlabel="anchor position", xticks=list(x),
+               xticklabels=[d["depth"] for d in buckets])
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("tau")
 
 
 def report_results(report):

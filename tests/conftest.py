@@ -187,6 +187,9 @@ def tiny_cfg(*presets, **overrides):
     for p in presets:
         base.update(p)
     base.update(overrides)
+    if "selector_top_k" in base:  # a DFlash2 config
+        from dflash_tools import dflash2
+        return dflash2.Config(**base)
     return dflash.DFlashConfig(**base)
 
 
@@ -433,7 +436,7 @@ MASK_ID = TINY_CFG["mask_token_id"]
 def randomized(cfg, seed=0):
     """A drafter with O(1) random weights everywhere, norms included, so a misplaced norm or a wrong mask shows."""
     torch.manual_seed(seed)
-    d = dflash.DFlashDrafter(cfg)
+    d = cfg.Drafter(cfg)
     with torch.no_grad():
         for p in d.parameters():
             if p.dim() == 1:

@@ -35,7 +35,7 @@ def run_without_checkpoints(trained, tmp_path):  # noqa: F811
 def test_resume_over_deleted_checkpoints_advises_what_works(w, trained, capsys, tmp_path):  # noqa: F811
     out = run_without_checkpoints(trained, tmp_path)
     base = w["base"] + ["--out", out]
-    err = fails_with(capsys, base + ["--resume"], "no earlier complete checkpoint", "--resume auto starts anew")
+    err = fails_with(capsys, base + ["--resume"], "no complete checkpoint is left", "--resume auto starts anew")
     assert "drop --resume" not in err
     err = fails_with(capsys, base, "already holds a run", "pass --resume auto to start anew")
     printed = runs(base + ["--resume", "auto"], capsys).out  # as advised, both times
@@ -77,7 +77,7 @@ def test_a_corrupt_latest_with_no_complete_checkpoint_resumes_auto(w, trained, c
     with open(os.path.join(tmp_path, "one_left", "step_2", "train_state.pt"), "wb") as f:
         f.write(b"garbage")
     fails_with(capsys, w["base"] + ["--out", str(tmp_path / "one_left"), "--resume", "auto"], "corrupt",
-               "the previous complete checkpoint is")
+               "write the name of a complete step_N directory")
 
 
 def test_data_naming_a_directory(w, capsys, tmp_path):

@@ -19,8 +19,10 @@ from conftest import (ANCHORS, DENSE_DRAFTER, DENSE_TARGET, S, SMALL, TINY_CFG, 
                       one_error, randomized, ref_attention, ref_rms, reference_greedy, tiny_cfg,
                       tiny_qwen3, torch_threads, train_on_continuations, write_data, write_zlab_dir, zlab_config,
                       zlab_tensors)
-from dflash import (CandidateSelector, ChunkedLMHeadTopK, DFlashDrafter, DFlashError, GroupedCausalConv,
-                    selector_alpha, selector_ce, unary_logits)
+from dflash import DFlashDrafter, DFlashError
+from dflash_tools import dflash2
+from dflash_tools.dflash2 import (CandidateSelector, ChunkedLMHeadTopK, GroupedCausalConv, selector_alpha, selector_ce,
+                                  unary_logits)
 from eval import NeuralDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest on a shared CPU
@@ -206,6 +208,8 @@ def test_unary_logits():
 # The whole DFlash2 drafter
 
 V2 = dict(conv_kernel_size=2, conv_group_size=4, selector_rank=4, selector_top_k=5)
+FLAGS = SimpleNamespace(selector_alpha=None, selector_warmup_ratio=None, selector_ramp_ratio=None,
+                        selector_stop_gradient=False)  # --dflash2's flags at their defaults
 D, HD, B, W, V = (TINY_CFG[k] for k in ("hidden_size", "head_dim", "block_size", "sliding_window", "vocab_size"))
 
 
@@ -261,7 +265,7 @@ def test_dflash2_forward_matches_independent_reference(v2, one_thread):
 def selector_path(drafter, target, hidden, anchor_ids):
     """The greedy path from hidden states (n, B, D) by dflash2_drafts."""
     logits = target.lm_head(hidden[:, 1:])
-    return dflash.dflash2_drafts(drafter, dflash.dflash2_top(drafter, logits), hidden[:, 1:], anchor_ids)
+    return drafter.draft(logits, hidden[:, 1:], anchor_ids)[0]
 
 
 def test_dflash2_training_forward_equals_inference(v2, one_thread):
@@ -306,12 +310,12 @@ def test_fresh_dflash2_is_the_dflash_drafter_and_init_from_keeps_it(v2, one_thre
     torch.manual_seed(5)
     d1 = DFlashDrafter(cfg1).eval()
     torch.manual_seed(5)
-    d2 = DFlashDrafter(cfg2).eval()
+    d2 = cfg2.Drafter(cfg2).eval()
     s1, s2 = d1.state_dict(), d2.state_dict()
     assert all(torch.equal(s1[k], s2[k]) for k in s1), "the same seed must give DFlash's backbone"
-    assert set(s2) - set(s1) == set(dflash.dflash2_shapes(cfg2))
+    assert set(s2) - set(s1) == {k for k in s2 if k.startswith("candidate_selector.") or "_conv." in k} != set()
     trained = randomized(cfg1, seed=9)
-    for a, b in ((d1, d2), (trained, dflash.dflash2_from(trained, cfg2).eval())):
+    for a, b in ((d1, d2), (trained, dflash2.prepare(trained, cfg2, FLAGS).eval())):
         with torch.no_grad():
             h1 = a(v2["ctx"], v2["x"], ANCHORS, VALID)
             h2 = b(v2["ctx"], v2["x"], ANCHORS, VALID)
@@ -351,7 +355,7 @@ def test_dflash2_checkpoint_layout_and_round_trip(v2, tmp_path):
     with open(os.path.join(p1, "config.json")) as f:
         c1 = json.load(f)
     assert c1["architectures"] == ["DFlashDraftModel"]
-    assert not any(k in c1 or k in c1["dflash_config"] for k in (*V2, *dflash.DFLASH2_UNARY))
+    assert not any(k in c1 or k in c1["dflash_config"] for k in (*V2, *dflash2.UNARY))
 
 
 ZL2 = dict(conv_group_size=8, conv_kernel_size=2, selector_rank=6, selector_top_k=4)
@@ -383,7 +387,7 @@ def test_zlab_dflash2_directory_loads_and_drafts(tmp_path):
     path, t = zlab_dflash2(tmp_path)
     d = dflash.load_drafter(path)
     cfg = d.cfg
-    assert cfg.dflash2 and {k: getattr(cfg, k) for k in ZL2} == ZL2
+    assert cfg.architecture == "DFlash2DraftModel" and {k: getattr(cfg, k) for k in ZL2} == ZL2
     assert (cfg.output_multiplier, cfg.final_logit_softcapping, cfg.input_embedding_scale) == (0.25, 20.0, 1.0)
     assert cfg.layer_kind(0) == (False, 2 * ZL["Bs"])  # is_causal false: bidirectional sliding layers
     sd = d.state_dict()
@@ -444,7 +448,7 @@ def dense2(tmp_path_factory):
     continuations = [reference_greedy(target, p, 24) for p in prompts]
     torch.manual_seed(0)
     with torch_threads(1):
-        d2 = train_on_continuations(target, DFlashDrafter(tiny_cfg(DENSE_DRAFTER, V2)), prompts, continuations,
+        d2 = train_on_continuations(target, dflash2.Drafter(tiny_cfg(DENSE_DRAFTER, V2)), prompts, continuations,
                                     steps=24)
     randomize(d2.candidate_selector, 12)  # transitions of O(1): the path leaves the unary argmax (24 steps do not)
     return {"target": target, "prompts": prompts, "continuations": continuations, "drafter2": d2}

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash
+from dflash_tools import losses
 from conftest import SMALL, VOCAB, build_qwen3, one_error, tiny_cfg, torch_threads, write_data
 
 DPACE = ("dpace", "dpace-prefix", "dpace-continuation")
@@ -108,7 +109,7 @@ def ours(setup, loss, alpha=0.5, drafter=None):
     d.zero_grad(set_to_none=True)
     w = dflash.loss_weights(setup["anchors"], setup["valid"], setup["batch"]["loss_mask"], B, 4.0)
     out, stats = dflash.dflash_loss(d, d.cfg, setup["target"], setup["batch"], setup["anchors"], setup["valid"], w,
-                                    noise_std=0.0, loss=loss, dpace_alpha=alpha)
+                                    noise_std=0.0, reweight=None if loss == "ce" else losses.reweight(loss, alpha))
     out.backward()
     return out.item(), stats, {k: p.grad.clone() for k, p in d.named_parameters()}
 
@@ -149,7 +150,7 @@ def test_dpace_weights_match_the_reference(loss, alpha):
     q = torch.rand(3, 4, B, generator=g, dtype=torch.float64)
     valid = torch.rand(3, 4, B, generator=g) > 0.3
     valid[..., 0] = False
-    w = dflash.dpace_weights(q, valid, alpha, loss)
+    w = losses.dpace_weights(q, valid, alpha, loss)
     expected = [reference_weights(q[r, n].tolist(), valid[r, n].tolist(), alpha, loss) for r in range(3)
                 for n in range(4)]
     torch.testing.assert_close(w.flatten(0, 1), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
@@ -162,7 +163,7 @@ def test_dpace_weights_by_hand():
     by_hand = {"dpace": [0, 0.8 + 0.72, 0, 0.72], "dpace-prefix": [0, 0.8, 0, 0.72],
                "dpace-continuation": [0, (0.8 + 0.72) / 0.8, 0, 1.0]}
     for loss, w in by_hand.items():
-        torch.testing.assert_close(dflash.dpace_weights(q, valid, 0.5, loss)[0, 0], torch.tensor(w).double())
+        torch.testing.assert_close(losses.dpace_weights(q, valid, 0.5, loss)[0, 0], torch.tensor(w).double())
 
 
 @pytest.mark.parametrize("loss", ("ce",) + DPACE)
@@ -212,7 +213,7 @@ def test_a_training_step_split_into_micro_steps_equals_one_batch(setup):
     target, batch = setup["target"], setup["batch"]
     rows = [dflash.collate([(batch["input_ids"][r, :n].tolist(), batch["loss_mask"][r, :n].tolist())], 0,
                            keys=[batch["keys"][r]]) for r, n in ((0, 20), (1, 12))]
-    kw = dict(gamma=4.0, noise_std=0.0, labels="target", pad_to=None, loss="dpace", dpace_alpha=0.5)
+    kw = dict(gamma=4.0, noise_std=0.0, labels="target", pad_to=None, reweight=losses.reweight("dpace", 0.5))
     deltas = []
     for micro in (rows, [batch]):
         d = copy.deepcopy(setup["drafter"])
@@ -286,10 +287,10 @@ def test_held_out_loss_counts_real_sequences_only(setup):
     samples = [(batch["input_ids"][r, :n].tolist(), batch["loss_mask"][r, :n].tolist()) for r, n in ((0, 20), (1, 12))]
     samples.append(samples[0])
     args = (setup["target"], samples)
-    kw = dict(num_anchors=5, pad_id=0, seed=0, rank=0, world=1, gamma=4.0, noise_std=0.0, labels="target",
-              dpace_alpha=0.5)
+    kw = dict(num_anchors=5, pad_id=0, seed=0, rank=0, world=1, gamma=4.0, noise_std=0.0, labels="target")
     setup["drafter"].eval()
-    m = {(bs, loss): dflash.evaluate(setup["drafter"], *args, bs, loss=loss, **kw)
+    m = {(bs, loss): dflash.evaluate(setup["drafter"], *args, bs, reweight=losses.reweight(loss, 0.5) if loss != "ce" else None,
+                                         **kw)
          for bs in (1, 2) for loss in ("ce", "dpace")}
     setup["drafter"].train()
     assert m[2, "dpace"]["loss"] == pytest.approx(m[1, "dpace"]["loss"], rel=1e-6)  # 3 sequences, not 4

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dflash
+from dflash_tools import engines
 from conftest import ZL, one_error, tiny_cfg, tiny_qwen3, write_zlab_dir, zlab_config, zlab_tensors
 from dflash import DFlashError
 
@@ -352,19 +353,19 @@ NOT_PLAIN = {"attention_sink_bias": True, "add_swa_attention_sink_bias": True, "
 
 
 def test_every_refused_key_has_a_test_value():
-    assert set(NOT_PLAIN) == set(dflash.NOT_IMPLEMENTED)
+    assert set(NOT_PLAIN) == set(engines.NOT_IMPLEMENTED)
 
 
 @pytest.mark.parametrize("key", NOT_PLAIN)
 def test_math_keys_not_implemented_are_refused(key):
     """Each key in dflash_config, eagle_config and at the top level: one line naming it and what it means; its plain
     value reads."""
-    meaning = dflash.NOT_IMPLEMENTED[key][1]
+    meaning = engines.NOT_IMPLEMENTED[key][1]
     for where in ("top", "dflash_config", "eagle_config"):
         c = zlab_config(eagle_config={})
         (c if where == "top" else c[where])[key] = NOT_PLAIN[key]
         refused(c, key, meaning[:20], "not implemented")
-        (c if where == "top" else c[where])[key] = dflash.NOT_IMPLEMENTED[key][0][0]
+        (c if where == "top" else c[where])[key] = engines.NOT_IMPLEMENTED[key][0][0]
         read(c)
 
 

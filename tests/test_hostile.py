@@ -269,22 +269,22 @@ def test_resume_from_corrupt_latest_names_the_previous_checkpoint(w, trained, ca
     out = str(tmp_path / "run")
     shutil.copytree(trained, out)
     step1, step2, latest = (os.path.join(out, n) for n in ("step_1", "step_2", "latest"))
-    assert dflash.previous_checkpoint(out) == step2 and dflash.previous_checkpoint(out, 2) == step1
+    assert dflash.complete_checkpoints(out) == [step2, step1]
     CORRUPT[how](os.path.join(step2, "train_state.pt"))
     one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, "train_state.pt", "corrupt",
-              f"the previous complete checkpoint is {step1}: point {latest} at it")
-    assert dflash.previous_checkpoint(out) == step1
+              "write the name of a complete step_N directory")
+    assert dflash.complete_checkpoints(out) == [step1]
     shutil.copy(os.path.join(trained, "step_2", "train_state.pt"), os.path.join(step2, "train_state.pt"))
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(step2, name), os.path.join(tmp_path, name))
         CORRUPT[how](os.path.join(step2, name))
-        one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, name, f"is {step1}: point")
+        one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, name, "complete step_N")
         shutil.copy(os.path.join(tmp_path, name), os.path.join(step2, name))
-    CORRUPT[how](latest)  # latest itself garbage: the newest complete checkpoint is offered
-    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "corrupt", f"is {step2}: point")
+    CORRUPT[how](latest)  # latest itself garbage
+    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "corrupt", "complete step_N")
     CORRUPT[how](os.path.join(step1, "train_state.pt"))
     CORRUPT[how](os.path.join(step2, "train_state.pt"))
-    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "no earlier complete checkpoint")
+    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "no complete checkpoint is left")
 
 
 def test_resume_from_a_state_that_is_no_training_state(w, trained, capsys, tmp_path):
@@ -293,7 +293,7 @@ def test_resume_from_a_state_that_is_no_training_state(w, trained, capsys, tmp_p
     shutil.copytree(trained, out)
     torch.save({"something": torch.zeros(2)}, os.path.join(out, "step_2", "train_state.pt"))
     one_error(capsys, dflash.main, w["base"] + ["--out", out, "--resume"], "train_state.pt", "not a training state",
-              f"the previous complete checkpoint is {os.path.join(out, 'step_1')}")
+              "write the name of a complete step_N directory")
 
 
 # -----------------------------------------------------------------------------

@@ -23,7 +23,6 @@ def fake_hub(monkeypatch, result):
         return result
 
     monkeypatch.setitem(sys.modules, "huggingface_hub", types.SimpleNamespace(snapshot_download=snapshot_download))
-    monkeypatch.setattr(dflash, "hub_reachable", lambda endpoint: True)  # the connectivity probe: no network either
     return calls
 
 
@@ -60,16 +59,8 @@ def test_eval_and_train_resolve_hub_ids(tmp_path, monkeypatch):
         dflash.train(args)
 
 
-def test_unreachable_hub_fails_in_seconds(monkeypatch):
-    """Offline, huggingface_hub retries for ~30 s; an endpoint that cannot be reached (here a closed loopback port,
-    never the real network) fails at once with the fix, and so does HF_HUB_OFFLINE."""
-    import time
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    t = time.time()
-    with pytest.raises(DFlashError, match=r"http://127.0.0.1:9 cannot be reached.*huggingface-cli download"):
-        resolve_drafter("nobody/no-such-drafter")
-    assert time.time() - t < 10
+def test_offline_hub_is_one_line(monkeypatch):
+    """HF_HUB_OFFLINE and a hub id that is not in the cache: one line with the fix, no network."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(DFlashError, match="HF_HUB_OFFLINE is set"):
+    with pytest.raises(DFlashError, match="HF_HUB_OFFLINE is set.*huggingface-cli download"):
         resolve_drafter("nobody/no-such-drafter")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dflash
+from dflash_tools import tree
 import eval as ev
 from conftest import NEW_TOKENS, SMALL, one_error, reference_greedy, tiny_qwen3, write_data
 from dflash import DFlashError
@@ -26,19 +27,19 @@ def test_tree_nodes_and_tree_accept_hand_example():
     tokens = [[5, 6], [7, 8], [9, 4]]
     # best first: (0,) -0.1, (0,0) -0.3, (0,1) -0.6, (0,0,0) -0.6 (tie: the smaller rank tuple first), (0,1,0) -0.9,
     # (1,) -1.0, (1,0) -1.2, ...
-    assert dflash.tree_nodes(logq, 7) == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0), (1,), (1, 0)]
-    assert dflash.tree_nodes(logq, 100)[:3] == [(0,), (0, 0), (0, 0, 0)]
-    assert len(dflash.tree_nodes(logq, 100)) == 2 + 4 + 8  # every path once, then the heap runs dry
-    assert dflash.tree_nodes(logq, 1) == [(0,)]
-    assert dflash.tree_accept(logq, tokens, [5, 7, 9], 3) == 3   # the chain of top tokens
-    assert dflash.tree_accept(logq, tokens, [5, 8, 9], 3) == 1   # (0,1) is not in a 3-node tree
-    assert dflash.tree_accept(logq, tokens, [5, 8, 9], 5) == 3   # ... but (0,1,0) is in a 5-node one
-    assert dflash.tree_accept(logq, tokens, [6, 7, 9], 5) == 0   # depth-1 rank 1 joins only at node 6
-    assert dflash.tree_accept(logq, tokens, [6, 7, 9], 7) == 2
-    assert dflash.tree_accept(logq, tokens, [3, 7, 9], 100) == 0  # not among the top-K at depth 1
-    assert dflash.tree_accept(logq, tokens, [5, 7], 100) == 2     # the truth ends (end of the continuation)
+    assert tree.tree_nodes(logq, 7) == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0), (1,), (1, 0)]
+    assert tree.tree_nodes(logq, 100)[:3] == [(0,), (0, 0), (0, 0, 0)]
+    assert len(tree.tree_nodes(logq, 100)) == 2 + 4 + 8  # every path once, then the heap runs dry
+    assert tree.tree_nodes(logq, 1) == [(0,)]
+    assert tree.tree_accept(logq, tokens, [5, 7, 9], 3) == 3   # the chain of top tokens
+    assert tree.tree_accept(logq, tokens, [5, 8, 9], 3) == 1   # (0,1) is not in a 3-node tree
+    assert tree.tree_accept(logq, tokens, [5, 8, 9], 5) == 3   # ... but (0,1,0) is in a 5-node one
+    assert tree.tree_accept(logq, tokens, [6, 7, 9], 5) == 0   # depth-1 rank 1 joins only at node 6
+    assert tree.tree_accept(logq, tokens, [6, 7, 9], 7) == 2
+    assert tree.tree_accept(logq, tokens, [3, 7, 9], 100) == 0  # not among the top-K at depth 1
+    assert tree.tree_accept(logq, tokens, [5, 7], 100) == 2     # the truth ends (end of the continuation)
     chain = [[q[0]] for q in logq], [[t[0]] for t in tokens]      # K = 1, budget B-1: the chain
-    assert dflash.tree_accept(*chain, [5, 7, 4], 3) == dflash.accepted_prefix([5, 7, 9], [5, 7, 4]) == 2
+    assert tree.tree_accept(*chain, [5, 7, 4], 3) == dflash.accepted_prefix([5, 7, 9], [5, 7, 4]) == 2
 
 
 # -----------------------------------------------------------------------------
@@ -63,7 +64,7 @@ def tree_verify_loop(target, drafter, prompt, n, budget):
         features, _ = dflash.target_features(target, torch.tensor([ctx[:-1]]), layers)
         nd.start(target, ctx[:-1], features)
         logq, top = drafter_top(nd, tokens[-1], budget)
-        paths = [[top[d][r] for d, r in enumerate(node)] for node in dflash.tree_nodes(logq, budget)]
+        paths = [[top[d][r] for d, r in enumerate(node)] for node in tree.tree_nodes(logq, budget)]
         leaves = [p for p in paths if not any(len(q) > len(p) and q[:len(p)] == p for q in paths)]
         rows = torch.tensor([ctx + p + [0] * (len(max(leaves, key=len)) - len(p)) for p in leaves])
         choices = target.model(rows).logits[:, len(ctx) - 1:].argmax(-1).tolist()  # the padding is causal-invisible
@@ -102,7 +103,7 @@ def test_tree_walk_equals_real_tree_loop_and_chain(dense):
         features, _ = dflash.target_features(target, ids, drafter.cfg.target_layer_ids)
         drafts, logq, tokens = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), topk=3)
         assert torch.equal(tokens[..., 0], drafts)
-        assert dflash.tree_walk(cont, logq[..., :1], tokens[..., :1], 7) == e["acceptance_lengths"]
+        assert tree.tree_walk(cont, logq[..., :1], tokens[..., :1], 7) == e["acceptance_lengths"]
         assert dflash.tau_walk(cont, drafts.tolist()) == e["acceptance_lengths"]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dflash
+from dflash_tools import trackers
 from conftest import SMALL, tiny_qwen3, torch_threads, write_data
 
 # a tiny run with held-out evaluations (the walked tau included) every 2 steps
@@ -34,7 +35,7 @@ def metrics(out):
     curves = {}
     with open(os.path.join(out, "metrics.jsonl")) as f:
         for r in map(json.loads, f):
-            for k, v in dflash.scalars(r).items():
+            for k, v in trackers.scalars(r).items():
                 assert r["step"] not in curves.setdefault(k, {}), (k, r["step"])  # metrics.jsonl: each step once
                 curves[k][r["step"]] = v
     return curves

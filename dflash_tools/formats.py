@@ -1,0 +1,104 @@
+"""Data formats beyond JSONL, imported by dflash.read_records only for files of their kind: a JSON array (as many
+published ShareGPT sets), Parquet (found by its magic bytes), a directory written by datasets' save_to_disk; and
+ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}. pyarrow and datasets are imported only
+for their formats. A table's row drops its null fields: columns that only other rows' formats fill."""
+import importlib
+import json
+import os
+
+from dflash import DFlashError, data_kind, first_line, need
+
+def optional_package(module, package, why):
+    """An optional package's module, or one error line naming the package and the pip command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DFlashError(f"{why} needs the {package} package: pip install {package}") from None
+
+def check_readable(path, flag):
+    """Before any weights load: a directory must be a save_to_disk one, and its format's package installed."""
+    if os.path.isdir(path):
+        need(saved_dataset(path), f"{flag} {path!r} is a directory but not one written by datasets' save_to_disk (no "
+             f"state.json or dataset_dict.json); pass {flag} with a JSONL (.jsonl, .jsonl.gz) or Parquet file")
+        optional_package("datasets", "datasets", f"{flag} {path!r} is a datasets.save_to_disk directory: reading it")
+    elif data_kind(path) == "Parquet":
+        optional_package("pyarrow.parquet", "pyarrow", f"{flag} {path!r} is Parquet: reading it")
+
+def read_records(path, what):
+    """Yield (where, record) for each record: "file item i" of a JSON array, "file row i" of Parquet or of a
+    save_to_disk directory."""
+    if os.path.isdir(path):
+        yield from read_saved_dataset(path, what)
+        return
+    if data_kind(path) == "Parquet":
+        yield from read_parquet(path, what)
+        return
+    try:
+        with open(path, "rb") as f:
+            items = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"cannot read {what} file {path!r} as a JSON array: {first_line(e)}") from None
+    for i, rec in enumerate(items):
+        yield f"{path} item {i}", rec
+
+def drop_nulls(x):
+    if isinstance(x, dict):
+        return {k: drop_nulls(v) for k, v in x.items() if v is not None}
+    return [drop_nulls(v) for v in x] if isinstance(x, list) else x
+
+def read_parquet(path, what):
+    pq = optional_package("pyarrow.parquet", "pyarrow", f"{what} file {path!r} is Parquet: reading it")
+    import pyarrow
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
+        rows = (row for batch in batches for row in batch.to_pylist())
+        for i, row in enumerate(rows):
+            yield f"{path} row {i}", drop_nulls(row)
+    except (OSError, pyarrow.ArrowException) as e:
+        raise DFlashError(f"cannot read {what} file {path!r} as Parquet: {first_line(e)}") from None
+
+def saved_dataset(path):
+    """Whether path is a directory written by datasets' save_to_disk (a Dataset's state.json, a DatasetDict's
+    dataset_dict.json)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("state.json",
+                                                                                        "dataset_dict.json"))
+
+def read_saved_dataset(path, what):
+    """The rows of a datasets.save_to_disk directory: a Dataset, or a DatasetDict's only split (else say which)."""
+    need(saved_dataset(path), f"{what} {path!r} is a directory but not one written by datasets' save_to_disk (no "
+         f"state.json or dataset_dict.json); pass a JSONL or Parquet file")
+    datasets = optional_package("datasets", "datasets", f"{what} {path!r} is a datasets.save_to_disk directory: "
+                                f"reading it")
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:  # the library's own errors for a damaged directory
+        raise DFlashError(f"cannot read {what} {path!r} with datasets.load_from_disk: {first_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        need(len(ds) == 1, f"{what} {path!r} holds the splits {', '.join(ds)}; pass one of them: "
+             f"{os.path.join(path, next(iter(ds)))}")
+        path, ds = os.path.join(path, next(iter(ds))), next(iter(ds.values()))
+    for i, row in enumerate(ds):
+        yield f"{path} row {i}", drop_nulls(row)
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "tool": "tool"}
+
+def chat_record(record, where):
+    """ShareGPT's {"conversations": [{"from": human | gpt | system | tool, "value": ...}, ...]} (or turns of
+    role/content) -> {"messages": [...]}, encoded as any chat; every other record as it is."""
+    if not isinstance(record, dict) or "conversations" not in record or "messages" in record:
+        return record
+    turns = record["conversations"]
+    need(isinstance(turns, list) and turns, f"{where}: conversations must be a non-empty list of {{\"from\": ..., "
+         f"\"value\": ...}} turns")
+    messages = []
+    for j, t in enumerate(turns):
+        need(isinstance(t, dict), f"{where}: conversations[{j}] is not an object")
+        if "role" in t:
+            messages.append(t)
+            continue
+        need(t.get("from") in SHAREGPT_ROLES, f"{where}: conversations[{j}] has from {t.get('from')!r}; expected "
+             f"human, gpt, system or tool (or role/content turns)")
+        need(isinstance(t.get("value"), str), f"{where}: conversations[{j}] has no string value")
+        messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
+    return {"messages": messages}

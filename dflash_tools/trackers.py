@@ -1,0 +1,72 @@
+"""Trackers (--report_to): every metrics.jsonl record also goes to TensorBoard and/or Weights & Biases, from
+rank 0. dflash.py imports this module only when --report_to names one."""
+import importlib
+import json
+import os
+
+from dflash import DFlashError, first_line
+
+TRACKERS = ("tensorboard", "wandb")  # --report_to names, each the package it needs
+
+def check_trackers(names):
+    """Each tracker's package imports, before any weights load; else one line naming it and the pip command."""
+    for name in names:
+        try:
+            importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else "wandb")
+        except ImportError:
+            raise DFlashError(f"--report_to {name} needs the {name} package: pip install {name}") from None
+
+def scalars(record):
+    """A metrics record -> {name: number}: lists become name/k per block offset k = 1.. (acc/1 is acc[0]), and what
+    is not a number (None, the measurement settings) is left out; the step is the tracker's own axis."""
+    out = {}
+    for k, v in record.items():
+        if k == "step":
+            continue
+        for name, x in ([(f"{k}/{i + 1}", x) for i, x in enumerate(v)] if isinstance(v, list) else [(k, v)]):
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                out[name] = x
+    return out
+
+class Trackers:
+    """Rank 0's trackers. A resumed run continues the same curves: TensorBoard writes into <out>/tensorboard again,
+    purging any event after the checkpoint's step (a run killed after its last checkpoint logged steps that are
+    logged again); W&B continues the run whose id the checkpoint saved (train_state's "wandb_id")."""
+
+    def __init__(self, names, out, config, state):
+        self.tb = self.wandb = None
+        step = state["step"] if state else -1
+        if names:
+            os.makedirs(out, exist_ok=True)
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=step + 1)
+            self.tb.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", step + 1)
+        if "wandb" in names:
+            import wandb
+            run_id = (state or {}).get("wandb_id")  # None: a new run, its id chosen by wandb
+            try:
+                self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "dflash"), dir=out, id=run_id,
+                                        resume="allow", name=os.path.basename(os.path.abspath(out)), config=config)
+            except Exception as e:  # not logged in, no network: one line, before any weights load
+                raise DFlashError(f"--report_to wandb: wandb.init failed ({first_line(e)}); run `wandb login`, or "
+                                  f"set WANDB_MODE=offline to write the run locally") from None
+
+    @property
+    def wandb_id(self):
+        return self.wandb.id if self.wandb else None
+
+    def log(self, record):
+        values = scalars(record)
+        if self.tb:
+            for k, v in values.items():
+                self.tb.add_scalar(k, v, record["step"])
+            self.tb.flush()  # on disk as metrics.jsonl is, should the run be killed
+        if self.wandb:
+            self.wandb.log(values, step=record["step"])
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
