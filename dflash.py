@@ -700,10 +700,10 @@ def walk_prompts(samples, num_prompts):
     that have one."""
     return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
 
-def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
+def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say=lambda *a: None):
     """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
-    and the target's greedy continuation of each (num_tokens at most), generated here once. Rank r takes prompts
-    r, r + world, ..."""
+    and the target's greedy continuation of each (num_tokens at most), generated here once (said, with the time
+    the rest will take after the first). Rank r takes prompts r, r + world, ..."""
     if not num_prompts:
         return None
     prompts = walk_prompts(samples, num_prompts)
@@ -711,7 +711,14 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
     # sharded, a short rank generates an extra prompt too (see rank_share), then walks it as its own last token
     # alone (a one-token continuation has no step: it counts nothing)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + extra]
+    todo, walked, t0 = mine + extra, [], time.time()
+    say(f"held-out walk: generating the target's greedy continuations of {len(todo)} held-out prompts (up to "
+        f"{num_tokens} tokens each), once per run")
+    for p in todo:
+        walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
+        if len(walked) == 1 < len(todo):
+            say(f"held-out walk: the first took {time.time() - t0:.1f}s; about "
+                f"{(time.time() - t0) * (len(todo) - 1):.0f}s for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
@@ -941,7 +948,7 @@ def train(args):
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
     check_resume(args.out, run, batches.global_batch, master)
     drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
-    walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world)
+    walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world, say)
     os.makedirs(args.out, exist_ok=True)
     say(run_summary(args, target, total_steps, batches.global_batch, world, device))
 
@@ -1000,6 +1007,11 @@ def train(args):
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
+    lock = OUT_LOCKS.pop(os.path.realpath(args.out), None)  # released: the next run in this process takes it anew
+    if lock is not None:
+        os.close(lock)
+    if stopped:  # not done: a scheduler must not read an interrupted run as finished (the checkpoint resumes it)
+        raise SystemExit(128 + (stop.signum or signal.SIGTERM))
     return drafter, run.cfg, target
 
 
@@ -1234,7 +1246,7 @@ def config_problems(cfg):
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0, f"num_attention_heads {cfg.num_attention_heads} "
          f"(--num_heads) is not a multiple of num_key_value_heads {cfg.num_key_value_heads} (--num_kv_heads)"),
         (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size, f"mask_token_id "
-         f"{cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); pass --mask_token_id with an id "
+         f"{cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); the drafter needs an id "
          f"the target's embedding has"),
         (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
@@ -1325,6 +1337,8 @@ def config_from_json(d, where="config.json"):
             return cfg
     except (DFlashError, KeyError, TypeError, AttributeError):
         pass
+    if isinstance(d, dict):  # torch_dtype says how the writer stored the weights; other trainers write "None", ...
+        d = {k: v for k, v in d.items() if k not in ("torch_dtype", "dtype")}
     return import_tool("engines", f"{where} (not this trainer's own layout)").config_from_json(d, where)
 
 # -----------------------------------------------------------------------------
@@ -1349,9 +1363,13 @@ def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
     cfg_path = os.path.join(path, "config.json")
     need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
+    d = read_json(cfg_path, "drafter config")
+    arch = next((a for a in d.get("architectures") or [] if isinstance(a, str) and a.endswith((
+        "ForCausalLM", "ForConditionalGeneration"))), None) if isinstance(d, dict) else None
+    need(arch is None, f"{path!r} is a target model ({arch}), not a drafter; it goes to --target")
     need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
          f"mask token's embedding with it, SGLang does not; remove it from the drafter directory")
-    return config_from_json(read_json(cfg_path, "drafter config"), where=cfg_path)
+    return config_from_json(d, where=cfg_path)
 
 def safetensors_files(path):
     """model.safetensors, or the shards model.safetensors.index.json names."""
@@ -1392,6 +1410,9 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     need(wrong is None, f"{path}: tensor {wrong} has shape {wrong and shape(wrong)}, expected "
          f"{wrong and expected[wrong]}" + (" (len(target_layer_ids) * hidden_size columns)" if wrong == "fc.weight"
                                            else ""))
+    bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    need(bad is None, f"{path}: tensor {bad} holds NaN or inf (not finite); the drafter is corrupt (a diverged run?): "
+         f"use an earlier checkpoint")
     with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
         drafter = cfg.Drafter(cfg, attention)
     drafter.load_state_dict(tensors, strict=True, assign=True)
@@ -1431,6 +1452,10 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
                     json.dump(obj, f, indent=2)
             else:
                 torch.save(obj, os.path.join(tmp, name))
+        umask = os.umask(0o022)  # read it (and put it back): safetensors writes 0600, open() 0666 less the umask
+        os.umask(umask)
+        for name in os.listdir(tmp):  # every file of a checkpoint one mode, readable where its siblings are
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     return path
 
 TARGET_RECORD = "target.json"  # in our checkpoints: {"target": name, "fingerprint": target_fingerprint}
@@ -1445,8 +1470,26 @@ def target_fingerprint(target):
     h.update(save({"rows": rows.detach().to("cpu", torch.bfloat16).contiguous()}))
     return h.hexdigest()[:12]
 
+def target_probe(target):
+    """512 values of the embedding table (64 rows x 8 columns, spread out) in float: compared within bf16's
+    precision, they tell the same target in any load dtype (fp16 rounds differently from bf16: no hash of the
+    values survives it) from another one of the same shape."""
+    w, V = target.embed.weight, target.vocab_size
+    rows = torch.linspace(0, V - 1, min(64, V)).long().to(w.device)
+    cols = torch.linspace(0, w.shape[1] - 1, min(8, w.shape[1])).long().to(w.device)
+    return [round(float(x), 8) for x in w.detach()[rows][:, cols].float().flatten().tolist()]
+
 def target_record(target):
-    return {"target": target.name, "fingerprint": target_fingerprint(target)}
+    return {"target": target.name, "fingerprint": target_fingerprint(target), "probe": target_probe(target)}
+
+def same_target(saved, record):
+    """Whether a target record names this target: its probe within bf16's rounding (2^-8 relative) of this target's,
+    or, for a record without one (older checkpoints), the same fingerprint."""
+    a, b = saved.get("probe"), record["probe"]
+    if not isinstance(a, list):
+        return saved["fingerprint"] == record["fingerprint"]
+    return len(a) == len(b) and all(isinstance(x, (int, float)) and abs(x - y) <= 2 ** -7 * max(abs(x), abs(y)) + 1e-6
+                                    for x, y in zip(a, b))
 
 def check_trained_against(path, record, what, allow=False):
     """A drafter of ours names the target it was trained against (TARGET_RECORD; z-lab's name none): one for another
@@ -1454,7 +1497,9 @@ def check_trained_against(path, record, what, allow=False):
     allow, and then said on stderr."""
     f = os.path.join(path, TARGET_RECORD)
     saved = read_json(f, "target record") if os.path.isfile(f) else {}
-    if saved.get("fingerprint") in (None, record["fingerprint"]):
+    need(isinstance(saved, dict) and isinstance(saved.get("fingerprint", ""), str), f"{f}: not a target record (a "
+         f"JSON object with a string fingerprint); the checkpoint is corrupt: remove {f} or restore it")
+    if saved.get("fingerprint") is None or same_target(saved, record):
         return
     msg = f"{what} was trained against {saved.get('target')!r} (fingerprint {saved['fingerprint']}), not " \
           f"{record['target']!r} ({record['fingerprint']})"
@@ -1568,6 +1613,7 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
     <out>/latest is switched to it (atomically too), so latest never names a partial checkpoint. Called on every
     rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write.
     record: the target it is trained against (target_record), written as TARGET_RECORD."""
+    from safetensors import SafetensorError
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -1577,8 +1623,10 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
                 "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state},
                 **({TARGET_RECORD: record} if record else {})})
             write_latest(out, os.path.basename(d))
-        except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
-            raise DFlashError(f"cannot write checkpoint {d} ({e.strerror}); {last_complete(out)}") from None
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota, a file-size limit: nothing
+            # partial is left (atomic_dir) and latest is unchanged; safetensors and torch.save raise their own types
+            raise DFlashError(f"cannot write checkpoint {d} ({getattr(e, 'strerror', None) or first_line(e)}); "
+                              f"{last_complete(out)}") from None
         say(f"saved {d}")
     if world > 1:
         dist.barrier()
@@ -1622,12 +1670,15 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     need(not ((name.startswith((".", "/", "~")) or os.path.exists(name)) and not os.path.isfile(f"{name}/config.json")),
          f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
     try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        need(not getattr(config, "dflash_config", None), f"target {name!r} is a DFlash drafter, not a target model; it "
+             f"goes to --drafter (eval.py) or --init_from, and --target takes the model it drafts for")
         if str(device) == "meta":
-            config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         else:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         kind = ".safetensors" if "deserializing" in str(e) else ".index.json" if isinstance(e, ValueError) else "-"
         files = [os.path.join(name, f) for f in sorted(os.listdir(name)) if f.endswith(kind)] if \
@@ -1671,9 +1722,9 @@ def read_jsonl(path, what, hint=""):
                     yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
                 except UnicodeDecodeError as e:
                     raise DFlashError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
-                except ValueError as e:
-                    raise DFlashError(f"{path}:{lineno}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") \
-                        from None
+                except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser takes
+                    raise DFlashError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', None) or first_line(e)})"
+                                      ) from None
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
         raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}") \
             from None
@@ -1682,6 +1733,8 @@ def read_records(path, what, hint=""):
     """Yield (where, record) for each record of a data file, every problem one error naming the file and line: JSONL
     (or .jsonl.gz); a JSON array, Parquet or a datasets.save_to_disk directory by dflash_tools/formats.py."""
     need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
+    need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is not a regular file (a device or a "
+         f"pipe){hint}")
     kind = "a directory" if os.path.isdir(path) else data_kind(path)
     if kind:
         yield from import_tool("formats", f"{what} {path!r} ({kind})").read_records(path, what)
@@ -1794,7 +1847,7 @@ def record_kind(record, where, tokenizer, kinds):
     ("input_ids", "messages", "prompt+response", "prompt", "text"; the first the record has) it is, with the shape of
     those fields checked (input_ids by check_ids, where the caller knows the vocabulary)."""
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
-    kind = next((k for k in kinds if all(f in record for f in k.split("+"))), None)
+    kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
     need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
     if kind == "input_ids":
         return kind
@@ -1807,7 +1860,34 @@ def record_kind(record, where, tokenizer, kinds):
         need(tokenizer.chat_template, f"{where}: messages need a chat template, and the target's tokenizer has none")
     for f in kind.split("+"):
         need(f == "messages" or isinstance(record[f], str), f"{where}: {f} must be a string")
+        if f != "messages":
+            encodable(record[f], where, f)
     return kind
+
+def encodable(text, where, what):
+    """A lone surrogate ("\\ud800" is valid JSON) is no character: no tokenizer encodes it, so it is refused here."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DFlashError(f"{where}: {what} holds {text[e.start:e.end]!r}, a lone surrogate no tokenizer can encode; "
+                          f"fix or drop the sample") from None
+    return text
+
+def plain_messages(messages, where):
+    """Messages whose content is text: a string, null (a tool call's), or OpenAI-style parts holding one text part
+    ([{"type": "text", "text": ...}], read as that text); other parts (images, several texts) are refused by name."""
+    out = []
+    for j, m in enumerate(messages):
+        c = m.get("content")
+        if isinstance(c, list):
+            need(len(c) == 1 and isinstance(c[0], dict) and c[0].get("type") == "text" and isinstance(
+                c[0].get("text"), str), f"{where}: messages[{j}].content is a list of parts that is not one text "
+                 f"part ({json.dumps(c)[:80]}); give the content as one string")
+            c = c[0]["text"]
+        need(c is None or isinstance(c, str), f"{where}: messages[{j}].content must be a string, got "
+             f"{type(c).__name__}")
+        out.append({**m, "content": c if c is None else encodable(c, where, f"messages[{j}].content")})
+    return out
 
 def chat_record(record, where):
     """ShareGPT's {"conversations": [...]} as {"messages": [...]} (dflash_tools/formats.py); any other record as is."""
@@ -1826,14 +1906,19 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
         ids = check_ids(record["input_ids"], vocab_size, where)
-        mask = record.get("loss_mask", [1] * len(ids))
+        mask = record.get("loss_mask")
+        mask = [1] * len(ids) if mask is None else mask
         need(isinstance(mask, list) and len(mask) == len(ids),
              f"{where}: loss_mask must be a list as long as input_ids ({len(ids)})")
-        return ids, [int(bool(m)) for m in mask]
+        bad = next((m for m in mask if not (isinstance(m, (int, float)) and m in (0, 1))), 0)  # bools are ints
+        need(bad == 0, f"{where}: loss_mask holds {bad!r}; it must hold 0 or 1 (numbers, not strings)")
+        return ids, [int(m) for m in mask]
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     if kind == "messages":
         eos = {*eos_ids, tokenizer.eos_token_id} - {None}
-        return chat_sample(record["messages"], tokenizer, template_kwargs(tokenizer, enable_thinking), eos, where)
+        return chat_sample(plain_messages(record["messages"], where), tokenizer, template_kwargs(tokenizer,
+                                                                                                enable_thinking), eos,
+                           where)
     if kind == "prompt+response":
         if tokenizer.chat_template:
             return encode_sample({"messages": [{"role": "user", "content": record["prompt"]},
@@ -1867,6 +1952,10 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
     return samples
 
 EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
+EVAL_FRACTION = 0.01  # --eval_fraction's default
+
+def eval_fraction(args):
+    return EVAL_FRACTION if args.eval_fraction is None else args.eval_fraction
 
 def held_out_count(n, eval_fraction):
     """eval_fraction of n samples, at least EVAL_FLOOR, but never more than half of them (training keeps the rest)."""
@@ -1890,7 +1979,7 @@ class StopFlag:
         self.out, self.say = out, say
 
     def __enter__(self):
-        self.requested, self.count = False, 0
+        self.requested, self.count, self.signum = False, 0, None
         self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
@@ -1900,7 +1989,7 @@ class StopFlag:
 
     def _handler(self, signum, frame):
         self.count += 1
-        self.requested = True
+        self.requested, self.signum = True, self.signum or signum
         name = signal.Signals(signum).name
         if self.count == 1:
             self.say(f"{name}: finishing this step, then saving a checkpoint")
@@ -1928,10 +2017,32 @@ def restart_count():
     """How often torchrun (--max_restarts) has restarted this worker group: 0 for a first start or without torchrun."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets, all of them
+
+def dist_env():
+    """(rank, world, local rank) from torchrun's variables: one process when none says otherwise, else all of them
+    set and well formed (a partial set ran a rank that logged nothing, or waited in the rendezvous forever)."""
+    env = {k: os.environ.get(k) for k in DIST_VARS}
+    bad = next((k for k in DIST_VARS[:3] + DIST_VARS[4:] if env[k] is not None and not (env[k].isdigit() and (
+        k != "WORLD_SIZE" or int(env[k]) >= 1))), None)
+    need(bad is None, f"{bad}={env.get(bad)!r} is not a whole number" + (" >= 1" if bad == "WORLD_SIZE" else "") +
+         "; start with torchrun, which sets the distributed variables, or unset them to run one process")
+    rank, world, local = (int(env[k] or d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    if (rank, world, local) == (0, 1, 0):
+        return 0, 1, 0
+    missing = [k for k in DIST_VARS if env[k] is None]
+    need(not missing, f"a partial distributed environment ({', '.join(f'{k}={v}' for k, v in env.items() if v)}; "
+         f"{', '.join(missing)} not set): start with torchrun, which sets them all, or unset them to run one process")
+    need(rank < world, f"RANK {rank} is not below WORLD_SIZE {world}: no such rank; start with torchrun")
+    return rank, world, local
+
 def setup_distributed(device_flag):
     """The same script under `python` (one process) and `torchrun` (DDP: gloo on CPU, nccl on CUDA)."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = pick_device(device_flag, int(os.environ.get("LOCAL_RANK", 0)))
+    rank, world, local = dist_env()
+    device = pick_device(device_flag, local)
+    if world > 1 and not dist.is_initialized() and not os.environ.get("TORCHELASTIC_RUN_ID") and rank == 0:
+        print(f"rank 0: waiting for {world - 1} more ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+              f" (started without torchrun; torch.distributed gives up after 30 min)", file=sys.stderr)
     if world > 1 and not dist.is_initialized():  # the demo may have started it
         backend, env = "nccl" if device.type == "cuda" else "gloo", os.environ.get
         # torchrun keeps one store across the restarts of --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
@@ -1999,6 +2110,27 @@ def check_out_dir(out):
         except OSError as e:
             raise DFlashError(f"--out {out!r}: {metrics} cannot be appended to ({e.strerror})") from None
 
+OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
+
+def lock_out(out):
+    """One run writes an --out at a time: an flock on the directory itself (nothing written; a killed run leaves no
+    stale lock), held until the process ends. Where flock is missing or refused (Windows, some network file
+    systems) there is no lock."""
+    try:
+        import fcntl
+        key = os.path.realpath(out)
+        if key not in OUT_LOCKS:
+            fd = os.open(key, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise DFlashError(f"--out {out!r} is being written by another run (it holds its lock); wait for it "
+                                  f"to end, or give another --out") from None
+            OUT_LOCKS[key] = fd
+    except (ImportError, OSError):
+        pass
+
 def earlier_run(out):
     """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
     names = os.listdir(out) if os.path.isdir(out) else []
@@ -2054,6 +2186,10 @@ def resume_point(args, data_digest, master=True):
         d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
         if master:
             print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
+    if d is None and mode and not os.path.exists(os.path.join(out, "latest")) and complete_checkpoints(out):
+        d = complete_checkpoints(out)[0]  # latest lost (a crash between a checkpoint and latest, a hand): the newest
+        if master:
+            print(f"--resume: {out} has no latest; continuing its newest complete checkpoint {d}")
     if d is None:
         earlier, left = earlier_run(out), complete_checkpoints(out)
         need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); "
@@ -2064,9 +2200,11 @@ def resume_point(args, data_digest, master=True):
         return None, None
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
+    now = {**vars(args), "eval_fraction": eval_fraction(args)}
+    old = {**old, "eval_fraction": EVAL_FRACTION if old.get("eval_fraction", 0) is None else old.get("eval_fraction")}
     for k in RESUME_SAME:
-        need(old.get(k, getattr(args, k)) == getattr(args, k), f"cannot resume {d}: it was made with --{k} {old.get(k)}"
-             f", this run has --{k} {getattr(args, k)} (it decides the data order); use {old.get(k)} or a new --out")
+        need(old.get(k, now[k]) == now[k], f"cannot resume {d}: it was made with --{k} {old.get(k)}, this run has "
+             f"--{k} {now[k]} (it decides the data order); use {old.get(k)} or a new --out")
     loss, alpha = state.get("loss", "ce"), state.get("dpace_alpha")  # the objective (none recorded: the CE)
     need(loss == args.loss, f"cannot resume {d}: it was trained with --loss {loss}, this run has --loss {args.loss}; "
          f"use --loss {loss}, or a new --out")
@@ -2203,22 +2341,38 @@ def check_run(args, world, device, master):
     RunSetup; its cfg is None for --show_data (it looks at the data alone)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
-    problems = [f"data file {path!r} does not exist; pass {flag} with a JSONL or Parquet file or a save_to_disk dir"
-                for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
-                if path and not args.plan and not os.path.exists(path)]
+    problems = [f"data file {path!r} " + ("is not a regular file (a device or a pipe)" if os.path.exists(path) else
+                                          "does not exist") + f"; pass {flag} with a JSONL or Parquet file or a "
+                f"save_to_disk dir" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
+                if path and not args.plan and not (os.path.isfile(path) or os.path.isdir(path))]
     for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")):  # not JSONL: its package, now
-        if path and not args.plan and os.path.exists(path) and (os.path.isdir(path) or data_kind(path)):
+        if path and not args.plan and (os.path.isdir(path) or os.path.isfile(path) and data_kind(path)):
             import_tool("formats", f"{flag} {path!r}").check_readable(path, flag)
+    if args.eval_data and os.path.exists(args.eval_data) and os.path.exists(args.data or "") and \
+            os.path.samefile(args.data, args.eval_data):
+        problems.append(f"--eval_data {args.eval_data} is --data itself: its held-out metrics would be on training "
+                        f"data; give other data, or drop --eval_data (--eval_fraction splits --data)")
+    if args.eval_data and args.eval_fraction:
+        problems.append(f"--eval_fraction {args.eval_fraction} splits --data, and --eval_data replaces that split; "
+                        f"drop one of them")
+    if device.type == "cpu" and not args.plan:
+        problems += [m for ok, m in ((args.dtype in ("auto", "fp32"), f"--dtype {args.dtype}: on the CPU the drafter "
+                                      f"trains in fp32 beside an fp32 target; drop --dtype or pass --dtype fp32"),
+                                     (args.attention != "flex", "--attention flex: FlexAttention has no backward pass "
+                                      "on the CPU; drop --attention (auto: dense on the CPU)")) if not ok]
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
                         f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or the budget")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
+        if master:
+            lock_out(args.out)
     trackers = [n for n in report_to(args)] if writes else []
     if trackers:
         import_tool("trackers", f"--report_to {','.join(trackers)}").check_trackers(trackers)
-    data_digest = broadcast(path_digest(args.data) if master and writes and os.path.exists(args.data) else None, world)
+    readable = not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # a pipe is never opened
+    data_digest = broadcast(path_digest(args.data) if master and writes and readable else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     if args.plan:
@@ -2230,8 +2384,12 @@ def check_run(args, world, device, master):
     cfg = variant = None
     try:
         cfg = read_drafter_config(init_from) if init_from else new_drafter_config(
-            meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS}, say=print if master else lambda *a: None,
-            max_len=args.max_len)
+            meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS if getattr(args, k) is not None},
+            say=print if master else lambda *a: None, max_len=args.max_len)
+        fixed = [f"--{k} {getattr(args, k)}" for k, c in INIT_FROM_FIXED.items() if init_from and getattr(args, k)
+                 is not None and getattr(args, k) != (getattr(cfg, c) or (0 if k == "sliding_window" else None))]
+        need(not fixed, f"{fixed and fixed[0]}: --init_from {args.init_from} keeps its own geometry (its "
+             f"config.json); drop {fixed and fixed[0].split()[0]}, or train a new drafter without --init_from")
         arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
         variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
         stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
@@ -2263,7 +2421,8 @@ def check_resume(out, run, global_batch, master):
     if state:
         saved = read_drafter_config(resume_dir)
         need(saved.architecture == run.cfg.architecture, f"cannot resume {resume_dir}: it is a {saved.architecture}, "
-             f"this run trains a {run.cfg.architecture} (a variant's flag differs); use the original flags")
+             f"this run trains a {run.cfg.architecture} (--dflash2 " + ("added" if run.cfg.architecture ==
+             "DFlash2DraftModel" else "dropped") + "); resume with the flags it was trained with, or give a new --out")
         for k, v in asdict(run.cfg).items():
             need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
                  f"this run has {v}; use the original target and flags, or a new --out")
@@ -2283,11 +2442,11 @@ def read_data(args, target, say, cfg=None):
     if args.eval_data:
         train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
     else:
-        train_samples, eval_samples = split_eval(samples, args.eval_fraction, args.seed)
+        train_samples, eval_samples = split_eval(samples, eval_fraction(args), args.seed)
     check_mask_unused(train_samples + eval_samples, cfg.mask_token_id, "--data" + " and --eval_data" * bool(
         args.eval_data))
     check_lengths(train_samples + eval_samples, target.model.config.get_text_config(), "--data")
-    split = "" if args.eval_data else f" (--eval_fraction {args.eval_fraction}: at least {EVAL_FLOOR}, at most half)"
+    split = "" if args.eval_data else f" (--eval_fraction {eval_fraction(args)}: at least {EVAL_FLOOR}, at most half)"
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
 
@@ -2443,7 +2602,7 @@ def layer_type_list(s):
 class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
         h, v = action.help or "", action.default
-        hidden = v is None or v is False or v == [] or v == () or "default" in h or f"{v}:" in h
+        hidden = v is None or v is False or v == [] or v == () or "default" in h or isinstance(v, str) and f"{v}:" in h
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -2478,6 +2637,9 @@ TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the targ
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+INIT_FROM_FIXED = dict(zip(DRAFTER_FLAGS, ("num_hidden_layers", "block_size", "mask_token_id", "target_layer_ids",
+                                           "sliding_window", "layer_types", "num_attention_heads",
+                                           "num_key_value_heads", "head_dim", "intermediate_size")))
 VARIANT_FLAGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_alpha",
                  "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")  # what --dflash2 reads
 
@@ -2497,13 +2659,13 @@ def get_parser():
          action="store_true")
     flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
          action="store_true")
-    g = p.add_argument_group("drafter geometry (new drafters; ignored with --init_from)")
-    flag(g, "--num_draft_layers", 5, "drafter decoder layers", int, lo=1, hi=32)
-    flag(g, "--block_size", 16, "B: one anchor token + B-1 drafted tokens", int, lo=2, hi=256)
+    g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
+    flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)
+    flag(g, "--block_size", None, "B: one anchor token + B-1 drafted tokens (default: 16)", int, lo=2, hi=256)
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
-    flag(g, "--sliding_window", 2048, "window of the sliding layers (0: no sliding layers)", int)
+    flag(g, "--sliding_window", None, "window of the sliding layers (default: 2048; 0: no sliding layers)", int)
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's)", int, lo=1, hi=256)
@@ -2515,7 +2677,8 @@ def get_parser():
     flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does",
          action=argparse.BooleanOptionalAction)
     flag(g, "--show_data", 0, "print the first N encoded samples, loss spans in [[...]], then exit (0: train)", int)
-    flag(g, "--eval_fraction", 0.01, "held-out fraction of --data, at least 16 samples, at most half", float, hi=0.5)
+    flag(g, "--eval_fraction", None, f"held-out fraction of --data, at least 16 samples, at most half (default: "
+         f"{EVAL_FRACTION}; not with --eval_data)", float, hi=0.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
     flag(g, "--loss", "ce", "ce: the paper's CE weighted exp(-(i-1)/gamma) at offset i; dpace: D-PACE (and its "
@@ -2556,7 +2719,7 @@ def add_system_flags(p):
     flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly)", choices=list(SAVE_DTYPES))
     flag(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
-    flag(g, "--seed", 0, "random seed", int)
+    flag(g, "--seed", 0, "random seed", int, hi=2 ** 32 - 1)
     flag(g, "--log_every", 10, "log every N steps", int, lo=1)
     flag(g, "--report_to", None, "also log to none | tensorboard | wandb (comma list)", action="append",
          type=tracker_list)

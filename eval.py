@@ -89,7 +89,7 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
         return dflash.check_ids(rec["input_ids"], vocab_size, where)
     kw = template_kwargs or {}
     if kind == "messages":
-        messages = rec["messages"]
+        messages = dflash.plain_messages(rec["messages"], where)  # content parts: their one text
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         dflash.need(messages, f"{where}: messages hold no turn before the assistant's")
@@ -1007,7 +1007,8 @@ def get_parser():
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
     flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
          hi=MAX_SAMPLES)
-    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int)
+    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int,
+         hi=2 ** 32 - 1)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
          "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
          "chain)", type=budget_list)

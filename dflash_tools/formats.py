@@ -36,7 +36,7 @@ def read_records(path, what):
     try:
         with open(path, "rb") as f:
             items = json.loads(f.read())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser takes
         raise DFlashError(f"cannot read {what} file {path!r} as a JSON array: {first_line(e)}") from None
     for i, rec in enumerate(items):
         yield f"{path} item {i}", rec
@@ -71,9 +71,14 @@ def read_saved_dataset(path, what):
                                 f"reading it")
     try:
         ds = datasets.load_from_disk(path)
+    except IndexError:  # state.json without data files: datasets says "list index out of range"
+        raise DFlashError(f"{what} {path!r} is a save_to_disk directory without its data files (empty, or copied "
+                          f"in part); save the data set again, or pass a JSONL or Parquet file") from None
     except Exception as e:  # the library's own errors for a damaged directory
         raise DFlashError(f"cannot read {what} {path!r} with datasets.load_from_disk: {first_line(e)}") from None
     if isinstance(ds, datasets.DatasetDict):
+        need(len(ds), f"{what} {path!r} is a save_to_disk DatasetDict without any split; save the data set again, or "
+             f"pass a JSONL or Parquet file")
         need(len(ds) == 1, f"{what} {path!r} holds the splits {', '.join(ds)}; pass one of them: "
              f"{os.path.join(path, next(iter(ds)))}")
         path, ds = os.path.join(path, next(iter(ds))), next(iter(ds.values()))

@@ -40,7 +40,11 @@ class Trackers:
             os.makedirs(out, exist_ok=True)
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=step + 1)
+            try:
+                self.tb = SummaryWriter(os.path.join(out, "tensorboard"), purge_step=step + 1)
+            except OSError as e:  # <out>/tensorboard in the way, or not writable
+                raise DFlashError(f"--report_to tensorboard: {os.path.join(out, 'tensorboard')} cannot be written "
+                                  f"({e.strerror}); remove what is in the way or give another --out") from None
             self.tb.add_text("config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", step + 1)
         if "wandb" in names:
             import wandb

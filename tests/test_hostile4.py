@@ -197,14 +197,20 @@ def test_resume_auto_never_starts_over_beside_complete_checkpoints(w, trained, c
 
 def test_one_out_has_one_writer(w, capsys, tmp_path):
     """Two trainings on one --out interleaved metrics.jsonl and checkpoints: the second is refused while the first
-    holds <out>/.lock (flock, as regenerate's OUT.lock: a killed run leaves no stale lock)."""
+    holds the lock (an flock on the --out directory itself, as regenerate's on OUT.lock: a killed run leaves no
+    stale lock, and nothing is written for it)."""
     import fcntl
     out = tmp_path / "o"
     out.mkdir()
-    with open(out / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fails_with(capsys, w["base"] + ["--out", str(out)], str(out), "another")
-    assert sorted(os.listdir(out)) == [".lock"]
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fails_with(capsys, w["base"] + ["--out", str(out)], str(out), "another run")
+    finally:
+        os.close(fd)
+    assert os.listdir(out) == []
+    dflash.main(w["base"] + ["--out", str(out), "--max_steps", "1"])  # the lock released: the run takes it
+    dflash.main(w["base"] + ["--out", str(out), "--max_steps", "2", "--resume"])  # and a later one in this process
 
 
 def test_plot_reads_a_run_whose_last_line_was_torn(tmp_path):
@@ -438,8 +444,9 @@ def test_held_out_continuations_are_announced(w, capsys, tmp_path):
                                                             "--eval_walk_prompts", "2", "--eval_walk_tokens", "4"]
     dflash.main(argv)
     out = capsys.readouterr().out
-    line = next((x for x in out.splitlines() if "continuation" in x), None)
-    assert line and "2" in line, out
+    line = next((x for x in out.splitlines() if "generating" in x), None)
+    assert line and "continuations of 2 held-out prompts" in line, out
+    assert out.index(line) < out.index("step 0:"), out
 
 
 def test_pretraining_lines_have_a_total_and_an_eta():
