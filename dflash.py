@@ -1007,9 +1007,6 @@ def train(args):
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
-    lock = OUT_LOCKS.pop(os.path.realpath(args.out), None)  # released: the next run in this process takes it anew
-    if lock is not None:
-        os.close(lock)
     if stopped:  # not done: a scheduler must not read an interrupted run as finished (the checkpoint resumes it)
         raise SystemExit(128 + (stop.signum or signal.SIGTERM))
     return drafter, run.cfg, target
@@ -2287,7 +2284,8 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     target's yarn (long_context_rope)."""
     tc = target.model.config.get_text_config()
     rope_theta, rope_note = target_rope(tc)
-    n, L, problems = num_draft_layers, target.num_layers, []
+    n, L, problems = num_draft_layers or 5, target.num_layers, []  # None: the flag's default (said in --help)
+    block_size, sliding_window = block_size or 16, 2048 if sliding_window is None else sliding_window
     rope_scaling, max_positions = long_context_rope(tc, max_len)
     heads = num_heads or tc.num_attention_heads
     if mask_token_id is None:
@@ -2371,7 +2369,7 @@ def check_run(args, world, device, master):
     trackers = [n for n in report_to(args)] if writes else []
     if trackers:
         import_tool("trackers", f"--report_to {','.join(trackers)}").check_trackers(trackers)
-    readable = not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # a pipe is never opened
+    readable = writes and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # never a pipe
     data_digest = broadcast(path_digest(args.data) if master and writes and readable else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
@@ -2665,7 +2663,7 @@ def get_parser():
     flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
          "to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
-    flag(g, "--sliding_window", None, "window of the sliding layers (default: 2048; 0: no sliding layers)", int)
+    flag(g, "--sliding_window", None, "window of the sliding layers (0: no sliding layers; default: 2048)", int)
     flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
          type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's)", int, lo=1, hi=256)
@@ -2750,9 +2748,13 @@ def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = get_parser().parse_args(argv)
-    if args.demo or not argv:
-        return run_main(lambda _: import_tool("demo", "the demo (dflash.py without arguments)").main(argv), args)
-    return run_main(train, args)
+    try:
+        if args.demo or not argv:
+            return run_main(lambda _: import_tool("demo", "the demo (dflash.py without arguments)").main(argv), args)
+        return run_main(train, args)
+    finally:  # the --out lock ends with the run, also in a process that goes on (a notebook, the tests)
+        while OUT_LOCKS:
+            os.close(OUT_LOCKS.popitem()[1])
 
 
 if __name__ == "__main__":

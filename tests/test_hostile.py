@@ -368,9 +368,12 @@ def test_mismatched_drafter_and_resume(w, capsys, tmp_path):
         path = tiny_qwen3(tmp_path / name, **kw)  # tiny_qwen3's geometry but for one field
         fails_with(capsys, replace(w["base"], "--target", path) + ["--out", str(tmp_path / "x"), "--init_from", drafter],
                    needle, "another target")
-    # fine-tuning from a drafter directory (ours or z-lab's) keeps its geometry and trains on
+    # fine-tuning from a drafter directory (ours or z-lab's) keeps its geometry and trains on; a geometry flag that
+    # differs from it is refused, not ignored
     tuned = str(tmp_path / "tuned")
-    dflash.main(replace(w["base"], "--block_size", "3") + ["--out", tuned, "--init_from", drafter])
+    fails_with(capsys, replace(w["base"], "--block_size", "3") + ["--out", tuned, "--init_from", drafter],
+               "--block_size 3", "--init_from")
+    dflash.main(w["base"] + ["--out", tuned, "--init_from", drafter])
     assert dflash.read_drafter_config(os.path.join(tuned, "step_2")) == dflash.read_drafter_config(drafter)
     before, after = dflash.load_drafter(drafter), dflash.load_drafter(os.path.join(tuned, "step_2"))
     assert not torch.equal(before.fc.weight, after.fc.weight)
