@@ -38,10 +38,21 @@ def pyplot():
 
 
 def read_metrics(out):
-    """The records of <out>/metrics.jsonl (or of a metrics.jsonl path given directly), in file order."""
+    """The records of <out>/metrics.jsonl (or of a metrics.jsonl path given directly), in file order; a torn last
+    line (a killed run's) is left out."""
     path = os.path.join(out, "metrics.jsonl") if os.path.isdir(out) else out
     hint = "; give a run's --out directory (it holds metrics.jsonl)" if not os.path.isdir(out) else ""
-    records = [r for _, r in dflash.read_jsonl(path, "metrics", hint)]
+    records = []
+    try:
+        for _, r in dflash.read_jsonl(path, "metrics", hint):
+            records.append(r)
+    except DFlashError as e:  # a killed run's torn last line is dropped (a resume drops it too); an earlier one is not
+        if not str(e).startswith(f"{path}:"):
+            raise
+        with open(path, "rb") as f:
+            last = max((i for i, line in enumerate(f, 1) if line.strip()), default=0)
+        if not str(e).startswith(f"{path}:{last}: not "):
+            raise
     dflash.need(records, f"{path} is empty: the run has logged nothing yet")
     return records
 

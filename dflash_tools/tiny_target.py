@@ -150,9 +150,10 @@ def pretrain(model, tokens: torch.Tensor, train_steps: int, seed: int = 0, batch
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}")
-        if time.time() - last_log >= 20:
-            last_log = time.time()
-            log(f"  pretrain {time.time() - t0:5.0f}s  step {step:5d}  loss {ema:.3f}")
+        if step == 1 or time.time() - last_log >= 20 or step == train_steps:  # the first step gives the ETA
+            last_log, spent = time.time(), time.time() - t0
+            log(f"  pretrain {spent:5.0f}s  step {step:5d}/{train_steps}  loss {ema:.3f}  "
+                f"ETA {spent / step * (train_steps - step):.0f}s")
     bar.close()
     secs = time.time() - t0
     model.eval()
