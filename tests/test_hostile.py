@@ -520,7 +520,7 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
     shutil.copytree(trained, out)
     shutil.copy(w["data"], data)  # the same bytes as the run was trained on: it resumes
     assert torch.load(os.path.join(out, "step_2", "train_state.pt"), weights_only=True)["data"] == \
-        dflash.file_digest(data)
+        dflash.path_digest(data)
     with open(data, "a") as f:
         f.write(json.dumps({"input_ids": [1, 2, 3, 4, 5]}) + "\n")
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # logged after the last checkpoint (then killed)
