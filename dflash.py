@@ -12,9 +12,9 @@ Quick start
     torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
-This file is DFlash, trained and resumed safely, and it stands alone (copied into an empty directory with
-requirements.txt installed, it trains, walks held-out tau and resumes). Part I is the method in reading order, Part
-II the exact fast paths, Part III the operations a run needs; a learner reads Part I and may stop there.
+This file is DFlash, trained and resumed safely, and stands alone (copied into an empty directory it trains, walks
+held-out tau and resumes). Part I is the method in reading order, Part II the exact fast paths, Part III the
+operations a run needs; a learner reads Part I and may stop there.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
@@ -696,20 +696,17 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
     return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
 
 def walk_prompts(samples, num_prompts):
-    """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
-    that have one."""
+    """The prompts (the tokens before the first loss token) of the first num_prompts samples that have one."""
     return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
 
 def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
-    """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
-    and the target's greedy continuation of each (num_tokens at most), generated here once. Rank r takes prompts
-    r, r + world, ..."""
+    """This rank's share (rank_share) of the walk set, or None when off: walk_prompts of the held-out samples and
+    the target's greedy continuation of each (num_tokens at most), generated here once."""
     if not num_prompts:
         return None
     prompts = walk_prompts(samples, num_prompts)
     mine, per_rank = rank_share(prompts, rank, world)
-    # sharded, a short rank generates an extra prompt too (see rank_share), then walks it as its own last token
-    # alone (a one-token continuation has no step: it counts nothing)
+    # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
     walked = [greedy_continuation(target, p, num_tokens, target.eos_ids()) for p in mine + extra]
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
@@ -718,10 +715,9 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1):
 def walk_tau(drafter, target, walk, world, tree=0):
     """Pooled tau of the walk over every rank's prompts, and the acceptance by block offset: [P(draft k accepted)
     for k = 1..B-1] over all steps, as eval.py reports it; and {name: pooled tau} of the other walks of the same
-    drafts: tree verification with `tree` nodes (dflash_tools/tree.py), a variant's diagnostic drafts
-    (drafter.WALKS). Each rank walks its own prompts, then the totals of acceptance lengths and steps are
-    summed over ranks. Each is None if no steps or the walk is off (walk None, the same on every rank)."""
-    if walk is None:  # (off)
+    drafts: tree verification with `tree` nodes (dflash_tools/tree.py), a variant's diagnostic drafts (WALKS).
+    Each rank walks its prompts; the totals are summed over ranks. None where no steps or the walk is off."""
+    if walk is None:
         return None, None, {}
     dev, B = target.lm_head.weight.device, drafter.cfg.block_size
     names = (["tree"] if tree else []) + list(getattr(drafter, "WALKS", ()))
