@@ -1500,15 +1500,16 @@ def last_complete(out):
     except (OSError, UnicodeDecodeError):
         return f"no complete checkpoint in {out} yet"
 
-def write_latest(out, name):
-    """<out>/latest := name, atomically (written aside, synced, then renamed): it never names a partial checkpoint."""
-    tmp = os.path.join(out, "latest.tmp")
+def write_atomic(path, text):
+    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one). <out>/
+    latest so never names a partial checkpoint; metrics.jsonl and eval.py's --json are written so too."""
+    tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            f.write(name + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(out, "latest"))
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -1530,9 +1531,7 @@ def keep_metrics(out, step):
         lines = [x for x in f if x.strip()]
     kept = [x for x in lines if logged(x)]
     if len(kept) < len(lines):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, "".join(kept))
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
     """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt (+ record, the target it is trained
@@ -1546,7 +1545,7 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
             save_drafter(drafter, d, save_dtype, extra_files={
                 "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state},
                 **({TARGET_RECORD: record} if record else {})})
-            write_latest(out, os.path.basename(d))
+            write_atomic(os.path.join(out, "latest"), os.path.basename(d) + "\n")
         except OSError as e:  # a full disk, a quota: nothing partial is left (atomic_dir), latest is unchanged
             raise DFlashError(f"cannot write checkpoint {d} ({e.strerror}); {last_complete(out)}") from None
         say(f"saved {d}")

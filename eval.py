@@ -887,15 +887,10 @@ def compare_reports(paths, depth_buckets=None):
 def write_json(report, path):
     """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
     the table printed before it stays the result."""
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, path)
+        dflash.write_atomic(path, json.dumps(report))
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise DFlashError(f"cannot write {path} ({e.strerror}); the report above is the result") from None
     return path
 
