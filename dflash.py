@@ -12,9 +12,9 @@ Quick start
     torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
-This file is DFlash, trained and resumed safely, and it stands alone (copied into an empty directory with
-requirements.txt installed, it trains, walks held-out tau and resumes). Part I is the method in reading order, Part
-II the exact fast paths, Part III the operations a run needs; a learner reads Part I and may stop there.
+This file is DFlash, trained and resumed safely, and stands alone (copied into an empty directory it trains, walks
+held-out tau and resumes). Part I is the method in reading order, Part II the exact fast paths, Part III the
+operations a run needs; a learner reads Part I and may stop there.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
@@ -696,20 +696,18 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
     return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
 
 def walk_prompts(samples, num_prompts):
-    """The prompt part (the tokens before the first loss token) of the first num_prompts (ids, loss_mask) samples
-    that have one."""
+    """The prompts (the tokens before the first loss token) of the first num_prompts samples that have one."""
     return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
 
 def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say=lambda *a: None):
-    """This rank's share of the walk set, or None when off (num_prompts 0): walk_prompts of the held-out samples
-    and the target's greedy continuation of each (num_tokens at most), generated here once (said, with the time
-    the rest will take after the first). Rank r takes prompts r, r + world, ..."""
+    """This rank's share (rank_share) of the walk set, or None when off: walk_prompts of the held-out samples and
+    the target's greedy continuation of each (num_tokens at most), generated here once (said, with the time the
+    rest takes after the first)."""
     if not num_prompts:
         return None
     prompts = walk_prompts(samples, num_prompts)
     mine, per_rank = rank_share(prompts, rank, world)
-    # sharded, a short rank generates an extra prompt too (see rank_share), then walks it as its own last token
-    # alone (a one-token continuation has no step: it counts nothing)
+    # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
     todo, walked, t0 = mine + extra, [], time.time()
     say(f"held-out walk: generating the target's greedy continuations of {len(todo)} held-out prompts (up to "
@@ -725,10 +723,9 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
 def walk_tau(drafter, target, walk, world, tree=0):
     """Pooled tau of the walk over every rank's prompts, and the acceptance by block offset: [P(draft k accepted)
     for k = 1..B-1] over all steps, as eval.py reports it; and {name: pooled tau} of the other walks of the same
-    drafts: tree verification with `tree` nodes (dflash_tools/tree.py), a variant's diagnostic drafts
-    (drafter.WALKS). Each rank walks its own prompts, then the totals of acceptance lengths and steps are
-    summed over ranks. Each is None if no steps or the walk is off (walk None, the same on every rank)."""
-    if walk is None:  # (off)
+    drafts: tree verification with `tree` nodes (dflash_tools/tree.py), a variant's diagnostic drafts (WALKS).
+    Each rank walks its prompts; the totals are summed over ranks. None where no steps or the walk is off."""
+    if walk is None:
         return None, None, {}
     dev, B = target.lm_head.weight.device, drafter.cfg.block_size
     names = (["tree"] if tree else []) + list(getattr(drafter, "WALKS", ()))
@@ -1144,8 +1141,8 @@ def yarn_inv_freq(cfg, inv_freq):
     mscale = lambda scale, m=1.0: 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0  # noqa: E731
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
-        attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"]) \
-            if s.get("mscale") and s.get("mscale_all_dim") else mscale(factor)
+        attention_factor = (mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+                            if s.get("mscale") and s.get("mscale_all_dim") else mscale(factor))
     fits = lambda rotations: dim * math.log(original_max / (rotations * 2 * math.pi)) / (2 * math.log(base))  # noqa
     low, high = fits(s.get("beta_fast") or 32), fits(s.get("beta_slow") or 1)
     if s.get("truncate", True):
@@ -1173,13 +1170,12 @@ def need(ok, message):
     if not ok:
         raise DFlashError(message)
 
-def first_line(e):
-    """The first line of an exception's message: what a library says went wrong, short enough for one error line."""
+def first_line(e):  # what a library says went wrong, short enough for one error line
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 def run_main(fn, args):
-    """Run fn(args) as a command: a DFlashError prints one `error:` line per problem on stderr and exits 2, with the
-    traceback only under --debug or DFLASH_DEBUG=1. Shared by dflash.py, eval.py and the tools."""
+    """fn(args) as a command: a DFlashError prints one `error:` line per problem on stderr and exits 2 (the traceback
+    only under --debug or DFLASH_DEBUG=1). Shared by dflash.py, eval.py and the tools."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
     try:
@@ -1207,7 +1203,6 @@ def import_tool(name, why):
 # Drafter configs: their rules, and config.json in z-lab's layout as vLLM and SGLang read it
 
 VARIANTS = {"DFlash2DraftModel": "dflash2"}  # config.json's architectures -> the dflash_tools module defining it
-
 POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
                        "max_position_embeddings")
@@ -1215,17 +1210,14 @@ POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", 
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
-def valid_target_layer_ids(num_target_layers, num_draft_layers):
-    """The spread to suggest: the default where it is valid, else up to n distinct layers evenly from 1 to L-2 (never
-    L-1, which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
-    L, n = num_target_layers, num_draft_layers
-    ids = default_target_layer_ids(L, n)
+def valid_target_layer_ids(L, n):
+    """The spread to suggest: the default where valid, else up to n distinct layers evenly from 1 to L-2 (never L-1,
+    which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
+    ids, layers = default_target_layer_ids(L, n), list(range(1, L - 1)) or [0]
     if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
         return ids
-    layers = list(range(1, L - 1)) or [0]
-    if n >= len(layers):
-        return layers
-    return sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))] for i in range(n)})
+    return layers if n >= len(layers) else sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))]
+                                                   for i in range(n)})
 
 def config_problems(cfg):
     """Every problem of a drafter config at once, one line each."""
@@ -1233,11 +1225,12 @@ def config_problems(cfg):
            if not (is_int(getattr(cfg, k)) and getattr(cfg, k) > 0)]
     if bad:  # the checks below compute with these
         return bad
-    ids, types, W, n, L = cfg.target_layer_ids, cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers, \
-        cfg.num_target_layers
+    ids, types, W, n, L = (cfg.target_layer_ids, cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers,
+                           cfg.num_target_layers)
     ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
+    lists = isinstance(types, list)
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
-    checks = [
+    return [msg for ok, msg in [
         (cfg.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {cfg.head_dim}"),
         (cfg.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {cfg.block_size}"),
         (cfg.num_attention_heads % cfg.num_key_value_heads == 0, f"num_attention_heads {cfg.num_attention_heads} "
@@ -1249,45 +1242,39 @@ def config_problems(cfg):
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
         (not ints or 0 <= min(ids) and max(ids) < L, f"target_layer_ids {ids} out of range: the target has {L} "
          f"decoder layers; e.g. --target_layer_ids {','.join(map(str, valid_target_layer_ids(L, n)))}"),
-        (isinstance(types, list) and all(t in LAYER_TYPES.values() for t in types),
-         f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
-        (not isinstance(types, list) or len(types) == n,
-         f"layer_types has {len(types) if isinstance(types, list) else 0} entries but num_hidden_layers is {n}"),
+        (lists and all(t in LAYER_TYPES.values() for t in types), f"layer_types must list full_attention or "
+         f"sliding_attention per layer, got {types!r}"),
+        (not lists or len(types) == n, f"layer_types has {len(types) if lists else 0} entries but num_hidden_layers "
+         f"is {n}"),
         (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
-        (not isinstance(types, list) or "sliding_attention" not in types or bool(W),
-         "layer_types has sliding_attention layers but sliding_window is not set"),
+        (not lists or "sliding_attention" not in types or bool(W), "layer_types has sliding_attention layers but "
+         "sliding_window is not set"),
         (real(cfg.rms_norm_eps), f"rms_norm_eps must be a positive finite number, got {cfg.rms_norm_eps!r}"),
         (real(cfg.rope_theta), f"rope_theta must be a positive finite number, got {cfg.rope_theta!r}"),
         (isinstance(cfg.attention_bias, bool), f"attention_bias must be true or false, got {cfg.attention_bias!r}"),
-        (cfg.is_causal is None or isinstance(cfg.is_causal, bool), f"is_causal must be null, true or false, got "
-         f"{cfg.is_causal!r}"),
+        (cfg.is_causal in (None, True, False), f"is_causal must be null, true or false, got {cfg.is_causal!r}"),
         (cfg.rope_scaling is None or (isinstance(cfg.rope_scaling, dict) and cfg.rope_type() == "yarn"),
-         f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn)"),
-    ]
-    return [msg for ok, msg in checks if not ok]
+         f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn)")] if not ok]
 
 def engine_problems(cfg):
-    """Layouts that are legal drafters here (their masks are well defined) but that one engine would serve as another
-    drafter: refused when read, before training starts, and by the writer, each with the flag that fixes it."""
-    n, B, W, L, ids, out = cfg.num_hidden_layers, cfg.block_size, cfg.sliding_window, cfg.num_target_layers, \
-        cfg.target_layer_ids, []
-    both_sides = [i for i in range(n) if cfg.layer_kind(i) == (False, W) and W is not None]
-    if both_sides and B > W:
-        out.append(f"layers {both_sides} are bidirectional sliding layers (is_causal false) with block_size {B} > "
-                   f"sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left only "
-                   f"(later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}")
-    if ids[-1] == L - 1:
-        fixed = sorted({min(t, L - 2) for t in ids})
-        out.append(f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang cannot "
-                   f"capture it (it captures layer inputs); pass --target_layer_ids {','.join(map(str, fixed))}")
-    return out
+    """Legal drafters (their masks are well defined) that one engine would serve as another drafter: refused where
+    read, before training starts, and by the writer, each with the flag that fixes it."""
+    n, B, W, L, ids = (cfg.num_hidden_layers, cfg.block_size, cfg.sliding_window, cfg.num_target_layers,
+                       cfg.target_layer_ids)
+    both_sides = [i for i in range(n) if W is not None and cfg.layer_kind(i) == (False, W)]
+    return [msg for ok, msg in [
+        (not (both_sides and B > W), f"layers {both_sides} are bidirectional sliding layers (is_causal false) with "
+         f"block_size {B} > sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left "
+         f"only (later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}"),
+        (ids[-1] != L - 1, f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang "
+         f"cannot capture it (it captures layer inputs); pass --target_layer_ids "
+         f"{','.join(map(str, sorted({min(t, L - 2) for t in ids})))}")] if not ok]
 
 def config_to_json(cfg):
-    """The z-lab config.json layout (Qwen3-style fields plus dflash_config), with each layer's attention stated in
-    every key vLLM and SGLang read, so that no engine default decides what it means: is_causal when all layers agree
-    (both engines read it; mixed, causal iff sliding is both engines' rule), use_sliding_window and dflash_config's
-    swa_window_size when a layer slides. A variant's fields go to dflash_config (cfg.dflash_config_keys). A layout
-    one engine would serve as another drafter (engine_problems) is never written."""
+    """The z-lab config.json layout (Qwen3-style fields plus dflash_config), each layer's attention stated in every
+    key vLLM and SGLang read, so that no engine default decides what it means: is_causal where all layers agree
+    (mixed: causal iff sliding, both engines' rule), use_sliding_window and swa_window_size where a layer slides; a
+    variant's fields in dflash_config. A layout one engine would serve as another drafter is never written."""
     bad = engine_problems(cfg)
     need(not bad, "\n".join(bad))
     base = {f.name for f in fields(DFlashConfig)}
@@ -1315,19 +1302,15 @@ def config_class(d, where="config.json"):
     return import_tool(VARIANTS[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
 def config_from_json(d, where="config.json"):
-    """Read config.json. The layout config_to_json writes (ours: it reads back to exactly the same JSON) is read
-    here; any other (z-lab's, NeMo's, SpecForge's, a hand-edited one) as vLLM and SGLang serve it, through
-    transformers' config class, by dflash_tools/engines.py, which refuses every key they would serve differently."""
+    """Read config.json: the layout config_to_json writes (ours: it reads back to exactly the same JSON) here; any
+    other (z-lab's, NeMo's, SpecForge's, hand-edited) as vLLM and SGLang serve it, by dflash_tools/engines.py."""
     try:
-        cls = config_class(d, where)
-        dc = d["dflash_config"]
-        base = {f.name for f in fields(DFlashConfig)} - {"mask_token_id", "target_layer_ids"}
-        kw = {f.name: (d if f.name in base else dc)[f.name] for f in fields(cls) if f.name in (d if f.name in base
-                                                                                               else dc)}
-        kw["rope_theta"] = d["rope_parameters"]["rope_theta"]
-        kw["rope_scaling"] = {k: v for k, v in d["rope_parameters"].items() if k != "rope_theta"}
-        kw["rope_scaling"] = None if kw["rope_scaling"] == {"rope_type": "default"} else kw["rope_scaling"]
-        kw.update(mask_token_id=dc["mask_token_id"], target_layer_ids=dc["target_layer_ids"],
+        cls, dc, rope = config_class(d, where), d["dflash_config"], dict(d["rope_parameters"])
+        top = {f.name for f in fields(DFlashConfig)} - {"mask_token_id", "target_layer_ids"}
+        kw = {f.name: (d if f.name in top else dc)[f.name] for f in fields(cls) if f.name in (d if f.name in top
+                                                                                             else dc)}
+        kw.update(rope_theta=rope.pop("rope_theta"), rope_scaling=None if rope == {"rope_type": "default"} else rope,
+                  mask_token_id=dc["mask_token_id"], target_layer_ids=dc["target_layer_ids"],
                   is_causal=d.get("is_causal"))
         cfg = cls(**kw)
         if config_to_json(cfg) == {k: v for k, v in d.items() if k != "torch_dtype"}:
@@ -1368,23 +1351,20 @@ def read_drafter_config(path):
          f"mask token's embedding with it, SGLang does not; remove it from the drafter directory")
     return config_from_json(d, where=cfg_path)
 
-def safetensors_files(path):
-    """model.safetensors, or the shards model.safetensors.index.json names."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
-        return [os.path.join(path, "model.safetensors")]
-    need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-    weight_map = read_json(index, "safetensors index")
-    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    need(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
-         f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
-    return [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
-
 def read_safetensors(path, load=True):
-    """All tensors of a drafter directory ({name: tensor}; load=False: only opens every file, which checks it)."""
+    """All tensors of a drafter directory: model.safetensors, or the shards its index names ({name: tensor};
+    load=False: only opens every file, which checks it)."""
     from safetensors import safe_open
+    files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(files[0]):
+        need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
+        weight_map = read_json(index, "safetensors index")
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        need(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
+             f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
+        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
     tensors = {}
-    for file in safetensors_files(path):
+    for file in files:
         try:  # safe_open rejects a missing, truncated or garbage file (it checks the header against the size)
             with safe_open(file, "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()} if load else {})
@@ -1397,16 +1377,14 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape, nothing else."""
     cfg = read_drafter_config(path)
     tensors, expected = read_safetensors(path), expected_shapes(cfg)
-    shape = lambda k: tuple(tensors[k].shape)  # noqa: E731
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     need(not missing, f"{path}: missing tensor {missing[:1] and missing[0]}"
          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     need(not unexpected, f"{path}: unexpected tensor {unexpected[:1] and unexpected[0]} (embedding and lm_head "
          f"belong to the target; keys carry no 'model.' prefix)")
-    wrong = next((k for k in expected if shape(k) != expected[k]), None)
-    need(wrong is None, f"{path}: tensor {wrong} has shape {wrong and shape(wrong)}, expected "
-         f"{wrong and expected[wrong]}" + (" (len(target_layer_ids) * hidden_size columns)" if wrong == "fc.weight"
-                                           else ""))
+    wrong = next((k for k in expected if tuple(tensors[k].shape) != expected[k]), None)
+    need(wrong is None, f"{path}: tensor {wrong} has shape {wrong and tuple(tensors[wrong].shape)}, expected "
+         f"{wrong and expected[wrong]}" + (" (len(target_layer_ids) * hidden_size columns)" * (wrong == "fc.weight")))
     bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
     need(bad is None, f"{path}: tensor {bad} holds NaN or inf (not finite); the drafter is corrupt (a diverged run?): "
          f"use an earlier checkpoint")
@@ -1418,8 +1396,8 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
 
 @contextmanager
 def atomic_dir(path):
-    """Yield a temporary directory that replaces `path` only once everything in it is written: a crash never
-    leaves a partial directory at `path` (between the two renames the old copy waits at <path>.old<pid>)."""
+    """A temporary directory that replaces `path` only once everything in it is written: a crash never leaves a
+    partial directory at `path` (between the two renames the old copy waits at <path>.old<pid>)."""
     path = path.rstrip("/")
     tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -1435,15 +1413,15 @@ def atomic_dir(path):
     shutil.rmtree(old, ignore_errors=True)
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """Write config.json + model.safetensors (bf16 or fp32) and any {name: object} extra files (name.json: as JSON,
-    else torch.save), atomically."""
+    """config.json + model.safetensors (bf16 or fp32) and any {name: object} extra files (name.json: as JSON, else
+    torch.save), atomically."""
     from safetensors.torch import save_file
     with atomic_dir(path) as tmp:
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-        for name, obj in (extra_files or {}).items():
+        files = {"config.json": {**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")},
+                 **(extra_files or {})}
+        for name, obj in files.items():
             if name.endswith(".json"):
                 with open(os.path.join(tmp, name), "w") as f:
                     json.dump(obj, f, indent=2)
@@ -1489,17 +1467,16 @@ def same_target(saved, record):
                                     for x, y in zip(a, b))
 
 def check_trained_against(path, record, what, allow=False):
-    """A drafter of ours names the target it was trained against (TARGET_RECORD; z-lab's name none): one for another
-    target, even of the same shape, drafts for the wrong model (tau ~1 without a word), so it is refused unless
-    allow, and then said on stderr."""
+    """A drafter of ours names its target (TARGET_RECORD; z-lab's name none): one for another target, even of the same
+    shape, drafts for the wrong model (tau ~1 without a word): refused unless allow, and then said on stderr."""
     f = os.path.join(path, TARGET_RECORD)
     saved = read_json(f, "target record") if os.path.isfile(f) else {}
     need(isinstance(saved, dict) and isinstance(saved.get("fingerprint", ""), str), f"{f}: not a target record (a "
          f"JSON object with a string fingerprint); the checkpoint is corrupt: remove {f} or restore it")
     if saved.get("fingerprint") is None or same_target(saved, record):
         return
-    msg = f"{what} was trained against {saved.get('target')!r} (fingerprint {saved['fingerprint']}), not " \
-          f"{record['target']!r} ({record['fingerprint']})"
+    msg = (f"{what} was trained against {saved.get('target')!r} (fingerprint {saved['fingerprint']}), not "
+           f"{record['target']!r} ({record['fingerprint']})")
     need(allow, f"{msg}; pass --allow_other_target to use it anyway")
     print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
@@ -1526,15 +1503,11 @@ def read_train_state(d):
 
 def checkpoint_problem(d):
     """None if d is a complete step_N checkpoint (each of its files opens), else what is wrong with it."""
-    if not os.path.isdir(d):
-        return "it does not exist"
     try:
-        read_drafter_config(d)
-        read_train_state(d)
-        read_safetensors(d, load=False)
+        need(os.path.isdir(d), "it does not exist")
+        read_drafter_config(d), read_train_state(d), read_safetensors(d, load=False)
     except DFlashError as e:
         return str(e).splitlines()[0]
-    return None
 
 def step_of(name):
     m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(name)))
@@ -1542,8 +1515,8 @@ def step_of(name):
 
 def complete_checkpoints(out):
     """The complete step_N directories of out, the newest first."""
-    names = os.listdir(out) if os.path.isdir(out) else []
-    steps = sorted((step_of(n) for n in names if step_of(n) is not None), reverse=True)
+    steps = sorted((step_of(n) for n in (os.listdir(out) if os.path.isdir(out) else []) if step_of(n) is not None),
+                   reverse=True)
     return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
 def latest_checkpoint(out):
@@ -1556,60 +1529,58 @@ def latest_checkpoint(out):
             name = f.read(4096).decode().strip()
     except (OSError, UnicodeDecodeError):
         name = ""
-    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); write the "
-         f"name of a complete step_N directory into it")
-    d = os.path.join(out, name)
-    why = checkpoint_problem(d)
-    need(why is None, f"{latest} names {d}, which is incomplete or corrupt: {why}; write the name of a complete "
-         f"step_N directory into {latest}")
-    return d
+    fix = f"write the name of a complete step_N directory into {latest}"
+    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); {fix}")
+    why = checkpoint_problem(os.path.join(out, name))
+    need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}; {fix}")
+    return os.path.join(out, name)
 
 def last_complete(out):
     """What a run that stops now leaves behind: the checkpoint <out>/latest names (read, not checked)."""
     try:
         with open(os.path.join(out, "latest")) as f:
-            d = os.path.join(out, f.read(4096).strip())
+            return (f"the last complete checkpoint is {os.path.join(out, f.read(4096).strip())} (resume from it with "
+                    f"--resume)")
     except (OSError, UnicodeDecodeError):
         return f"no complete checkpoint in {out} yet"
-    return f"the last complete checkpoint is {d} (resume from it with --resume)"
 
-def write_latest(out, name):
-    """<out>/latest := name, atomically (written aside, synced, then renamed): it never names a partial checkpoint."""
-    tmp = os.path.join(out, "latest.tmp")
+def write_atomic(path, text):
+    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one). <out>/
+    latest so never names a partial checkpoint; metrics.jsonl and eval.py's --json are written so too."""
+    tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
-            f.write(name + "\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(out, "latest"))
+        os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
 
 def keep_metrics(out, step):
-    """Drop the records of metrics.jsonl after `step` (-1: all): what a resumed or restarted run logs again."""
+    """Drop the records of metrics.jsonl after `step` (-1: all), and a line cut short by a kill: what a resumed or
+    restarted run logs again."""
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.isfile(path):
         return
-    def step_of_record(line):
+
+    def logged(line):
         try:
-            return json.loads(line).get("step", 0)
-        except (ValueError, AttributeError):  # a line cut short by a kill: dropped
-            return math.inf
+            return json.loads(line).get("step", 0) <= step
+        except (ValueError, AttributeError, TypeError):
+            return False
     with open(path) as f:
         lines = [x for x in f if x.strip()]
-    kept = [x for x in lines if step_of_record(x) <= step]
+    kept = [x for x in lines if logged(x)]
     if len(kept) < len(lines):
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        write_atomic(path, "".join(kept))
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
-    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt, written atomically by rank 0; then
-    <out>/latest is switched to it (atomically too), so latest never names a partial checkpoint. Called on every
-    rank: with --zero the whole optimizer state is first gathered on rank 0, and all ranks wait for the write.
-    record: the target it is trained against (target_record), written as TARGET_RECORD."""
+    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt (+ record, the target it is trained
+    against, as TARGET_RECORD), written atomically by rank 0, then <out>/latest switched to it (atomically too).
+    Called on every rank: with --zero the optimizer state is first gathered on rank 0; all ranks wait for it."""
     from safetensors import SafetensorError
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
@@ -1619,7 +1590,7 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
             save_drafter(drafter, d, save_dtype, extra_files={
                 "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state},
                 **({TARGET_RECORD: record} if record else {})})
-            write_latest(out, os.path.basename(d))
+            write_atomic(os.path.join(out, "latest"), os.path.basename(d) + "\n")
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota, a file-size limit: nothing
             # partial is left (atomic_dir) and latest is unchanged; safetensors and torch.save raise their own types
             raise DFlashError(f"cannot write checkpoint {d} ({getattr(e, 'strerror', None) or first_line(e)}); "
@@ -1631,24 +1602,21 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
 # -----------------------------------------------------------------------------
 # Loading the target (AutoModelForCausalLM)
 
-SUPPORTED_FAMILIES = "Qwen3, Qwen3-MoE, Qwen3.5/3.6, Llama, Mistral, Gemma3, Phi3, Olmo2 (and others of that kind)"
-
 def find_decoder(model):
     """The text decoder stack, found by inspection rather than by model name: the module holding `layers` (a
-    ModuleList), a final `norm` and the input embedding. Qwen3/Llama/Qwen3.5 text: model.model; the Qwen3.5/3.6
-    multimodal class: model.model.language_model."""
+    ModuleList), a final `norm` and the input embedding (Qwen3.5/3.6 multimodal: model.model.language_model)."""
     embed = model.get_input_embeddings()
     for _, m in model.named_modules():
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
                 and any(c is embed for c in m.children())):
             return m
     raise DFlashError(f"target family {model.config.model_type} ({type(model).__name__}) is not supported: dflash "
-                      f"hooks a decoder stack of the Llama kind (decoder layers, then a final norm); supported: "
-                      f"{SUPPORTED_FAMILIES}")
+                      f"hooks a decoder stack of the Llama kind (decoder layers, then a final norm); supported: Qwen3, "
+                      f"Qwen3-MoE, Qwen3.5/3.6, Llama, Mistral, Gemma3, Phi3, Olmo2 (and others of that kind)")
 
 def load_tokenizer(name, trust_remote_code=False):
-    """The target's tokenizer, or None when it has none (a target without one still works with pre-tokenized data;
-    transformers 5 returns an empty stand-in when the directory has no tokenizer files)."""
+    """The target's tokenizer, or None when it has none (pre-tokenized data still works; transformers 5 returns an
+    empty stand-in when the directory has no tokenizer files)."""
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -1657,13 +1625,12 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
-    """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise.
-    device "meta": built from config.json alone (no weights read), for the checks before loading. shard
-    (--shard_target under torchrun): its decoder layers split over the ranks by dflash_tools/shard.py."""
+    """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise. device
+    "meta": from config.json alone (no weights read), for the checks before loading. shard (--shard_target under
+    torchrun): its decoder layers split over the ranks by dflash_tools/shard.py."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
-    if dtype is None:
-        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     need(not ((name.startswith((".", "/", "~")) or os.path.exists(name)) and not os.path.isfile(f"{name}/config.json")),
          f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
     try:
@@ -1678,8 +1645,8 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
                                                          trust_remote_code=trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         kind = ".safetensors" if "deserializing" in str(e) else ".index.json" if isinstance(e, ValueError) else "-"
-        files = [os.path.join(name, f) for f in sorted(os.listdir(name)) if f.endswith(kind)] if \
-            os.path.isdir(name) else []
+        files = [os.path.join(name, f) for f in sorted(os.listdir(name)) if f.endswith(kind)] if os.path.isdir(
+            name) else []
         raise DFlashError(f"cannot load target {name!r}: {first_line(e)}" + (
             f" (in {', '.join(files)}: not valid JSON or a truncated or garbage weight file)" if files else "")
         ) from None
@@ -1705,38 +1672,25 @@ def check_compatible(cfg, target, where="drafter"):
 # masks; one sample per row (HF targets do not separate packed samples); the held-out split
 
 def read_jsonl(path, what, hint=""):
-    """Yield ("file:line", record) for each non-blank line; every problem is one error naming file and line.
-    A gzip-compressed file (.jsonl.gz, found by its magic bytes) is read transparently."""
+    """Yield ("file:line", record) for each non-blank line (a .jsonl.gz by its magic bytes too); every problem is one
+    error naming file and line."""
     need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
     try:
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
         with gzip.open(path, "rb") if gz else open(path, "rb") as f:
             for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
                 try:
-                    yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
+                    if line.strip():
+                        yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
                 except UnicodeDecodeError as e:
                     raise DFlashError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
                 except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser takes
                     raise DFlashError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', None) or first_line(e)})"
                                       ) from None
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
-        raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}") \
-            from None
-
-def read_records(path, what, hint=""):
-    """Yield (where, record) for each record of a data file, every problem one error naming the file and line: JSONL
-    (or .jsonl.gz); a JSON array, Parquet or a datasets.save_to_disk directory by dflash_tools/formats.py."""
-    need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
-    need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is not a regular file (a device or a "
-         f"pipe){hint}")
-    kind = "a directory" if os.path.isdir(path) else data_kind(path)
-    if kind:
-        yield from import_tool("formats", f"{what} {path!r} ({kind})").read_records(path, what)
-    else:
-        yield from read_jsonl(path, what, hint)
+        raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}"
+                          ) from None
 
 def data_kind(path):
     """What a data file is when it is not JSONL: a JSON array or Parquet (by its first bytes), else None."""
@@ -1747,16 +1701,26 @@ def data_kind(path):
         return None
     return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
+def read_records(path, what, hint=""):
+    """Yield (where, record) for each record of a data file: JSONL here; a JSON array, Parquet or a datasets
+    save_to_disk directory by dflash_tools/formats.py."""
+    need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
+    need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is not a regular file (a device or a "
+         f"pipe){hint}")
+    kind = "a directory" if os.path.isdir(path) else data_kind(path)
+    if kind:
+        yield from import_tool("formats", f"{what} {path!r} ({kind})").read_records(path, what)
+    else:
+        yield from read_jsonl(path, what, hint)
+
 def check_ids(ids, vocab_size, where):
-    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-        raise DFlashError(f"{where}: input_ids must be a list of integers")
+    need(isinstance(ids, list) and all(is_int(t) for t in ids), f"{where}: input_ids must be a list of integers")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None) if vocab_size else None
-    if bad is not None:
-        raise DFlashError(f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
+    need(bad is None, f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
     return ids
 
 def template_kwargs(tokenizer, enable_thinking):
-    """Pass enable_thinking through only when it is set and the chat template reads it (training and eval alike)."""
+    """enable_thinking, passed only when it is set and the chat template reads it (training and eval alike)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
 
@@ -1831,13 +1795,11 @@ def chat_sample(messages, tokenizer, kw, eos, where):
 
 def show_data(samples, tokenizer, n, file=None):
     """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
-    file = file or sys.stdout
     decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
     for i, (ids, mask) in enumerate(samples[:n]):
         runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
         print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {len(anchor_candidates(mask))} usable "
-              f"anchors", file=file)
-        print("".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file)
+              f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
 
 def record_kind(record, where, tokenizer, kinds):
     """The one parser of a JSONL record, shared by training data and eval.py's prompts: which of `kinds`
@@ -1893,12 +1855,10 @@ def chat_record(record, where):
     return record
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
-    """One record -> (input_ids, loss_mask); loss_mask is 1 on the tokens the drafter learns to predict.
-    Formats: {"messages": [...]} (loss on the assistant turns; ShareGPT's {"conversations": [...]} the same way, by
-    dflash_tools/formats.py), {"prompt", "response"}, {"text"} (loss everywhere), {"input_ids", "loss_mask"?}
-    (pre-tokenized; ids checked against vocab_size when given). Chat data is rendered as at inference
-    (enable_thinking passed as eval.py passes it); a turn ends at the tokenizer's eos or any of eos_ids (e.g. the
-    target's generation_config.eos_token_id). The stable entry point for every format."""
+    """One record -> (input_ids, loss_mask), loss_mask 1 on the tokens the drafter learns to predict: {"messages":
+    [...]} (the assistant turns; ShareGPT's "conversations" the same way), {"prompt", "response"}, {"text"} (all),
+    {"input_ids", "loss_mask"?} (ids checked against vocab_size). Chat data is rendered as at inference; a turn ends
+    at the tokenizer's eos or any of eos_ids (the target's generation_config's). The entry point for every format."""
     record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
@@ -1913,22 +1873,21 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     if kind == "messages":
         eos = {*eos_ids, tokenizer.eos_token_id} - {None}
-        return chat_sample(plain_messages(record["messages"], where), tokenizer, template_kwargs(tokenizer,
-                                                                                                enable_thinking), eos,
-                           where)
+        return chat_sample(plain_messages(record["messages"], where), tokenizer,
+                           template_kwargs(tokenizer, enable_thinking), eos, where)
+    if kind == "prompt+response" and tokenizer.chat_template:
+        return encode_sample({"messages": [{"role": "user", "content": record["prompt"]},
+                                           {"role": "assistant", "content": record["response"]}]},
+                             tokenizer, enable_thinking, eos_ids, where)
     if kind == "prompt+response":
-        if tokenizer.chat_template:
-            return encode_sample({"messages": [{"role": "user", "content": record["prompt"]},
-                                               {"role": "assistant", "content": record["response"]}]},
-                                 tokenizer, enable_thinking, eos_ids, where)
         p, r = encode(record["prompt"]), encode(record["response"])
         return p + r, [0] * len(p) + [1] * len(r)
     ids = encode(record["text"])
     return ids, [1] * len(ids)
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
-    """Read a data file (read_records) through encode_sample; truncate to max_len; skip (and count) samples with
-    nothing to learn (no usable anchor)."""
+    """A data file (read_records) through encode_sample, truncated to max_len; samples with nothing to learn (no
+    usable anchor) skipped and counted."""
     samples, skipped, lines = [], 0, 0
     for where, rec in read_records(path, "data", "; pass --data with a JSONL or Parquet file or a save_to_disk "
                                    "directory"):
@@ -1939,8 +1898,7 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
         ids, mask = ids[:max_len], mask[:max_len]
         if len(anchor_candidates(mask)):
             samples.append((ids, mask))
-        else:
-            skipped += 1
+        skipped += not len(anchor_candidates(mask))
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
     need(samples, f"{path}: no usable samples ({skipped} skipped: no two consecutive response tokens within "
          f"--max_len {max_len}); check the file and the loss_mask")
@@ -1954,8 +1912,7 @@ EVAL_FRACTION = 0.01  # --eval_fraction's default
 def eval_fraction(args):
     return EVAL_FRACTION if args.eval_fraction is None else args.eval_fraction
 
-def held_out_count(n, eval_fraction):
-    """eval_fraction of n samples, at least EVAL_FLOOR, but never more than half of them (training keeps the rest)."""
+def held_out_count(n, eval_fraction):  # eval_fraction of n samples, at least EVAL_FLOOR, never more than half
     return min(max(int(n * eval_fraction), EVAL_FLOOR), n // 2) if eval_fraction > 0 else 0
 
 def split_eval(samples, eval_fraction, seed):
@@ -1985,9 +1942,8 @@ class StopFlag:
             signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
-        self.count += 1
-        self.requested, self.signum = True, self.signum or signum
-        name = signal.Signals(signum).name
+        self.count, self.requested, name = self.count + 1, True, signal.Signals(signum).name
+        self.signum = self.signum or signum
         if self.count == 1:
             self.say(f"{name}: finishing this step, then saving a checkpoint")
         elif self.count == 2:
@@ -2010,8 +1966,7 @@ def pick_device(flag, local_rank=0):
         torch.cuda.set_device(device)
     return device
 
-def restart_count():
-    """How often torchrun (--max_restarts) has restarted this worker group: 0 for a first start or without torchrun."""
+def restart_count():  # how often torchrun --max_restarts has restarted this worker group (0: a first start)
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets, all of them
@@ -2051,8 +2006,8 @@ def setup_distributed(device_flag):
             dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
                                     world_size=world)
         else:
-            several_nodes = env("GROUP_WORLD_SIZE", "1") != "1"
-            if shared and several_nodes and rank == 0 and int(env("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+            if shared and env("GROUP_WORLD_SIZE", "1") != "1" and rank == 0 and int(env("TORCHELASTIC_MAX_RESTARTS")
+                                                                                      or 0) > 0:
                 print("note: torchrun --max_restarts over several nodes: start it with --rdzv_backend=c10d and "
                       "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a restart can hang in init_process_group",
                       file=sys.stderr)
@@ -2072,14 +2027,19 @@ def any_rank(flag, world, device):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
+def broadcast(obj, world):
+    """Rank 0's object on every rank (e.g. the data file's digest: one rank reads the file)."""
+    box = [obj]
+    if world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
 # -----------------------------------------------------------------------------
 # The run's checks and set-up: outputs, resume, the drafter config, data, the trackers
 
 def check_writable_dir(d, what, subdirs=False):
-    """Prove d can take our outputs by the operations the end uses: create it (and its parents), then create and
-    remove a file in it (latest, metrics.jsonl, --json are files written aside and renamed) and, with subdirs, a
-    directory (a checkpoint is a directory renamed into place). One error line before anything is loaded, instead
-    of a failure after the work."""
+    """Prove d can take our outputs by the operations the end uses, before anything loads: create it, then create and
+    remove a file in it (files are written aside and renamed) and, with subdirs, a directory (checkpoints)."""
     try:
         os.makedirs(d, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
@@ -2095,17 +2055,15 @@ def check_out_dir(out):
     """--out: a directory that can be created and written, with nothing but files where latest and metrics.jsonl go."""
     need(out, "--out is empty; give a directory")
     need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
-    for name in ("latest", "metrics.jsonl"):
-        p = os.path.join(out, name)
-        need(not os.path.exists(p) or os.path.isfile(p),
-             f"--out {out!r}: {p} is in the way (not a file); remove it or give another --out")
+    for p in (os.path.join(out, "latest"), os.path.join(out, "metrics.jsonl")):
+        need(not os.path.exists(p) or os.path.isfile(p), f"--out {out!r}: {p} is in the way (not a file); remove it "
+             f"or give another --out")
     check_writable_dir(out, f"--out {out!r}", subdirs=True)
-    metrics = os.path.join(out, "metrics.jsonl")
-    if os.path.exists(metrics):  # appended to: opened as the log will open it
-        try:
-            open(metrics, "a").close()
-        except OSError as e:
-            raise DFlashError(f"--out {out!r}: {metrics} cannot be appended to ({e.strerror})") from None
+    try:  # appended to: opened as the log will open it
+        if os.path.exists(os.path.join(out, "metrics.jsonl")):
+            open(os.path.join(out, "metrics.jsonl"), "a").close()
+    except OSError as e:
+        raise DFlashError(f"--out {out!r}: {out}/metrics.jsonl cannot be appended to ({e.strerror})") from None
 
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
@@ -2132,48 +2090,28 @@ def earlier_run(out):
     """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
     names = os.listdir(out) if os.path.isdir(out) else []
     steps = [step_of(n) for n in names if step_of(n) is not None and os.path.isdir(os.path.join(out, n))]
+    metrics = os.path.join(out, "metrics.jsonl")
     if steps:
         return f"checkpoints up to step {max(steps)}"
-    metrics = os.path.join(out, "metrics.jsonl")
     if "latest" in names or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
         return "a run without a complete checkpoint"
-    return None
-
-def resume_mode(args):
-    """--resume must | auto | None; a worker that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) resumes
-    automatically: the restarted command continues from <out>/latest instead of starting over."""
-    if args.resume is None and restart_count() > 0:
-        return "auto"
-    return args.resume
-
-def file_digest(path):
-    """{size, sha256} of a data file's bytes: recorded in each checkpoint, so a resume can tell the data changed."""
-    with open(path, "rb") as f:
-        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
-
-def dir_digest(path):
-    """{size, sha256} of a directory's files (names and bytes, in name order): a save_to_disk data set's digest."""
-    h, size = hashlib.sha256(), 0
-    for root, _, files in sorted(os.walk(path)):
-        for name in sorted(files):
-            d = file_digest(os.path.join(root, name))
-            h.update(f"{os.path.relpath(os.path.join(root, name), path)}\0{d['sha256']}\n".encode())
-            size += d["size"]
-    return {"size": size, "sha256": h.hexdigest()}
 
 def path_digest(path):
-    """file_digest of a data file, dir_digest of a save_to_disk directory."""
-    return dir_digest(path) if os.path.isdir(path) else file_digest(path)
+    """{size, sha256} of a data file's bytes (a save_to_disk directory's by dflash_tools/formats.py): recorded in each
+    checkpoint, so a resume can tell the data changed."""
+    if os.path.isdir(path):
+        return import_tool("formats", f"--data {path!r}").dir_digest(path)
+    with open(path, "rb") as f:
+        return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
 RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
 
 def resume_point(args, data_digest, master=True):
-    """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (resume_mode).
-    Without either, an --out that holds a run is refused (never started over in place); so is a checkpoint made on
-    other data, with another flag that decides the data order, or with another loss (--loss, and --dpace_alpha for
-    D-PACE; a checkpoint without them was trained with the CE). The drafter and the global batch are checked once
-    the target is loaded (check_resume)."""
-    mode, out = resume_mode(args), args.out
+    """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (auto too for a
+    worker torchrun restarted). Without either, an --out that holds a run is refused (never started over in place);
+    so is a checkpoint made on other data, with another flag that decides the data order, or with another loss (a
+    checkpoint that records none was trained with the CE). Its drafter and global batch: check_resume."""
+    mode, out = args.resume or ("auto" if restart_count() > 0 else None), args.out
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
@@ -2198,7 +2136,8 @@ def resume_point(args, data_digest, master=True):
     state = read_train_state(d)
     old = state["args"] if isinstance(state["args"], dict) else {}
     now = {**vars(args), "eval_fraction": eval_fraction(args)}
-    old = {**old, "eval_fraction": EVAL_FRACTION if old.get("eval_fraction", 0) is None else old.get("eval_fraction")}
+    old = {**old, **({"eval_fraction": EVAL_FRACTION} if "eval_fraction" in old and old["eval_fraction"] is None
+                     else {})}  # None: the default, as this run counts it
     for k in RESUME_SAME:
         need(old.get(k, now[k]) == now[k], f"cannot resume {d}: it was made with --{k} {old.get(k)}, this run has "
              f"--{k} {now[k]} (it decides the data order); use {old.get(k)} or a new --out")
@@ -2213,13 +2152,6 @@ def resume_point(args, data_digest, master=True):
          f"restore the file, or pass --allow_data_change to continue on the new data")
     return d, state
 
-def check_mask_unused(samples, mask_token_id, where):
-    """The mask token must be no token of the data: its embedding is the drafter's only sign that an offset is to be
-    drafted, and a data token of that id (an anchor, a label) would carry the same sign."""
-    n = sum(ids.count(mask_token_id) for ids, _ in samples)
-    need(n == 0, f"--mask_token_id {mask_token_id} occurs {n} times in {where}: the mask token must be an id the data "
-         f"never uses; pass another --mask_token_id")
-
 def target_rope(tc):
     """(rope_theta, note) of the target's full-attention layers, whose geometry a new drafter takes: rope_parameters
     is one dict, or one per layer type (Gemma3: sliding 1e4, full 1e6), then note says which one was taken."""
@@ -2228,8 +2160,8 @@ def target_rope(tc):
         kind = "full_attention" if "full_attention" in rope else next(iter(rope))
         theta = float(rope[kind].get("rope_theta", 1e4))
         others = ", ".join(f"{k} {float(v.get('rope_theta', 1e4)):.0f}" for k, v in rope.items() if k != kind)
-        return theta, f"drafter RoPE: rope_theta {theta:.0f}, the target's {kind} layers' (its layer types differ: " \
-                      f"{others})"
+        return theta, (f"drafter RoPE: rope_theta {theta:.0f}, the target's {kind} layers' (its layer types differ: "
+                       f"{others})")
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     return float(theta if theta is not None else getattr(tc, "rope_theta", None) or 1e4), None
 
@@ -2245,18 +2177,16 @@ def target_window(tc):
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
         rope = rope.get("full_attention") or next(iter(rope.values()))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return native, None
-    scaling = {k: v for k, v in rope.items() if k in YARN_KEYS} if kind == "yarn" else dict(rope)
-    reach = int(scaling.get("original_max_position_embeddings") or native) * float(scaling.get("factor") or 1) \
-        if kind == "yarn" else native
+    if kind != "yarn":
+        return native, None if kind == "default" else dict(rope)
+    scaling = {k: v for k, v in rope.items() if k in YARN_KEYS}
+    reach = int(scaling.get("original_max_position_embeddings") or native) * float(scaling.get("factor") or 1)
     return max(native, int(reach)), scaling
 
 def long_context_rope(tc, max_len):
     """(rope_scaling, max_position_embeddings) of a new drafter trained at max_len: plain RoPE and the target's
-    max_position_embeddings up to it (unchanged); past it, a yarn target's own yarn and its reach (config_to_json
-    writes both, so the engines serve the drafter's positions as trained). A sample past what the target takes is
-    refused where the data is read (check_lengths): --max_len alone may exceed it (the default 3072, tiny targets)."""
+    max_position_embeddings up to it; past it, a yarn target's own yarn and its reach (written into config.json, so
+    the engines serve the drafter's positions as trained). A sample past what the target takes: check_lengths."""
     native = getattr(tc, "max_position_embeddings", None) or 32768
     reach, scaling = target_window(tc)
     if not max_len or max_len <= native or (scaling or {}).get("rope_type") != "yarn":
@@ -2268,8 +2198,8 @@ def check_lengths(samples, tc, where):
     reach, scaling = target_window(tc)
     longest = max((len(ids) for ids, _ in samples), default=0)
     yarn = (scaling or {}).get("rope_type") == "yarn"
-    more = "" if yarn else f", or give the target's config.json a yarn rope_parameters (factor " \
-        f"{math.ceil(longest / reach)}, original_max_position_embeddings {reach})"
+    more = "" if yarn else (f", or give the target's config.json a yarn rope_parameters (factor "
+                            f"{math.ceil(longest / reach)}, original_max_position_embeddings {reach})")
     need(longest <= reach, f"{where}: a sample of {longest} tokens is past the {reach} positions the target takes "
          f"({'its yarn reach' if yarn else 'its max_position_embeddings'}); use --max_len {reach}{more}")
 
@@ -2277,19 +2207,15 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
     """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps from the target, rope_theta from its
-    full-attention layers (target_rope; said when the layer types differ), and unless given its attention geometry
-    (heads, kv heads, head_dim: a hybrid Qwen3.5/3.6's full-attention layers') and MLP width; plain RoPE over the full
-    head; n-1 causal sliding layers + 1 full bidirectional layer unless layer_types says otherwise. Every problem of
-    these flags with this target is raised at once. max_len past the target's max_position_embeddings: the
-    target's yarn (long_context_rope)."""
+    full-attention layers (target_rope), unless given their attention geometry (heads, kv heads, head_dim) and MLP
+    width; plain RoPE over the full head (past the target's window: its yarn); n-1 causal sliding layers + 1 full
+    bidirectional layer unless layer_types says otherwise. Every problem of these flags is raised at once."""
     tc = target.model.config.get_text_config()
-    rope_theta, rope_note = target_rope(tc)
+    (rope_theta, rope_note), (rope_scaling, max_positions) = target_rope(tc), long_context_rope(tc, max_len)
     n, L, problems = num_draft_layers or 5, target.num_layers, []  # None: the flag's default (said in --help)
     block_size, sliding_window = block_size or 16, 2048 if sliding_window is None else sliding_window
-    rope_scaling, max_positions = long_context_rope(tc, max_len)
     heads = num_heads or tc.num_attention_heads
-    if mask_token_id is None:
-        mask_token_id = getattr(target.tokenizer, "mask_token_id", None)
+    mask_token_id = getattr(target.tokenizer, "mask_token_id", None) if mask_token_id is None else mask_token_id
     if mask_token_id is None:
         problems.append("no mask token: the target's tokenizer defines none; pass --mask_token_id with an id the data "
                         "never uses (z-lab's drafters use a spare embedding row)")
@@ -2311,10 +2237,9 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             rope_scaling=rope_scaling, max_position_embeddings=max_positions, block_size=block_size,
             mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
+        problems += engine_problems(cfg)  # before any weights load: check_run calls this on the meta target
     except DFlashError as e:
         problems += str(e).splitlines()
-    else:
-        problems += engine_problems(cfg)  # before any weights load: check_run calls this on the meta target
     need(not problems, "\n".join(problems))
     if rope_note:
         say(rope_note)
@@ -2322,9 +2247,8 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
 
 @dataclass
 class RunSetup:
-    """What check_run found: the drafter config (None for --show_data), the checkpoint to resume (and its train
-    state), the data file's digest (recorded in every checkpoint), the --init_from drafter directory, and the
-    variant's module (dflash_tools/, None for DFlash)."""
+    """What check_run found: the drafter config (None for --show_data), the checkpoint to resume and its train state,
+    the data file's digest (kept in every checkpoint), the --init_from directory, the variant's module (or None)."""
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
@@ -2335,19 +2259,17 @@ class RunSetup:
 def check_run(args, world, device, master):
     """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
     resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
-    device), with every problem of the flags with this target reported at once; then the memory plan. Returns a
-    RunSetup; its cfg is None for --show_data (it looks at the data alone)."""
+    device), with every problem of the flags with this target reported at once; then the memory plan."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
-    problems = [f"data file {path!r} " + ("is not a regular file (a device or a pipe)" if os.path.exists(path) else
-                                          "does not exist") + f"; pass {flag} with a JSONL or Parquet file or a "
-                f"save_to_disk dir" for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data"))
-                if path and not args.plan and not (os.path.isfile(path) or os.path.isdir(path))]
-    for path, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")):  # not JSONL: its package, now
-        if path and not args.plan and (os.path.isdir(path) or os.path.isfile(path) and data_kind(path)):
-            import_tool("formats", f"{flag} {path!r}").check_readable(path, flag)
-    if args.eval_data and os.path.exists(args.eval_data) and os.path.exists(args.data or "") and \
-            os.path.samefile(args.data, args.eval_data):
+    data = [(p, flag) for p, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")) if p and not args.plan]
+    problems = [f"data file {p!r} " + ("is not a regular file (a device or a pipe)" if os.path.exists(p) else
+                                       "does not exist") + f"; pass {flag} with a JSONL or Parquet file or a "
+                f"save_to_disk dir" for p, flag in data if not (os.path.isfile(p) or os.path.isdir(p))]
+    for p, flag in data:  # not JSONL: its package and kind, before any weights load (a pipe is never opened)
+        if os.path.isdir(p) or os.path.isfile(p) and data_kind(p):
+            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag)
+    if len(data) == 2 and not problems and os.path.samefile(args.data, args.eval_data):
         problems.append(f"--eval_data {args.eval_data} is --data itself: its held-out metrics would be on training "
                         f"data; give other data, or drop --eval_data (--eval_fraction splits --data)")
     if args.eval_data and args.eval_fraction:
@@ -2366,15 +2288,13 @@ def check_run(args, world, device, master):
         check_out_dir(args.out)
         if master:
             lock_out(args.out)
-    trackers = [n for n in report_to(args)] if writes else []
-    if trackers:
-        import_tool("trackers", f"--report_to {','.join(trackers)}").check_trackers(trackers)
+    if writes and report_to(args):
+        import_tool("trackers", "--report_to").check_trackers(report_to(args))
     readable = writes and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # never a pipe
-    data_digest = broadcast(path_digest(args.data) if master and writes and readable else None, world)
+    data_digest = broadcast(path_digest(args.data) if master and readable else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
-    if args.plan:
-        import_tool("plan", "--plan")  # a missing extra first: --plan cannot run without it
+    plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: --plan needs it
     if args.show_data:
         need(not problems, "\n".join(problems))
         return RunSetup()
@@ -2397,19 +2317,11 @@ def check_run(args, world, device, master):
     except DFlashError as e:
         problems += str(e).splitlines()
     need(not problems, "\n".join(problems))
-    if args.plan or (device.type == "cuda" and os.path.isdir(os.path.join(os.path.dirname(__file__), "dflash_tools"))):
+    if plan or (device.type == "cuda" and os.path.isdir(os.path.join(os.path.dirname(__file__), "dflash_tools"))):
         import_tool("plan", "--plan").memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
-
-def broadcast(obj, world):
-    """Rank 0's object on every rank (e.g. the data file's digest: one rank reads the file)."""
-    if world > 1:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        obj = box[0]
-    return obj
 
 def check_resume(out, run, global_batch, master):
     """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
@@ -2430,9 +2342,8 @@ def check_resume(out, run, global_batch, master):
         keep_metrics(out, state["step"] if state else -1)
 
 def read_data(args, target, say, cfg=None):
-    """(train samples, held-out samples): --eval_data's, or split off --data (split_eval), with the mask token
-    checked unused by either (cfg's). With --show_data the held-out set is None and the samples are --data's in
-    file order."""
+    """(train samples, held-out samples): --eval_data's, or split off --data (split_eval), checked against the
+    target: the mask token unused, every sample within its positions. --show_data: --data's in file order, None."""
     kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
@@ -2441,9 +2352,11 @@ def read_data(args, target, say, cfg=None):
         train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
     else:
         train_samples, eval_samples = split_eval(samples, eval_fraction(args), args.seed)
-    check_mask_unused(train_samples + eval_samples, cfg.mask_token_id, "--data" + " and --eval_data" * bool(
-        args.eval_data))
-    check_lengths(train_samples + eval_samples, target.model.config.get_text_config(), "--data")
+    where, n = "--data" + " and --eval_data" * bool(args.eval_data), cfg.mask_token_id
+    used = sum(ids.count(n) for ids, _ in train_samples + eval_samples)
+    need(not used, f"--mask_token_id {n} occurs {used} times in {where}: the mask token must be an id the data never "
+         f"uses (its embedding is the drafter's only sign of an offset to draft); pass another --mask_token_id")
+    check_lengths(train_samples + eval_samples, target.model.config.get_text_config(), where)
     split = "" if args.eval_data else f" (--eval_fraction {eval_fraction(args)}: at least {EVAL_FLOOR}, at most half)"
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
@@ -2451,36 +2364,28 @@ def read_data(args, target, say, cfg=None):
 class NoTrackers:
     """What the loop logs to without --report_to (dflash_tools/trackers.py has the real ones)."""
     wandb_id = None
+    log = close = staticmethod(lambda *a: None)
 
-    def log(self, record):
-        pass
-
-    def close(self):
-        pass
-
-def report_to(args):
-    """The trackers asked for, in order, each once (--report_to may repeat; none is none)."""
+def report_to(args):  # the trackers asked for, in order, each once (--report_to may repeat; none is none)
     return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
 
 def start_trackers(args, run, master):
     """Rank 0's --report_to trackers (none elsewhere, nor for --show_data), given the run's flags and drafter
     config, continuing a resumed run's curves."""
-    names = report_to(args) if master and run.cfg else []
-    if not names:
+    if not (master and run.cfg and report_to(args)):
         return NoTrackers()
-    config = {"args": vars(args), "drafter": asdict(run.cfg)}
-    return import_tool("trackers", "--report_to").Trackers(names, args.out, config, run.state)
+    return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, {
+        "args": vars(args), "drafter": asdict(run.cfg)}, run.state)
 
 def progress_bar(total_steps, step, master, args):
-    """Rank 0's tqdm bar of the training steps, on a terminal only (redirected, the log lines alone; or
-    --no_progress)."""
+    """Rank 0's tqdm bar of the steps, on a terminal only (redirected: the log lines alone; or --no_progress)."""
     off = not master or args.no_progress or not sys.stderr.isatty()
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
 
 def load_run_target(args, run, world, device):
-    """The run's target, loaded (and with --shard_target under torchrun, sharded), and its record (target_record):
-    what every checkpoint keeps, and what a drafter to go on (--init_from's, the checkpoint's) must have been
-    trained against (unless --allow_other_target)."""
+    """The run's target, loaded (and with --shard_target under torchrun, sharded), and its record: what every
+    checkpoint keeps, and what a drafter to go on (--init_from's, the checkpoint's) must have been trained against
+    (unless --allow_other_target)."""
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
                          shard=args.shard_target and world > 1)
     record = target_record(target)
@@ -2496,8 +2401,8 @@ def run_summary(args, target, total_steps, global_batch, world, device):
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
 def count_bad_step(bad_steps, step, total, grad_norm, args, say):
-    """A step whose loss or grad norm was not finite (its update skipped): said, counted, and after
-    --max_bad_steps in a row, the end of the run. Returns the new count."""
+    """A step whose loss or grad norm was not finite (its update skipped): said, counted, and after --max_bad_steps
+    in a row, the end of the run. Returns the new count."""
     bad_steps += 1
     say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, skipped the update "
         f"({bad_steps} in a row)")
@@ -2520,8 +2425,8 @@ def short_hash(text):
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 def generation_prompt(tokenizer, kw):
-    """What the chat template appends after a user turn to start the assistant's (add_generation_prompt=True),
-    under the template keyword arguments kw; None where it cannot render a probe turn."""
+    """What the chat template appends after a user turn to start the assistant's, under the template keyword
+    arguments kw; None where it cannot render a probe turn."""
     turn = [{"role": "user", "content": "hi"}]
     try:
         base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
@@ -2538,10 +2443,8 @@ def thinking_mode(tokenizer, enable_thinking):
     if enable_thinking is not None:
         return "on" if enable_thinking else "off"
     default = generation_prompt(tokenizer, {})
-    for value in (True, False):
-        if default == generation_prompt(tokenizer, {"enable_thinking": value}):
-            return "on" if value else "off"
-    return "template default"
+    return next(("on" if v else "off" for v in (True, False)
+                 if default == generation_prompt(tokenizer, {"enable_thinking": v})), "template default")
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
     """The settings a walked tau depends on besides the drafter: thinking on/off, max_new_tokens, the serving mode
@@ -2563,10 +2466,9 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
 # Command line: every flag is checked once, here, where it enters
 
 def number(kind, lo, open_lo=False, hi=None):
-    """An argparse type: a finite int (kind int) or float >= lo (> lo when open_lo; <= hi when given: fractions).
-    Its rule, in words, is `.text` (what the error says)."""
-    text = f"{'an integer' if kind is int else 'a number'} {'>' if open_lo else '>='} {lo}" + \
-        (f" and <= {hi}" if hi is not None else "")
+    """An argparse type: a finite int or float >= lo (> lo when open_lo; <= hi when given); `.text` says the rule."""
+    text = f"{'an integer' if kind is int else 'a number'} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (
+        hi is not None)
 
     def parse(s):
         try:
@@ -2631,7 +2533,7 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
     group.add_argument(name, default=default, help=help, **kw)
 
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends to the target: far above DDTree's, and the walk
+TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
                  "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")

@@ -45,8 +45,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dflash
-from dflash import (DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk,
-                    walk_steps)
+from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -314,7 +313,7 @@ class NeuralDrafter:
     def walk_dflash2(self, target, prompt, continuation, features, num_drafts, temperature=0.0):
         """DFlash2: drafts[k] (its selector's greedy path) and draft_every_anchor's details: the unary argmax drafts
         and the top-k hits of the true tokens (diagnostics), and at temperature > 0 the selector's q of each true
-        token (selector_sampled_lengths)."""
+        token (dflash_tools/dflash2.py's sampled_lengths)."""
         ids = torch.tensor([prompt + continuation], device=features.device)
         path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), details=True,
                                            temperature=temperature)
@@ -437,21 +436,6 @@ def truth_probs(target, final, prompt_len, continuation, s):
     return torch.cat(p)
 
 
-def selector_sampled_lengths(continuation, p_truth, q, generator):
-    """DFlash2 at temperature > 0: acceptance lengths along a continuation sampled from the target, when each block
-    is drawn from its selector's q over the k candidates and verified by rejection sampling (z-lab's reference).
-    The walk uses the coupling that has the same law: the target's token x ~ p' at an offset is the draft with
-    probability min(1, q(x) / p'(x)), so the draft is accepted then (u * p'(x) < q(x), u uniform), and the walk
-    goes on along x; a rejection emits x, distributed as the residual of p' without q. While drafts are accepted
-    the selector's path is the continuation, so q is its teacher-forced one. q (n, B-1): q of continuation[k+i]
-    at offset i of the block anchored at continuation[k]; p_truth from truth_probs."""
-    n, Bm1 = q.shape
-    u = torch.rand(n, Bm1, generator=generator)
-    at = (torch.arange(n)[:, None] + torch.arange(1, Bm1 + 1)).clamp(max=len(continuation) - 1)
-    accept = (u * p_truth[at] < q.float().cpu()).tolist()
-    return walk_steps(continuation, lambda k, truth: accepted_prefix(accept[k], [True] * len(truth)))
-
-
 # -----------------------------------------------------------------------------
 # Loop mode: a real speculative decoding loop with the target's KV cache
 
@@ -558,7 +542,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
-    dflash2 = [name for name, (d, _) in drafters.items() if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
+    dflash2 = [name for name, (d, _) in drafters.items()
+               if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
     if tree_budgets and dflash2:
         raise DFlashError(f"--tree_budget: drafter {dflash2[0]} is a DFlash2 drafter, whose selector drafts one chain "
                           f"(no tree verification is defined for it); drop --tree_budget or that drafter")
@@ -614,7 +599,7 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
     drafters' context layers in one hooked target pass over prompt + continuation; tree_budgets: each neural
     drafter's entry also holds the tree walk's acceptance lengths per budget, from the same drafting pass. A DFlash2
-    drafter walks its selector's path (sampled: selector_sampled_lengths, its uniforms seeded by accept_seed); its
+    drafter walks its selector's path (sampled: dflash2.sampled_lengths, its uniforms seeded by accept_seed); its
     entry also holds the unary argmax's acceptance lengths and the top-k hits of the true tokens."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
@@ -644,9 +629,9 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
             else:
                 at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
             if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
-                lengths = selector_sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation,
-                                                                             sampling), details["q"],
-                                                   torch.Generator().manual_seed(accept_seed))
+                p_truth = truth_probs(target, final, len(prompt), continuation, sampling)
+                lengths = dflash.import_tool("dflash2", "a DFlash2 drafter").sampled_lengths(  # its walk at T > 0
+                    continuation, p_truth, details["q"], torch.Generator().manual_seed(accept_seed))
             else:
                 lengths = tau_walk(continuation, at)
             drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
@@ -902,15 +887,10 @@ def compare_reports(paths, depth_buckets=None):
 def write_json(report, path):
     """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
     the table printed before it stays the result."""
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, path)
+        dflash.write_atomic(path, json.dumps(report))
     except OSError as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
         raise DFlashError(f"cannot write {path} ({e.strerror}); the report above is the result") from None
     return path
 

@@ -2,6 +2,7 @@
 published ShareGPT sets), Parquet (found by its magic bytes), a directory written by datasets' save_to_disk; and
 ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}. pyarrow and datasets are imported only
 for their formats. A table's row drops its null fields: columns that only other rows' formats fill."""
+import hashlib
 import importlib
 import json
 import os
@@ -107,3 +108,14 @@ def chat_record(record, where):
         need(isinstance(t.get("value"), str), f"{where}: conversations[{j}] has no string value")
         messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
     return {"messages": messages}
+
+def dir_digest(path):
+    """{size, sha256} of a save_to_disk directory's files (names and bytes, in name order), as dflash records a
+    data file's: a resume can tell the data changed."""
+    h, size = hashlib.sha256(), 0
+    for root, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            with open(os.path.join(root, name), "rb") as f:
+                digest, size = hashlib.file_digest(f, "sha256").hexdigest(), size + os.fstat(f.fileno()).st_size
+            h.update(f"{os.path.relpath(os.path.join(root, name), path)}\0{digest}\n".encode())
+    return {"size": size, "sha256": h.hexdigest()}

@@ -486,11 +486,11 @@ def test_selector_sampled_lengths_rule():
     acceptance rate is min(1, q/p') (the coupling of rejection sampling)."""
     cont = list(range(9))
     p = torch.full((9,), 0.5)
-    assert ev.selector_sampled_lengths(cont, p, torch.ones(8, 3), torch.Generator().manual_seed(0)) == [4, 4]
-    assert ev.selector_sampled_lengths(cont, p, torch.zeros(8, 3), torch.Generator().manual_seed(0)) == [1] * 8
+    assert dflash2.sampled_lengths(cont, p, torch.ones(8, 3), torch.Generator().manual_seed(0)) == [4, 4]
+    assert dflash2.sampled_lengths(cont, p, torch.zeros(8, 3), torch.Generator().manual_seed(0)) == [1] * 8
     accepted, steps = 0, 0
     for seed in range(300):
-        lengths = ev.selector_sampled_lengths(cont, p, torch.full((8, 1), 0.2), torch.Generator().manual_seed(seed))
+        lengths = dflash2.sampled_lengths(cont, p, torch.full((8, 1), 0.2), torch.Generator().manual_seed(seed))
         accepted, steps = accepted + sum(x - 1 for x in lengths), steps + len(lengths)
     assert abs(accepted / steps - 0.4) < 0.04, accepted / steps  # one draft per block: P(accept) = 0.2 / 0.5
 

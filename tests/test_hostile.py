@@ -523,7 +523,7 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
     shutil.copytree(trained, out)
     shutil.copy(w["data"], data)  # the same bytes as the run was trained on: it resumes
     assert torch.load(os.path.join(out, "step_2", "train_state.pt"), weights_only=True)["data"] == \
-        dflash.file_digest(data)
+        dflash.path_digest(data)
     with open(data, "a") as f:
         f.write(json.dumps({"input_ids": [1, 2, 3, 4, 5]}) + "\n")
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # logged after the last checkpoint (then killed)
@@ -572,10 +572,9 @@ def test_disk_full_writing_the_json_report(tmp_path, monkeypatch):
     """eval.py's report (after the work, so proven writable first): a full disk is still one line, no partial file."""
     path = str(tmp_path / "r.json")
 
-    def full_disk(obj, f):
-        f.write("{\"results\": [")
+    def full_disk(fd):  # the bytes are written, the disk cannot take them
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(ev.json, "dump", full_disk)
+    monkeypatch.setattr(os, "fsync", full_disk)
     raises_one_line(lambda: ev.write_json({"results": []}, path), "cannot write", path, "No space left")
     assert os.listdir(tmp_path) == []
 
@@ -768,7 +767,7 @@ def test_resume_onto_other_ranks_with_zero_then_sigterm(w, reference, tmp_path):
     143 (interrupted, not done), so torchrun reports them failed."""
     out = str(tmp_path / "moved")
     shutil.copytree(os.path.join(reference, "step_2"), os.path.join(out, "step_2"))
-    dflash.write_latest(out, "step_2")
+    dflash.write_atomic(os.path.join(out, "latest"), "step_2\n")
     p = torchrun(w["base"] + TWO_RANKS + ["--out", out, "--resume"])
     wait_for(lambda: logged_steps(out), "a step on 2 ranks")
     for pid in workers(p).values():  # as a cluster scheduler does: every worker gets SIGTERM
