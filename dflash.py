@@ -2294,7 +2294,11 @@ def check_run(args, world, device, master):
     data_digest = broadcast(path_digest(args.data) if master and readable else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
-    plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: --plan needs it
+    plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: these flags need one
+    for needed, module, why in ((args.loss != "ce", "losses", f"--loss {args.loss}"),
+                                (args.eval_walk_tree_budget, "tree", "--eval_walk_tree_budget")):
+        if needed:
+            import_tool(module, why)
     if args.show_data:
         need(not problems, "\n".join(problems))
         return RunSetup()

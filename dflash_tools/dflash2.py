@@ -142,9 +142,11 @@ class CandidateSelector(nn.Module):
 
     def scores(self, h, pred, cand, unary):
         """h (..., D), pred (...,) predecessor ids, cand (..., k) candidate ids, unary (..., k) -> S (..., k) fp32."""
-        a = self.predecessor_codebook[pred] * self.hidden_projection(h)                   # (..., r)
+        # F.embedding, not indexing: its backward sums a row's repeats in a fixed order (indexing's scatter-add on
+        # CPU threads does not, and two runs of one step would differ in the last bits)
+        a = F.embedding(pred, self.predecessor_codebook) * self.hidden_projection(h)      # (..., r)
         dt = unary.dtype  # fp32 (float64 in the tests)
-        return unary + torch.einsum("...r,...kr->...k", a.to(dt), self.successor_codebook[cand].to(dt))
+        return unary + torch.einsum("...r,...kr->...k", a.to(dt), F.embedding(cand, self.successor_codebook).to(dt))
 
     def greedy_path(self, h, cand, unary, anchor_ids):
         """The drafted block at T = 0: h (n, B-1, D), cand/unary (n, B-1, k), anchor_ids (n,) -> (n, B-1) ids, each

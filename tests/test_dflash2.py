@@ -481,6 +481,22 @@ def test_dflash2_tiny_temperature_is_greedy(dense2):
     assert s == [x for x in g for _ in range(2)]
 
 
+def test_selector_gradient_is_deterministic():
+    """Many tokens sharing predecessors and candidates (their codebook rows are summed in backward) on 2 threads: the
+    same gradient every time, bit for bit (a resumed or re-run DFlash2 training is then exactly the same run)."""
+    g = torch.Generator().manual_seed(0)
+    sel = CandidateSelector(32, 512, 16)
+    h, pred = torch.randn(2048, 32, generator=g), torch.randint(0, 20, (2048,), generator=g)
+    idx, vals = torch.randint(0, 40, (2048, 8), generator=g), torch.randn(2048, 8, generator=g)
+    grads = []
+    with torch_threads(2):
+        for _ in range(4):
+            sel.zero_grad()
+            selector_ce(sel, h, pred, vals, idx, idx[:, 0].clone())[0].sum().backward()
+            grads.append([p.grad.clone() for p in sel.parameters()])
+    assert all(torch.equal(a, b) for gr in grads[1:] for a, b in zip(grads[0], gr))
+
+
 def test_selector_sampled_lengths_rule():
     """Accepted with probability min(1, q(x)/p'(x)): q >= p' always accepts, q = 0 never, and in between the
     acceptance rate is min(1, q/p') (the coupling of rejection sampling)."""
