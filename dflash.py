@@ -1346,7 +1346,8 @@ def read_drafter_config(path):
     d = read_json(cfg_path, "drafter config")
     arch = next((a for a in d.get("architectures") or [] if isinstance(a, str) and a.endswith((
         "ForCausalLM", "ForConditionalGeneration"))), None) if isinstance(d, dict) else None
-    need(arch is None, f"{path!r} is a target model ({arch}), not a drafter; it goes to --target")
+    need(arch is None or "dflash_config" in d, f"{path!r} is a target model ({arch}), not a drafter; it goes to "
+         f"--target")
     need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
          f"mask token's embedding with it, SGLang does not; remove it from the drafter directory")
     return config_from_json(d, where=cfg_path)
@@ -2286,8 +2287,6 @@ def check_run(args, world, device, master):
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
-        if master:
-            lock_out(args.out)
     if writes and report_to(args):
         import_tool("trackers", "--report_to").check_trackers(report_to(args))
     readable = writes and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # never a pipe
@@ -2325,6 +2324,8 @@ def check_run(args, world, device, master):
         import_tool("plan", "--plan").memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
+    if writes and master:  # every input checked: now this run is --out's one writer, before anything is written
+        lock_out(args.out)
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
 def check_resume(out, run, global_batch, master):

@@ -164,7 +164,12 @@ def test_dflash_flag_at_its_edge(train_files, tmp_path, capsys, monkeypatch, fla
             dflash.main(argv)
         assert e.value.code == 0 and "plan" in capsys.readouterr().out
         return
-    dflash.main(argv)
+    if flag == "--max_steps" and value > 2:
+        with pytest.raises(SystemExit) as e:  # interrupted: 128 + SIGTERM, after its checkpoint
+            dflash.main(argv)
+        assert e.value.code == 128 + signal.SIGTERM
+    else:
+        dflash.main(argv)
     text = capsys.readouterr().out
     if flag == "--show_data" and value:
         assert not os.path.exists(out) or not os.listdir(out)  # it printed, and wrote nothing

@@ -452,8 +452,9 @@ def test_encode_sample_formats():
     assert ids == [5, 6, 7, 8] and mask == [0, 0, 1, 1]
     ids, mask = dflash.encode_sample({"text": "hello world a"}, tok, where="x:4")
     assert ids == [13, 14, 15] and mask == [1, 1, 1]
-    ids_mask = dflash.encode_sample({"input_ids": [5, 6, 7], "loss_mask": [0, 2, 1]}, None, where="x:5")
-    assert ids_mask == ([5, 6, 7], [0, 1, 1])
+    with pytest.raises(DFlashError, match="x:5: loss_mask holds 2"):  # 0 or 1 only: never a guess
+        dflash.encode_sample({"input_ids": [5, 6, 7], "loss_mask": [0, 2, 1]}, None, where="x:5")
+    assert dflash.encode_sample({"input_ids": [5, 6, 7], "loss_mask": [0, True, 1.0]}, None) == ([5, 6, 7], [0, 1, 1])
     assert dflash.encode_sample({"input_ids": [5, 6, 7]}, None, where="x:6") == ([5, 6, 7], [1, 1, 1])
 
     with pytest.raises(DFlashError, match="x:7"):
