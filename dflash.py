@@ -816,22 +816,6 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
                                              **{**loss_kw, "noise_std": 0, "progress": None})[1])
     return summarize(all_reduce_sum(total, world), drafter)
 
-def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
-    return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
-
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):
-    """The console line and the metrics.jsonl record of a logged step (total: its summed stats; loss: --loss)."""
-    m, mem = summarize(total, drafter), peak_memory_mb(device)
-    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
-    record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
-    return line, record
-
-def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
-    shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
-    return f"  ({', '.join(shown)})" if shown else ""
-
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
     """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau and acceptance by
     block offset (walk_tau, with its other walks: tree, a variant's); said (the console) and logged (metrics.jsonl),
@@ -2414,6 +2398,22 @@ def count_bad_step(bad_steps, step, total, grad_norm, args, say):
     need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr "
          f"or check the data")
     return bad_steps
+
+def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
+    return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
+
+def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):
+    """The console line and the metrics.jsonl record of a logged step (total: its summed stats; loss: --loss)."""
+    m, mem = summarize(total, drafter), peak_memory_mb(device)
+    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
+    record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
+              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
+    return line, record
+
+def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
+    shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
+    return f"  ({', '.join(shown)})" if shown else ""
 
 def append_metrics(out, record):
     try:

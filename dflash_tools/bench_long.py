@@ -218,7 +218,7 @@ def run_flex(args):
                 print(f"  length {S:>6}  {'sliding 2048' if window else 'full':<12}  "
                       f"{'enable_gqa=True ' if gqa else 'K/V repeated   '}  {r['ms']:8.2f} ms fwd+bwd (median of "
                       f"5)  peak {r['peak_gb']:.2f} GB  (compile {compile_s:.0f} s)", flush=True)
-                del q, k, v
+                q = k = v = None  # freed before the next length
     for S in args.flex_lengths:
         for window in [None] + ([2048] if args.flex_sliding else []):
             pair = {r["enable_gqa"]: r["ms"] for r in rows if r["length"] == S and r["window"] == window}

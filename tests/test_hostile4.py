@@ -8,16 +8,14 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
 import dflash
 import eval as ev
-from conftest import (ROOT, VOCAB, ZL, fails_with, one_error, replace, tiny_cfg, tiny_qwen3, tiny_qwen35,
-                      tiny_tokenizer, write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors)
+from conftest import (ROOT, VOCAB, ZL, fails_with, one_error, replace, tiny_cfg, tiny_qwen35, tiny_tokenizer,
+                      write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
