@@ -112,6 +112,9 @@ class DFlashConfig:
     def problems(self):
         return config_problems(self)  # Part III; a variant adds its own rules
 
+    def dflash_config_keys(self):
+        return {}  # a variant's own keys of config.json's dflash_config
+
     def rope_type(self):
         s = self.rope_scaling or {}
         return s.get("rope_type", s.get("type", "default"))
@@ -1277,8 +1280,6 @@ def config_to_json(cfg):
     return {"architectures": [cfg.architecture], "model_type": "qwen3", "hidden_act": "silu",
             "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
-
-DFlashConfig.dflash_config_keys = lambda cfg: {}  # a variant's config returns its dflash_config keys
 
 def config_class(d, where="config.json"):
     """The config class config.json's architectures names: DFlashConfig, or a variant's (VARIANTS)."""
