@@ -4,10 +4,10 @@ SGLang serve it: through transformers' config class for its model_type, then the
 (dflash_config, then the top level). A key this drafter does not implement, or that the engines would serve
 differently, is refused in one line naming the key and what each engine does, never ignored."""
 import os
-from dataclasses import fields
 
 from dflash import (DFlashConfig, DFlashError, config_class, engine_problems, first_line, is_int, need,
                     valid_target_layer_ids)
+from dflash_tools.dflash2 import INTS, UNARY
 
 NOT_IMPLEMENTED = {
     "attention_sink_bias": ((False, None), "a learned per-head attention sink"),
@@ -133,36 +133,33 @@ def attention_differs(d, c, dc):
                    f"is sliding); state it as the top-level is_causal, which both read")
     return out
 
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
-                "final_logit_softcapping", "input_embedding_scale")  # DFlash2's dflash_config keys (vLLM reads them there)
-UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+DFLASH2_KEYS = (*INTS, *UNARY)  # DFlash2's dflash_config keys (vLLM reads them there alone)
 
 def variant_fields(cls, d, dc):
     """A variant's keys of a config.json: ({field: value}, problems), read from dflash_config, then the top level
     (z-lab's order). A key only at the top level is a problem (vLLM reads DFlash2's keys from dflash_config alone),
     and so is an `architectures` that disagrees with the keys (vLLM and z-lab pick the model class by it)."""
     kw, problems, arch = {}, [], d.get("architectures") or []
-    plain = {f.name: f.default for f in fields(cls)}
     for k in DFLASH2_KEYS:
         v = dc[k] if k in dc else d.get(k)
-        if k not in dc and k in d and v not in (0, None, plain.get(k, 1.0)):
+        if k not in dc and k in d and v not in (0, None, UNARY.get(k)):  # off, or the identity: nothing to serve
             problems.append(f"{k} is at the top level, not in dflash_config: vLLM reads DFlash2's keys from "
                             f"dflash_config only; move it there")
-        if v is not None and not (k in DFLASH2_KEYS[:4] and v == 0):  # an integer 0: off (plain DFlash)
+        if v is not None and not (k in INTS and v == 0):  # an integer 0: off (plain DFlash)
             kw[k] = v
-    if cls is DFlashConfig and any(k in kw for k in DFLASH2_KEYS[:4]):
+    if cls is DFlashConfig and any(k in kw for k in INTS):
         problems.append(f"dflash_config has DFlash2's keys but architectures is {arch}: vLLM and z-lab would load it "
                         f"as plain DFlash, without its convolutions and selector; set architectures to "
                         f"[\"DFlash2DraftModel\"]")
     elif cls is DFlashConfig and not problems and any(kw.get(k) != v for k, v in UNARY.items() if k in kw):
         problems.append("output_multiplier, final_logit_softcapping and input_embedding_scale are implemented only "
                         "for DFlash2 drafters (they transform its selector's unary logits and block embeddings)")
-    on = [k for k in DFLASH2_KEYS[:4] if kw.get(k)]
+    on = [k for k in INTS if kw.get(k)]
     if cls is not DFlashConfig and not on:
         problems.append(f"architectures names {cls.architecture} but dflash_config lacks "
-                        f"{', '.join(DFLASH2_KEYS[:4])}; the engines cannot build it")
+                        f"{', '.join(INTS)}; the engines cannot build it")
     elif cls is not DFlashConfig and len(on) < 4:
-        problems.append(f"DFlash2 needs all of {', '.join(DFLASH2_KEYS[:4])}; only {', '.join(on)} set (a half "
+        problems.append(f"DFlash2 needs all of {', '.join(INTS)}; only {', '.join(on)} set (a half "
                         f"DFlash2 config is refused by z-lab's, vLLM's and SGLang's loaders); set all four or none")
     return ({} if cls is DFlashConfig else kw), problems
 

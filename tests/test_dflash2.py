@@ -425,6 +425,11 @@ def test_dflash2_keys_only_at_top_level_or_without_the_class(tmp_path):
     path = write_zlab_dir(str(tmp_path / "top"), c, zlab_tensors())
     with pytest.raises(DFlashError, match="at the top level, not in dflash_config"):
         dflash.load_drafter(path)
+    released = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16)  # its defaults too
+    path = write_zlab_dir(str(tmp_path / "top_released"), zlab_config(**released, architectures=["DFlash2DraftModel"]),
+                          zlab_tensors())
+    with pytest.raises(DFlashError, match="at the top level, not in dflash_config"):
+        dflash.load_drafter(path)
     path = write_zlab_dir(str(tmp_path / "arch"), zlab_config(architectures=["DFlash2DraftModel"]), zlab_tensors())
     with pytest.raises(DFlashError, match="names DFlash2DraftModel but dflash_config lacks"):
         dflash.load_drafter(path)
