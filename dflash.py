@@ -1531,8 +1531,8 @@ def last_complete(out):
         return f"no complete checkpoint in {out} yet"
 
 def write_atomic(path, text):
-    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one). <out>/
-    latest so never names a partial checkpoint; metrics.jsonl and eval.py's --json are written so too."""
+    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one). So
+    <out>/latest never names a partial checkpoint; metrics.jsonl and eval.py's --json are written the same way."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
@@ -1884,7 +1884,8 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
         ids, mask = ids[:max_len], mask[:max_len]
         if len(anchor_candidates(mask)):
             samples.append((ids, mask))
-        skipped += not len(anchor_candidates(mask))
+        else:
+            skipped += 1
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
     need(samples, f"{path}: no usable samples ({skipped} skipped: no two consecutive response tokens within "
          f"--max_len {max_len}); check the file and the loss_mask")
@@ -2097,7 +2098,7 @@ def resume_point(args, data_digest, master=True):
     worker torchrun restarted). Without either, an --out that holds a run is refused (never started over in place);
     so is a checkpoint made on other data, with another flag that decides the data order, or with another loss (a
     checkpoint that records none was trained with the CE). Its drafter and global batch: check_resume."""
-    mode, out = args.resume or ("auto" if restart_count() > 0 else None), args.out
+    mode, out, left = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
@@ -2107,12 +2108,14 @@ def resume_point(args, data_digest, master=True):
         d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
         if master:
             print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
-    if d is None and mode and not os.path.exists(os.path.join(out, "latest")) and complete_checkpoints(out):
-        d = complete_checkpoints(out)[0]  # latest lost (a crash between a checkpoint and latest, a hand): the newest
+    if d is None and left is None:  # every step_N's files are opened: once, and only where it decides something
+        left = complete_checkpoints(out) if mode or earlier_run(out) else []
+    if d is None and mode and left and not os.path.exists(os.path.join(out, "latest")):
+        d = left[0]  # latest lost (a crash between a checkpoint and latest, a hand): the newest complete one
         if master:
             print(f"--resume: {out} has no latest; continuing its newest complete checkpoint {d}")
     if d is None:
-        earlier, left = earlier_run(out), complete_checkpoints(out)
+        earlier = earlier_run(out)
         need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); "
              + ("--resume auto starts anew in it, or give a new --out" if earlier else "drop --resume to start"))
         need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
