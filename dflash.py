@@ -2,19 +2,17 @@
 DFlash: train a block-diffusion speculative-decoding drafter against a frozen target LLM (arXiv 2602.06036).
 
 Quick start
-    python dflash.py                      # CPU demo: tiny hybrid target, train a drafter, measure tau (< 10 min)
-    python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 \
-        --sliding_window 0                # one GPU
+    python dflash.py                      # CPU demo: tiny target, train a drafter, measure tau (< 10 min)
+    python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669   # one GPU
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl --out runs/q36 \
         --mask_token_id 248070 --num_heads 32 --num_kv_heads 8 --head_dim 128   # 8 GPUs, z-lab's 27B geometry
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 dflash.py ...
-    torchrun --nproc_per_node=8 dflash.py ... --resume   # continue <out>/latest after an interruption
-    torchrun --max_restarts=3 ... dflash.py ...         # a restarted worker resumes from <out>/latest by itself
+    torchrun --max_restarts=3 ... dflash.py ... [--resume]   # continue <out>/latest (a restarted worker does)
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
-This file is DFlash, trained and resumed safely, and stands alone (copied into an empty directory it trains, walks
-held-out tau and resumes). Part I is the method in reading order, Part II the exact fast paths, Part III the
-operations a run needs; a learner reads Part I and may stop there.
+This file is DFlash, trained and resumed safely; copied alone into an empty directory it trains, walks held-out tau
+and resumes. Part I is the method in reading order (a learner may stop after it), Part II the exact fast paths,
+Part III the operations a run needs.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
@@ -29,13 +27,10 @@ The method in ten lines
     against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
     most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
 
-Variants and extras plug in from dflash_tools/, one module per role, each imported only where a flag, a config.json
-or a file kind asks for it (import_tool; without the folder that use is one error line): a variant, other losses,
-tree verification, config.json written by other trainers and hub ids, data formats beyond JSONL, trackers, the
-sharded target, the memory plan, the demo. To add a variant, write dflash_tools/<name>.py with a Config(DFlashConfig)
-dataclass (its fields, `architecture`, `problems()`, `dflash_config_keys()`) and a Drafter(DFlashDrafter) overriding
-the hooks it changes: Layer (the decoder layer), draft (the draft rule), block_loss and summary (its loss and the
-figures it logs); then name it in VARIANTS and declare its flags. Nothing else here changes.
+Extras plug in from dflash_tools/, each imported only where a flag, config.json or file kind asks (import_tool).
+A variant is one file there: a Config(DFlashConfig) (its fields, architecture, problems(), dflash_config_keys())
+and a Drafter(DFlashDrafter) overriding the hooks it changes (Layer, draft, block_loss, summary); name it in
+VARIANTS and declare its flags.
 """
 
 import argparse
@@ -70,9 +65,8 @@ from tqdm import tqdm
 # =============================================================================
 # PART I. THE METHOD
 #
-# Everything DFlash is, in reading order, each idea before its first use. Functions it calls from Part II (exact
-# fast paths) and Part III (operations: checks, files, the command line) are named for what they do; a learner need
-# not jump to them.
+# Everything DFlash is, in reading order, each idea before its first use. What it calls from Part II (fast paths) and
+# Part III (operations) is named for what it does; a learner need not jump there.
 # =============================================================================
 
 # -----------------------------------------------------------------------------
@@ -102,18 +96,18 @@ class DFlashConfig:
     architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's architectures; a variant names its own
 
     def __post_init__(self):
-        """Every config, from config.json or from flags, passes through here: all its problems at once. is_causal is
-        kept only where it differs from its default rule (causal iff sliding), so equal masks mean equal configs."""
+        """Every config passes here: all its problems at once. is_causal is kept only where it differs from its
+        default rule (causal iff sliding), so equal masks mean equal configs."""
         bad = self.problems()
         need(not bad, "\n".join(bad))
         if self.is_causal is not None and all((t == "sliding_attention") == self.is_causal for t in self.layer_types):
             self.is_causal = None
 
-    def problems(self):
-        return config_problems(self)  # Part III; a variant adds its own rules
+    def problems(self):  # a variant adds its own rules
+        return config_problems(self)
 
-    def dflash_config_keys(self):
-        return {}  # a variant's own keys of config.json's dflash_config
+    def dflash_config_keys(self):  # a variant's own keys of config.json's dflash_config
+        return {}
 
     def rope_type(self):
         s = self.rope_scaling or {}
@@ -126,8 +120,7 @@ class DFlashConfig:
         return causal, self.sliding_window if sliding else None
 
 def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread the context layers evenly from layer 1 to layer L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (also SGLang's
-    rule for a config that names none). On a small target it repeats layers: see valid_target_layer_ids."""
+    """Spread evenly from layer 1 to L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (SGLang's rule too)."""
     L, n = num_target_layers, num_draft_layers
     if n == 1:
         return [L // 2]
@@ -175,8 +168,7 @@ def dense_masks(mask_mod, b, N, S, B, device):
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per distinct (causal, window) layer kind: a BlockMask ("flex"), or ("dense") dense_masks' pair and
-    the context_spans of its groups of blocks."""
+    """One mask per (causal, window) layer kind: a BlockMask (flex), or dense_masks' pair and its context_spans."""
     b, N = anchors.shape
     B, masks = cfg.block_size, {}
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
@@ -208,8 +200,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 def rope_inv_freq(cfg):
-    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale (1 for plain RoPE; a
-    config with rope_scaling gets yarn's, see yarn_inv_freq)."""
+    """RoPE over the full head_dim: inverse frequencies (head_dim/2,) and the cos/sin scale (yarn's, or 1)."""
     dim, base = cfg.head_dim, cfg.rope_theta
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if not cfg.rope_scaling:
@@ -291,10 +282,8 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """Holds no embedding and no lm_head: both are the target's (frozen, passed in by the caller).
-    attention: "flex" (block-sparse, CUDA) or "dense" (two_part_attention: [context ; own block]; anywhere, also
-    backward on CPU where flex has none). Chosen once, here; it is not part of the checkpoint.
-    The hooks a variant overrides: Layer, draft, block_loss, summary (and STATS, what block_loss sums)."""
+    """No embedding and no lm_head: both are the target's. attention: "flex" (block-sparse, CUDA) or "dense"
+    (two_part_attention; anywhere, also backward on CPU). A variant overrides Layer, draft, block_loss, summary."""
     Layer = DecoderLayer
     STATS = {"w": (), "ce_w": (), "correct": "B", "count": "B", "accepted": (), "blocks": ()}  # "B": per offset
 
@@ -316,17 +305,15 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
 
     def context_kv(self, context_features, start=0):
-        """(b, S, m*D) concatenated target features h[t] -> ctx = hidden_norm(fc(.)), the same for every layer,
-        -> per-layer context keys/values (k_norm + RoPE at positions start..start+S-1)."""
+        """(b, S, m*D) features h[t] -> ctx = hidden_norm(fc(.)) -> per-layer context keys/values at start.."""
         ctx = self.hidden_norm(self.fc(context_features))
         pos = torch.arange(start, start + ctx.shape[1], device=ctx.device)
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, pos, ctx.dtype)
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, context_features, block_embeds, anchors, anchor_valid):
-        """Training-mode forward: every block of every sequence in one call.
-        context_features (b, S, m*D); block_embeds (b, N, B, D) = embed([tok[a], M, ..., M]);
-        anchors (b, N) long; anchor_valid (b, N) bool. Returns final-normed hidden states (b, N, B, D)."""
+        """Every block of every sequence in one call: context_features (b, S, m*D), block_embeds (b, N, B, D) =
+        embed([tok[a], M, ..., M]), anchors/anchor_valid (b, N) -> final-normed hidden states (b, N, B, D)."""
         kv = self.context_kv(context_features)
         return self.blocks(block_embeds, anchors, anchor_valid, kv, context_features.shape[1])
 
@@ -341,18 +328,15 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def draft(self, logits, h, anchor_ids, truth=None, temperature=0.0):
-        """The draft rule: logits (n, B-1, V) of offsets 1..B-1 (h their hidden states, anchor_ids (n,) the anchor
-        tokens) -> the drafted tokens (n, B-1), DFlash's argmax, and a dict of a variant's diagnostics (given truth,
-        the true tokens (n, B), at the sampling temperature)."""
+        """The draft rule: logits (n, B-1, V) of offsets 1..B-1 -> drafts (n, B-1), the argmax, and a variant's
+        diagnostics {name: (n, B-1)} (h: their hidden states; truth (n, B): the true tokens)."""
         return logits.argmax(-1), {}
 
     def block_loss(self, hidden, lm_head, labels, weights, block_ids, reweight=None, progress=None):
-        """sum(w * CE) over the blocks and its stats (weighted_ce). block_ids (b, N, B): the blocks' input ids;
-        progress: (step, total_steps) in training, None in evaluation (a variant's schedule may read it)."""
+        """sum(w * CE) and its stats (weighted_ce); block_ids and progress (step, total) are for a variant."""
         return weighted_ce(hidden, lm_head, labels, weights, reweight=reweight)
 
-    def summary(self, stats):
-        """A variant's figures from the summed stats, beside summarize's loss, tau and acc ({} for DFlash)."""
+    def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
         return {}
 
 DFlashConfig.Drafter = DFlashDrafter  # the model a config builds: cfg.Drafter(cfg); a variant's config names its own
@@ -363,12 +347,9 @@ def tied(target):
 
 @torch.no_grad()
 def start_off_mask(drafter, target):
-    """A tied target's lm_head scores every token by its own input embedding, so a fresh drafter, whose output at a
-    masked offset is mostly its input e_M (its layers start small), would draft the mask token everywhere, a token
-    the target never emits: a first loss near 3 ln V and tau 1 for the first tens of steps. Its final norm's weight
-    g starts instead at 1 - (1.u / u.u) u, u = W_M * rmsnorm(e_M), so that the mask token's logit of that output,
-    W_M . (g * rmsnorm(e_M)), is 0 and the others are as random as under an untied lm_head. Nothing else changes:
-    the drafter, the loss and what an engine serves are the same."""
+    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
+    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
+    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
     M = drafter.cfg.mask_token_id
     e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
     u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
@@ -390,21 +371,18 @@ class Target:
     name: str
     sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
 
-    def __post_init__(self):  # layers; the final norm, whose output f feeds lm_head; sizes
+    def __post_init__(self):
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
         self.num_layers, (self.vocab_size, self.hidden_size) = len(self.layers), self.lm_head.weight.shape
 
-    def eos_ids(self):
-        """The token ids that end a generation (the generation_config's eos_token_id, an int or a list), as a set."""
+    def eos_ids(self):  # the generation_config's eos_token_id (an int or a list), as a set
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
 @contextmanager
 def capture_hidden(target, layer_ids):
-    """Forward hooks on decoder layers `layer_ids` (their outputs h[t]) and on the final norm (its output f, what
-    feeds lm_head). Yields {t: h[t], "final": f}; the hooks are removed on exit so the target generates as usual.
-    Target layer t means what vLLM serves, the residual stream after decoder layer t, before the final norm, also
-    for t = L-1 (not Hugging Face's hidden_states[L], which is after it; SGLang captures only layers 0..L-2)."""
+    """Forward hooks on decoder layers `layer_ids` and the final norm: yields {t: h[t], "final": f}. Layer t means
+    what vLLM serves: the residual stream after decoder layer t, before the final norm (also for t = L-1)."""
     store = {}
 
     def keep_output_as(key):  # a forward hook that stores the module's output (a decoder layer returns a tuple)
@@ -421,8 +399,8 @@ def capture_hidden(target, layer_ids):
 
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
-    """One pass of the target's decoder stack (no lm_head, no all-hidden-states) -> context (b, S, m*D) =
-    concat_t h[t], and f (b, S, D). Right padding needs no attention mask: pads only follow real tokens."""
+    """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], and f (b, S, D). Right padding needs
+    no attention mask: pads only follow real tokens."""
     with capture_hidden(target, layer_ids) as store:
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
@@ -441,22 +419,21 @@ def greedy_labels(final, lm_head, chunk=None):
 # Anchors, block inputs and labels, context noise
 
 def mix_seed(*keys):
-    """A 63-bit seed from a tuple of ints: randomness keyed by (seed, epoch, sample) rather than by rank, so any
-    split of the global batch over ranks and micro-steps draws the same anchors and noise."""
+    """A 63-bit seed from ints: randomness keyed by (seed, epoch, sample), not by rank, so any split of the global
+    batch over ranks and micro-steps draws the same anchors and noise."""
     h = 1469598103934665603
     for k in keys:
         h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
 
 def anchor_candidates(loss_mask):
-    """The usable anchors of a loss_mask (S,): positions a with loss_mask[a] = loss_mask[a+1] = 1 (the anchor and at
-    least its first draft are response tokens). The one rule: sampling, data loading and --show_data use it."""
+    """The usable anchors of a loss_mask (S,): a with loss_mask[a] = loss_mask[a+1] = 1 (used everywhere)."""
     m = torch.as_tensor(loss_mask) > 0
     return (m[:-1] & m[1:]).nonzero().squeeze(1)
 
 def sample_anchors(loss_mask, num_anchors, generator):
-    """loss_mask (S,) -> anchors (num_anchors,) long, valid (num_anchors,) bool: anchor_candidates drawn uniformly
-    without replacement, fresh every step; padded to a fixed count (fixed shapes for torch.compile)."""
+    """loss_mask (S,) -> anchors, valid (num_anchors,): candidates drawn uniformly without replacement, padded to a
+    fixed count (fixed shapes for torch.compile)."""
     cand = anchor_candidates(loss_mask)
     pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
     anchors, valid = torch.zeros(num_anchors, dtype=torch.long), torch.zeros(num_anchors, dtype=torch.bool)
@@ -479,9 +456,7 @@ def block_input_ids(input_ids, anchors, B, mask_token_id):
     return ids
 
 def embed_blocks(target, ids):
-    """The target's embedding rows of ids, from the raw table: what vLLM and SGLang feed the drafter for the block
-    tokens, also for a target whose embedding module scales its output (Gemma's sqrt(D)), so that the checkpoint
-    needs no scale for the engines to serve what was trained."""
+    """The raw embedding rows, as vLLM and SGLang feed the drafter (also where the module scales them, Gemma)."""
     return F.embedding(ids, target.embed.weight)
 
 def block_labels(labels_all, anchors, B):
@@ -490,8 +465,8 @@ def block_labels(labels_all, anchors, B):
     return labels_all.gather(1, pos.flatten(1)).view_as(pos)
 
 def add_context_noise(context, noise_std, num_context_layers, keys):
-    """Gaussian noise relative to the RMS of each context feature vector h[t][j], on the concatenated context
-    features only (a new tensor: f, the labels and the block embeddings are never touched). One generator per row."""
+    """Gaussian noise relative to the RMS of each feature vector h[t][j], on the context features only (a new
+    tensor: f, the labels and the block embeddings are never touched). One generator per row."""
     if noise_std == 0:
         return context
     x = context.float().unflatten(-1, (num_context_layers, -1))                   # (b, S, m, D)
@@ -516,19 +491,15 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
 def loss_normaliser(weights, reweight=None):
-    """The loss's denominator over a batch (weights from loss_weights); train_step sums it over the global batch.
-    sum(w), a mean over weighted tokens (the paper's CE); with a reweighting loss, the number of sequences
-    (rows with a real anchor), as SpecForge normalises it."""
+    """The loss's denominator (train_step sums it over the global batch): sum(w), or with a reweighting loss the
+    number of sequences with a real anchor, as SpecForge normalises it."""
     return weights.sum() if reweight is None else (weights > 0).flatten(1).any(1).sum().float()
 
 def weighted_ce(hidden, lm_head, labels, weights, chunk=None, reweight=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head, and the metrics of the same pass.
-    hidden (b, N, B, D), labels/weights (b, N, B). The CE and its gradient come from ChunkedLMHeadCE (Part II): the
-    gradient w.r.t. hidden, (softmax - onehot) @ W, is formed chunk by chunk in its forward, so [tokens, V] logits
-    never exist. reweight (another --loss, dflash_tools/losses.py): w = reweight(q, valid) from the drafter's own
-    probability q of each label, without gradient. stats holds sums to all-reduce: w (the normaliser,
-    loss_normaliser), ce_w, correct[i] / count[i] per offset, accepted (sum of leading runs of correct drafts: what
-    greedy verification accepts), blocks; these metrics (the tau estimate) never depend on the loss's weights."""
+    """sum(w * CE) of the block tokens through the frozen lm_head, and the stats of the same pass to all-reduce.
+    hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot) @ W, is formed
+    chunk by chunk in ChunkedLMHeadCE's forward (Part II), so [tokens, V] logits never exist. reweight (another
+    --loss): w = reweight(q, valid) from the drafter's probability q of each label, without gradient."""
     w = weights.flatten()
     sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
     ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
@@ -544,8 +515,8 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None, reweight=None):
                   **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
 def accuracy_stats(correct, valid):
-    """correct, valid (b, N, B) bool -> correct[i] / count[i] per offset, accepted (the leading runs of correct
-    drafts: what greedy verification accepts) and blocks (a block counts if its first draft position is valid)."""
+    """correct, valid (b, N, B) -> correct/count per offset, accepted (the leading runs of correct drafts: what
+    greedy verification accepts), blocks (those whose first draft is valid)."""
     blocks = valid[..., 1]
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
     return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
@@ -554,14 +525,9 @@ def accuracy_stats(correct, valid):
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
                 labels="target", pad_to=None, raw_model=None, **loss_kw):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
-
-    model: the drafter (or its compiled / DDP wrapper; then raw_model is the drafter, whose block_loss is called),
-    cfg its config. anchors, anchor_valid (b, N) from batch_anchors; weights (b, N, B) from loss_weights. labels:
-    "target" (the target's greedy token at a+i: what verification accepts) or "data" (the data token, for data the
-    target regenerated). noise_std: context-feature noise (0 in evaluation). loss_kw go to block_loss (reweight,
-    progress). Returns (loss, stats) with loss = sum(w * CE) / weight_total, weight_total defaulting to this batch's
-    loss_normaliser; training passes the sum over the whole global batch, so the split over ranks and micro-steps
-    cannot dilute or reweight the loss. stats holds numerators and denominators to all-reduce (see summarize)."""
+    model: the drafter or its compiled/DDP wrapper (raw_model: the drafter). labels: "target" (its greedy token at
+    a+i: what verification accepts) or "data". Returns (sum(w * CE) / weight_total, stats); training passes the
+    global batch's weight_total, so the split over ranks and micro-steps cannot dilute or reweight the loss."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
@@ -588,8 +554,7 @@ def all_reduce_sum(stats, world):
     return stats
 
 def summarize(stats, drafter=None):
-    """Global metrics from summed numerators and denominators (exact, not a mean of means); a variant's own
-    figures (drafter.summary) beside them."""
+    """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
     return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
             "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:],
@@ -599,12 +564,9 @@ def summarize(stats, drafter=None):
 # The exact tau walk (eval.py, and `eval_walk_tau` in training's held-out evaluation)
 #
 # Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
-# tau is computed without a decode loop (and without rolling back a hybrid target's recurrent state): the target
-# generates s once per prompt, one hooked pass over prompt + s gives every context feature, the drafter drafts the
-# block anchored at every position of s at once (each block sees only the context before its anchor, by the mask
-# rule), and tau_walk walks those blocks along s. At temperature T > 0 (eval.py --temperature) the same walk runs
-# along a continuation sampled from the target: a one-hot draft is accepted exactly when it equals the sampled token.
-# Tree verification (dflash_tools/tree.py) walks the same drafts with another acceptance rule.
+# tau needs no decode loop (nor rolling back a hybrid target's recurrent state): the target generates s once, one
+# hooked pass over prompt + s gives every context feature, the drafter drafts the block anchored at every position
+# of s at once (each sees only the context before its anchor, by the mask rule), and tau_walk walks them along s.
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""
@@ -614,18 +576,13 @@ def accepted_prefix(drafts, truth):
     return n
 
 def tau_walk(continuation, drafts):
-    """Acceptance lengths of greedy speculative decoding along the target's greedy continuation.
-
-    continuation s: the n tokens the target generates; s[0] comes with the prefill, so the first block is anchored
-    at s[0]. drafts[k]: the tokens drafted by the block anchored at s[k] (they predict s[k+1], s[k+2], ...), looked up
-    only at the anchors the walk visits, in increasing order. Each step accepts the longest prefix of its drafts that
-    equals s, then the target adds one token of its own: accepted + 1 tokens, and the next anchor is that token.
-    The last step compares only against the tokens that exist. Returns [accepted + 1 per step]."""
+    """Acceptance lengths of greedy speculative decoding along the target's continuation s (s[0] comes with the
+    prefill, so the first block is anchored at s[0]; drafts[k]: the block anchored at s[k]). Each step accepts the
+    longest prefix of its drafts equal to s, then the target adds one token: accepted + 1 tokens per step."""
     return walk_steps(continuation, lambda k, truth: accepted_prefix(drafts[k], truth))
 
 def walk_steps(continuation, accept):
-    """The walk itself: accept(k, truth) = accepted drafts of the block anchored at continuation[k] against the
-    truth continuation[k+1:] (the rule compares only as far as its drafts go)."""
+    """The walk: accept(k, truth) = accepted drafts of the block anchored at continuation[k] against the rest."""
     lengths, k = [], 0
     while k < len(continuation) - 1:
         accepted = accept(k, continuation[k + 1:])
@@ -639,9 +596,8 @@ def step_anchors(lengths):
 
 @torch.no_grad()
 def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation (hooks not active): up to max_new_tokens tokens, stopping after an
-    eos token. Logits processors that would move the argmax (a repetition penalty in a hub generation_config, ...)
-    are switched off: greedy verification accepts the plain argmax."""
+    """The target's own cached greedy generation, up to an eos token, with the logits processors that would move
+    the argmax (a hub generation_config's repetition penalty, ...) off: greedy verification accepts the argmax."""
     ids = torch.tensor([prompt], device=target.lm_head.weight.device)
     eos = sorted(eos)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -651,25 +607,23 @@ def greedy_continuation(target, prompt, max_new_tokens, eos):
     return out[0, len(prompt):].tolist()
 
 @torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, topk=0, details=False,
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, rule=None, truth=False,
                        temperature=0.0):
-    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a
-    (the mask rule). context_features (1, S, m*D). Returns (S-1-first, B-1) drafted ids (drafter.draft: DFlash's
-    argmax), row k for anchor first+k; with topk=K also (log q, tokens), each (S-1-first, B-1, K): the K best tokens
-    per block offset with their log-probabilities, best first (what tree verification builds its trees from); with
-    details=True instead the variant's diagnostics (drafter.draft's dict, each (S-1-first, B-1))."""
-    cfg, flex = drafter.cfg, drafter.attention == "flex"
+    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a.
+    context_features (1, S, m*D). rule(logits, h, anchor_ids, truth, temperature) -> (drafts, {name: tensor}) is
+    the draft rule (drafter.draft; tree verification's keeps the top-K too); truth=True passes it the true tokens.
+    Returns drafts (S-1-first, B-1), row k for anchor first+k, and the rule's tensors, each with rows alike."""
+    cfg, flex, rule = drafter.cfg, drafter.attention == "flex", rule or drafter.draft
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
-    if flex:  # few shapes for the compiled flex kernel: the context padded by the one rule (padding is never
-        # visible: j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
-        pad = padded_length(S) - S
+    if flex:  # few shapes for the compiled kernel: the context padded by the one rule (padding is never visible:
+        pad = padded_length(S) - S  # j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
         context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
     S_ctx = context_features.shape[1]
     chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
     kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    drafts, logq, tokens, extra = [], [], [], []
-    for c in range(0, len(anchors), chunk):
+    drafts, extra = [], []
+    for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
         a = anchors[c:c + chunk]
         n = len(a)
         valid = torch.ones(n, dtype=torch.bool, device=ids.device)
@@ -678,25 +632,11 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
-        truth = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)] if details else None  # (n, B)
-        d, more = drafter.draft(logits, h[0, :n, 1:], ids[0, a[:n]], truth, temperature)
+        true = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)] if truth else None  # (n, B)
+        d, more = rule(logits, h[0, :n, 1:], ids[0, a[:n]], true, temperature)
         drafts.append(d)                                                                  # (n, B-1)
         extra.append(more)
-        if topk:
-            top = logits.topk(topk)
-            logq.append(top.values.float() - logits.float().logsumexp(-1, keepdim=True))    # (n, B-1, K)
-            tokens.append(top.indices)
-    drafts = torch.cat(drafts) if drafts else torch.zeros(0, B - 1, dtype=torch.long, device=ids.device)
-    if details:
-        if not extra:  # no anchor: the rule's (empty) diagnostics all the same
-            z = torch.zeros(0, dtype=torch.long, device=ids.device)
-            extra = [drafter.draft(z.new_zeros(0, B - 1, target.vocab_size).float(), z.new_zeros(
-                0, B - 1, cfg.hidden_size).float(), z, z.view(0, 1).expand(0, B), temperature)[1]]
-        return drafts, {k: torch.cat([e[k] for e in extra]) for k in extra[0]}
-    if not topk:
-        return drafts
-    empty = drafts.new_zeros(0, B - 1, topk)
-    return drafts, torch.cat(logq) if logq else empty.float(), torch.cat(tokens) if tokens else empty
+    return torch.cat(drafts), {k: torch.cat([e[k] for e in extra]) for k in extra[0]}
 
 def walk_prompts(samples, num_prompts):
     """The prompts (the tokens before the first loss token) of the first num_prompts samples that have one."""
@@ -724,10 +664,9 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
 
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world, tree=0):
-    """Pooled tau of the walk over every rank's prompts, and the acceptance by block offset: [P(draft k accepted)
-    for k = 1..B-1] over all steps, as eval.py reports it; and {name: pooled tau} of the other walks of the same
-    drafts: tree verification with `tree` nodes (dflash_tools/tree.py), a variant's diagnostic drafts (WALKS).
-    Each rank walks its prompts; the totals are summed over ranks. None where no steps or the walk is off."""
+    """Pooled tau of the walk over every rank's prompts, [P(draft k accepted) for k = 1..B-1] over all steps, and
+    {name: pooled tau} of other walks of the same drafts: tree verification with `tree` nodes (dflash_tools/tree.py),
+    a variant's diagnostic drafts (WALKS). None where there are no steps or the walk is off."""
     if walk is None:
         return None, None, {}
     dev, B = target.lm_head.weight.device, drafter.cfg.block_size
@@ -737,14 +676,10 @@ def walk_tau(drafter, target, walk, world, tree=0):
     for prompt, continuation in zip(*walk):
         ids = torch.tensor([prompt + continuation], device=dev)
         features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
-        others = []
-        if trees:  # the same drafting pass gives the chain's drafts and the tree's top-K per depth
-            drafts, logq, tokens = draft_every_anchor(drafter, target, features, ids, len(prompt),
-                                                      topk=min(tree, target.vocab_size))
-            others.append(trees.walk(continuation, logq, tokens, tree))
-        else:
-            drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), details=True)
-            others += [tau_walk(continuation, more.get(k, drafts).tolist()) for k in names]
+        rule = trees.topk_rule(min(tree, target.vocab_size)) if trees else None  # the chain's drafts and a top-K
+        drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, truth=not trees)
+        others = [trees.walk(continuation, more["logq"], more["tokens"], tree)] if trees else [
+            tau_walk(continuation, more.get(k, drafts).tolist()) for k in names]
         lengths = tau_walk(continuation, drafts.tolist())
         accepted = [sum(n > k for n in lengths) for k in range(1, B)]  # lengths are accepted drafts + 1
         total += torch.tensor([sum(lengths), len(lengths), *[x for o in others for x in (sum(o), len(o))], *accepted],

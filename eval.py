@@ -305,17 +305,18 @@ class NeuralDrafter:
     def walk_drafts(self, target, prompt, continuation, features, num_drafts, topk=0):
         """drafts[k] for tau_walk; with topk=K also the (log q, tokens) (n, num_drafts, K) for tree_walk."""
         ids = torch.tensor([prompt + continuation], device=features.device)
-        out = draft_every_anchor(self.drafter, target, features, ids, len(prompt), topk=topk)
+        rule = dflash.import_tool("tree", "--tree_budget").topk_rule(topk) if topk else None
+        drafts, more = draft_every_anchor(self.drafter, target, features, ids, len(prompt), rule=rule)
         if not topk:
-            return out[:, :num_drafts].tolist()
-        return out[0][:, :num_drafts].tolist(), out[1][:, :num_drafts], out[2][:, :num_drafts]
+            return drafts[:, :num_drafts].tolist()
+        return drafts[:, :num_drafts].tolist(), more["logq"][:, :num_drafts], more["tokens"][:, :num_drafts]
 
     def walk_dflash2(self, target, prompt, continuation, features, num_drafts, temperature=0.0):
         """DFlash2: drafts[k] (its selector's greedy path) and draft_every_anchor's details: the unary argmax drafts
         and the top-k hits of the true tokens (diagnostics), and at temperature > 0 the selector's q of each true
         token (dflash_tools/dflash2.py's sampled_lengths)."""
         ids = torch.tensor([prompt + continuation], device=features.device)
-        path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), details=True,
+        path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), truth=True,
                                            temperature=temperature)
         return path[:, :num_drafts].tolist(), {k: v[:, :num_drafts] for k, v in details.items()}
 

@@ -41,8 +41,17 @@ def tree_accept(logq, tokens, truth, budget):
 def tree_walk(continuation, logq, tokens, budget):
     """Acceptance lengths of greedy tree verification along the greedy continuation: tau_walk with tree_accept.
     logq, tokens (n, B-1, K): the drafter's top-K log-probabilities and tokens per depth at every anchor (from
-    draft_every_anchor(..., topk=K)); K >= budget is the exact DDTree tree (no node can rank deeper than budget)."""
+    draft_every_anchor(..., rule=topk_rule(K))); K >= budget is the exact DDTree tree (no node ranks deeper)."""
     logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
     return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
 
 walk = tree_walk  # dflash.walk_tau's name for it
+
+def topk_rule(K):
+    """A draft rule for draft_every_anchor: the argmax drafts, and per block offset the K best tokens with their
+    log-probabilities, best first ("logq", "tokens", each (n, B-1, K)): what tree verification builds its trees from."""
+    def rule(logits, h, anchor_ids, truth=None, temperature=0.0):
+        top = logits.topk(K)
+        return logits.argmax(-1), {"logq": top.values.float() - logits.float().logsumexp(-1, keepdim=True),
+                                   "tokens": top.indices}
+    return rule

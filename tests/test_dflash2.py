@@ -299,7 +299,7 @@ def test_dflash2_flex_equals_dense(v2, monkeypatch):
 
 
 def every_anchor(drafter, target, ctx, tokens):
-    return dflash.draft_every_anchor(drafter, target, ctx, tokens, 3)
+    return dflash.draft_every_anchor(drafter, target, ctx, tokens, 3)[0]
 
 
 def test_fresh_dflash2_is_the_dflash_drafter_and_init_from_keeps_it(v2, one_thread):

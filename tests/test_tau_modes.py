@@ -101,7 +101,8 @@ def test_tree_walk_equals_real_tree_loop_and_chain(dense):
     for prompt, cont, e in zip(prompts, ref, ours["prompts"]):
         ids = torch.tensor([prompt + cont])
         features, _ = dflash.target_features(target, ids, drafter.cfg.target_layer_ids)
-        drafts, logq, tokens = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), topk=3)
+        drafts, top = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), rule=tree.topk_rule(3))
+        logq, tokens = top["logq"], top["tokens"]
         assert torch.equal(tokens[..., 0], drafts)
         assert tree.tree_walk(cont, logq[..., :1], tokens[..., :1], 7) == e["acceptance_lengths"]
         assert dflash.tau_walk(cont, drafts.tolist()) == e["acceptance_lengths"]
