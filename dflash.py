@@ -590,10 +590,6 @@ def walk_steps(continuation, accept):
         k += accepted + 1
     return lengths
 
-def step_anchors(lengths):
-    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
-    return list(itertools.accumulate(lengths, initial=0))[:-1]
-
 @torch.no_grad()
 def greedy_continuation(target, prompt, max_new_tokens, eos):
     """The target's own cached greedy generation, up to an eos token, with the logits processors that would move
@@ -643,9 +639,7 @@ def walk_prompts(samples, num_prompts):
     return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
 
 def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say=lambda *a: None):
-    """This rank's share (rank_share) of the walk set, or None when off: walk_prompts of the held-out samples and
-    the target's greedy continuation of each (num_tokens at most), generated here once (said, with the time the
-    rest takes after the first)."""
+    """This rank's share of the walk set (None when off): held-out prompts and the target's greedy continuations."""
     if not num_prompts:
         return None
     prompts = walk_prompts(samples, num_prompts)
@@ -653,13 +647,12 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
     # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
     todo, walked, t0 = mine + extra, [], time.time()
-    say(f"held-out walk: generating the target's greedy continuations of {len(todo)} held-out prompts (up to "
-        f"{num_tokens} tokens each), once per run")
+    say(f"held-out walk: generating the greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
     for p in todo:
         walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
         if len(walked) == 1 < len(todo):
-            say(f"held-out walk: the first took {time.time() - t0:.1f}s; about "
-                f"{(time.time() - t0) * (len(todo) - 1):.0f}s for the other {len(todo) - 1}")
+            say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
+                f"for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
@@ -694,7 +687,7 @@ def walk_tau(drafter, target, walk, world, tree=0):
 # Training: the step, held-out evaluation, the drafter's build, the batches, the loop
 
 def lr_at(step, total_steps, lr, warmup_ratio):
-    """Linear warmup over warmup_ratio of the run, then cosine decay to 0. A pure function of the step."""
+    """Linear warmup over warmup_ratio of the run, then cosine decay to 0."""
     warmup = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -702,11 +695,9 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
-    """One optimizer step: forward and backward over the step's micro-batches, clip, update at lr. Returns the
-    step's stats summed over ranks, the grad norm, and whether the update was taken (a non-finite loss or grad norm
-    skips it: grads are all-reduced and the loss summed, so every rank skips together).
-    The anchors (hence the loss weights) are drawn before any forward, so every micro-step's loss is normalised by
-    the whole global batch's loss_normaliser (sum(w), or its number of sequences), whatever the split."""
+    """One optimizer step over the micro-batches: returns the stats summed over ranks, the grad norm, and whether the
+    update was taken (a non-finite loss or grad norm skips it on every rank alike). The anchors are drawn before any
+    forward, so every micro-step's loss is normalised by the whole global batch's loss_normaliser."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
@@ -731,21 +722,20 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     return total, grad_norm, ok
 
 def rank_share(items, rank, world):
-    """Rank r's share of items (r, r + world, ...) and how many every rank handles, ceil(len / world): with a sharded
-    target every forward is a collective, so a rank with fewer items pads its share to that count."""
+    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
+    every forward is a collective)."""
     return items[rank::world], -(-len(items) // world)
 
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
-    """Held-out loss and tau estimate, each rank on its share, summed over ranks; anchors keyed by the sample's index
-    in the eval set (the same blocks whatever the number of ranks)."""
+    """Held-out loss and tau estimate, summed over ranks; anchors keyed by the sample's index in the eval set."""
     cfg = drafter.cfg
     z = torch.zeros((), device=target.lm_head.weight.device)
-    total = {k: z.new_zeros(cfg.block_size if per == "B" else ()) for k, per in drafter.STATS.items()}  # a rank may
-    mine, per_rank = rank_share(list(range(len(samples))), rank, world)                                 # have none
-    for s in range(0, per_rank, batch_size):  # a short rank's last batch is all empty rows (see rank_share)
+    total = {k: z.new_zeros(cfg.block_size if per == "B" else ()) for k, per in drafter.STATS.items()}  # (none here)
+    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
+    for s in range(0, per_rank, batch_size):
         idx = mine[s:s + batch_size]
-        fill = batch_size - len(idx)  # the last batch gets empty rows (no anchor is valid): one shape to compile
+        fill = batch_size - len(idx)  # empty rows (no valid anchor): one shape to compile, and a short rank's batches
         batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
                         keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
         anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
@@ -755,9 +745,7 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     return summarize(all_reduce_sum(total, world), drafter)
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    """The held-out figures at a step: loss, tau estimate and acc@k (evaluate), the walked tau and acceptance by
-    block offset (walk_tau, with its other walks: tree, a variant's); said (the console) and logged (metrics.jsonl),
-    the walk with how it was measured (measurement). Nothing without eval_samples."""
+    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
     if not eval_samples:
         return
     drafter.eval()
@@ -775,8 +763,8 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
 def build_drafter(args, run, target, world, device, say=print):
-    """The drafter (new, --init_from's or the checkpoint's), its AdamW (--zero: moments split over the ranks), the
-    model the loop calls (compiled, wrapped in DDP under torchrun), and the loss's keyword arguments."""
+    """The drafter (new, --init_from's or the checkpoint's), its AdamW (--zero: split over the ranks), the model the
+    loop calls (compiled, in DDP under torchrun), and the loss's keyword arguments."""
     attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -786,8 +774,7 @@ def build_drafter(args, run, target, world, device, say=print):
         drafter = run.variant.prepare(drafter, cfg, args)
     if not source and tied(target):
         start_off_mask(drafter, target)
-        say("tied embeddings: the new drafter's final norm starts off the mask token's row (its first drafts would "
-            "otherwise all be the mask token, which the tied lm_head scores highest)")
+        say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
     drafter.grad_checkpoint = args.grad_checkpoint
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.zero and world > 1:
@@ -815,8 +802,8 @@ def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anc
     return min(args.num_anchors, args.max_len - 1)
 
 def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample: the target runs at the batch's natural length (right padding never changes a
-    causal target's real positions). keys: one random key per sample for its anchors and noise."""
+    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
+    sample for its anchors and noise."""
     S = max(len(ids) for ids, _ in samples)
     input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
@@ -826,8 +813,8 @@ def collate(samples, pad_id, keys=None):
     return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
 
 class Batches:
-    """Epoch-shuffled global batches of batch_size * grad_accum * world samples; micro-step m of rank r takes its
-    own slice. Deterministic for a given seed, so the data position is just the step number."""
+    """Epoch-shuffled global batches of batch_size * grad_accum * world samples, micro-step m of rank r its slice:
+    deterministic for a seed, so the data position is the step number."""
 
     def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
         self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
@@ -835,9 +822,8 @@ class Batches:
         self.global_batch = batch_size * grad_accum * world
         self.steps_per_epoch = len(samples) // self.global_batch
         if self.steps_per_epoch == 0:
-            raise DFlashError(f"{len(samples)} training samples are fewer than one global batch "
-                              f"({batch_size} x grad_accum {grad_accum} x {world} ranks); lower --batch_size or "
-                              f"--grad_accum")
+            raise DFlashError(f"{len(samples)} training samples < one global batch ({batch_size} x {grad_accum} x "
+                              f"{world} ranks); lower --batch_size or --grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
@@ -934,17 +920,16 @@ def train(args):
 # =============================================================================
 # PART II. EXACT FAST PATHS
 #
-# What makes the method fast or bounded in memory without changing a number: the dense attention path computed in
-# two parts and over context spans, the flex kernel's compilation and padding, the chunked lm_head cross-entropy,
-# the walk's chunking, and yarn RoPE. Each is tested equal to the plain computation; a reader may skip this part.
+# What makes the method fast or bounded in memory without changing a number, each tested equal to the plain
+# computation: two-part dense attention over context spans, flex's compilation and padding, the chunked lm_head CE,
+# the walk's chunking, yarn RoPE. A reader may skip this part.
 # =============================================================================
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
-    """Each block's queries attend to [context ; own block]: one softmax over both, computed in two parts so that
-    the context keys/values are shared by all blocks instead of copied per block. Exact: both parts use one max
-    per query row m, and softmax = (sum_ctx e^(s-m) v + sum_own e^(s-m) v) / (sum_ctx e^(s-m) + sum_own e^(s-m)).
-    q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S),
-    own_visible (b, N, B, B) bool. Returns (b, N, B, h, hd); a row that sees nothing (a padding anchor) gives 0."""
+    """Each block's queries attend to [context ; own block]: one softmax over both, in two parts that share one max
+    per query row m, so the context keys/values are not copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S,
+    hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees
+    nothing (a padding anchor) gives 0."""
     b, N, B, h, hd = q.shape
     S, hk = k_ctx.shape[1], k_ctx.shape[2]
     g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
@@ -971,12 +956,9 @@ def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
 CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
 
 def context_spans(ctx_visible):
-    """Split the N blocks into about S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of
-    context keys its queries see: (n0, n1, lo, hi) per group. Anchors come sorted (sample_anchors, every anchor in
-    eval), so a group of later blocks sees further, and its scores need only its own span: on a long context about
-    half of one (N*B) x S product for full layers, the window's band for sliding ones. Exact in any order: a span
-    covers every key its queries see. The spans are data (one host sync); a compiled graph keeps static shapes,
-    so under torch.compile all blocks are one group over the whole context."""
+    """About S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of context keys its queries
+    see: (n0, n1, lo, hi). Anchors come sorted, so a group's scores need only its span (about half the product for
+    full layers, the window's band for sliding ones); exact in any order. Compiled: one group (static shapes)."""
     b, N, B, S = ctx_visible.shape
     G = min(N, S // CONTEXT_TILE)
     if G <= 1 or torch.compiler.is_compiling():
@@ -987,10 +969,8 @@ def context_spans(ctx_visible):
     hi = torch.where(seen.any(1), S - seen.flip(1).int().argmax(1), 0)           # one past the last
     return [(n0, n1, l, h) for n0, n1, l, h in zip(ends, ends[1:], lo.tolist(), hi.tolist())]
 
-# flex_attention runs fused only when compiled (eager flex materialises the full score matrix), and it compiles
-# one kernel per shape. So both are compiled once, outside any traced region: when a flex drafter is built (not at
-# import: loading the compiler costs every start ~4 s, also the CPU runs that never use flex), and every flex input
-# is padded to padded_length(): training pads to padded_length(max_len) (one shape per run), eval.py to a power of 2.
+# flex_attention runs fused only when compiled, one kernel per shape: compiled once, when a flex drafter is built
+# (not at import, which would cost every start ~4 s), with every flex input padded to padded_length().
 compiled_flex_attention = compiled_create_block_mask = None
 
 def compile_flex():
@@ -1005,14 +985,12 @@ def padded_length(S):
     return max(128, 1 << (S - 1).bit_length())
 
 def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
-    """Rows per chunk so one chunk of logits holds about `budget` floats (0.5 GB in fp32): the [tokens, V]
-    logits never exist at once (V = 248320 for Qwen3.5/3.6)."""
+    """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
 class ChunkedLMHeadCE(torch.autograd.Function):
-    """Per-token cross-entropy and argmax of lm_head(h) without [T, V] logits: rows are processed in chunks and the
-    gradient w.r.t. h ((softmax - onehot) @ W; the lm_head is frozen) is formed in the same pass, so only (T, D) is
-    kept for backward."""
+    """Per-token CE and argmax of lm_head(h) in chunks of rows, with the gradient w.r.t. h ((softmax - onehot) @ W;
+    the lm_head is frozen) formed in the same pass: only (T, D) is kept for backward."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk):
@@ -1042,10 +1020,8 @@ class ChunkedLMHeadCE(torch.autograd.Function):
         return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """How many blocks to draft at once so the largest intermediates stay near `budget` elements. Both paths share
-    the context keys/values; the dense path's scores, (heads, B, S+B) per block, are alive twice while the softmax
-    is formed, with the (B, S+B) mask (and the mask rule's integer intermediates) beside them; flex never
-    materialises scores, so only the MLP and the logits grow with the number of blocks."""
+    """Blocks to draft at once so the largest intermediates stay near `budget` elements: the MLP and the logits,
+    and on the dense path the scores (heads, B, S+B) per block, alive twice, with the mask beside them."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
     if attention == "dense":
@@ -1053,9 +1029,8 @@ def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     return max(1, budget // per_anchor)
 
 def yarn_inv_freq(cfg, inv_freq):
-    """yarn, as Hugging Face computes it: interpolate the low frequencies by `factor`, keep the high ones (a linear
-    ramp between the dimensions whose wavelengths fit beta_fast and beta_slow times into the original context),
-    and scale cos/sin by the attention factor. Returns (inv_freq, scale) like rope_inv_freq."""
+    """yarn as Hugging Face computes it: low frequencies interpolated by `factor`, high ones kept (a linear ramp
+    between beta_fast and beta_slow rotations over the original context), cos/sin scaled by the attention factor."""
     dim, base = cfg.head_dim, cfg.rope_theta
     s, max_pos = cfg.rope_scaling, cfg.max_position_embeddings
     original_max = s.get("original_max_position_embeddings") or max_pos

@@ -35,6 +35,7 @@ template with its generation prompt, a hash of the prompts): tau measured differ
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -45,7 +46,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dflash
-from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, step_anchors, tau_walk
+from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, tau_walk
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -70,6 +71,11 @@ BUILTIN_PROMPTS = [
     "Write a TypeScript debounce function with correct generic typing that also exposes `cancel()` and "
     "`flush()` methods, and show how to use it with a search input.",
 ]
+
+
+def step_anchors(lengths):
+    """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
+    return list(itertools.accumulate(lengths, initial=0))[:-1]
 
 
 # -----------------------------------------------------------------------------

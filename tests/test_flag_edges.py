@@ -89,7 +89,7 @@ def test_temperatures_float32_cannot_hold(temperature):
 # dflash.py: a two-step tiny run per edge (in this process: ~0.5 s each)
 
 # an edge that cannot run here ends in one error line naming what limits it (another flag, the data, the target)
-DFLASH_LIMITED = {("--max_len", 2): "no usable samples", ("--batch_size", 10 ** 18): "fewer than one global batch",
+DFLASH_LIMITED = {("--max_len", 2): "no usable samples", ("--batch_size", 10 ** 18): "< one global batch",
                   ("--grad_accum", 10 ** 18): "lower --batch_size or --grad_accum",
                   ("--mask_token_id", 10 ** 18): "outside the vocabulary",
                   ("--conv_kernel_size", 256): "larger than block_size 4",
