@@ -3,7 +3,8 @@ DFlash: train a block-diffusion speculative-decoding drafter against a frozen ta
 
 Quick start
     python dflash.py                      # CPU demo: tiny target, train a drafter, measure tau (< 10 min)
-    python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669   # one GPU
+    python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 \
+        --sliding_window 0                # one GPU
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl --out runs/q36 \
         --mask_token_id 248070 --num_heads 32 --num_kv_heads 8 --head_dim 128   # 8 GPUs, z-lab's 27B geometry
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD:29500 dflash.py ...
@@ -570,10 +571,7 @@ def summarize(stats, drafter=None):
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""
-    n = 0
-    while n < len(drafts) and n < len(truth) and drafts[n] == truth[n]:
-        n += 1
-    return n
+    return next((n for n, (d, t) in enumerate(zip(drafts, truth)) if d != t), min(len(drafts), len(truth)))
 
 def tau_walk(continuation, drafts):
     """Acceptance lengths of greedy speculative decoding along the target's continuation s (s[0] comes with the
