@@ -1671,8 +1671,7 @@ def read_jsonl(path, what, hint=""):
                 except UnicodeDecodeError as e:
                     raise DFlashError(f"{path}:{n}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
                 except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser takes
-                    raise DFlashError(f"{path}:{n}: not valid JSON ({getattr(e, 'msg', None) or first_line(e)})"
-                                      ) from None
+                    raise DFlashError(f"{path}:{n}: not valid JSON ({first_line(e)})") from None
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
         why = getattr(e, "strerror", None) or first_line(e)
         raise DFlashError(f"cannot read {what} file {path!r}: {why}") from None
@@ -1719,11 +1718,10 @@ def chat_sample(messages, tokenizer, kw, eos, where):
         try:
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
         except Exception as e:  # the template's raise_exception, or a message it cannot render
-            raise DFlashError(f"{where}: the chat template fails on the first {len(msgs)} messages: "
-                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+            raise DFlashError(f"{where}: the chat template fails on messages[:{len(msgs)}]: {first_line(e)}") from None
 
-    def ambiguous(k, why):
-        return DFlashError(f"{where}: assistant turn {k}: {why}; ambiguous loss mask, make one sample per turn")
+    def ambiguous(k, why):  # the refusal of a turn whose mask cannot be read exactly
+        return f"{where}: assistant turn {k}: {why}; ambiguous loss mask, make one sample per turn"
 
     def add(t, ones=0):  # tokens t, the first `ones` of them in the loss
         ids.extend(t)
@@ -1733,24 +1731,22 @@ def chat_sample(messages, tokenizer, kw, eos, where):
     ids, mask, pos = [], [], 0  # pos: where the text not yet tokenized starts
     for i, k in enumerate(turns):
         context, gen = contexts[i], render(messages[:k], gen=True)
-        if not full.startswith(context):
-            raise ambiguous(k, "the template renders the turns before it differently inside the whole conversation")
-        # the turn starts where the prompt and the full text part (an earlier turn lacks the prompt's empty think
+        need(full.startswith(context), ambiguous(k, "the turns before it render differently in the whole conversation"))
+        # the turn starts where the prompt and the full text differ (an earlier turn lacks the prompt's empty think
         # block), moved back to a token boundary of the prompt (an answer "<..." must not start inside "<think>")
         start = next((j for j, (a, b) in enumerate(zip(gen, full)) if a != b), min(len(gen), len(full)))
         gen_ids = encode(gen) if start < len(gen) else []
         while len(context) < start < len(gen) and (head := encode(gen[:start])) != gen_ids[:len(head)]:
             start -= 1
-        if start < len(context):
-            raise ambiguous(k, "the generation prompt rewrites the conversation before it")
+        need(start >= len(context), ambiguous(k, "the generation prompt rewrites the conversation before it"))
         add(encode(full[pos:start]))
         pos = len(contexts[i + 1])  # the turn ends at its first eos, searched up to the next turn's context
         turn = encode(full[start:pos])
         end = next((j + 1 for j, t in enumerate(turn) if t in eos), None)
         if end is None:  # no eos: the turn's own rendering ends it, if it is part of the whole
             own = render(messages[:k + 1])
-            if not full.startswith(own) or len(own) <= start:
-                raise ambiguous(k, f"no eos token {sorted(eos)} ends it, nor its rendering alone (pass the eos ids)")
+            ok = full.startswith(own) and len(own) > start
+            need(ok, ambiguous(k, f"no eos token {sorted(eos)} (the target's eos ids) ends it, nor its own rendering"))
             turn = encode(full[start:len(own)])
             add(turn, len(turn))
             turn, end = encode(full[len(own):pos]), 0
@@ -1845,7 +1841,7 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
         if len(anchor_candidates(mask[:max_len])):
             samples.append((ids[:max_len], mask[:max_len]))
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
-    need(samples, f"{path}: no usable samples ({lines} skipped: none has 2 loss tokens in a row within --max_len)")
+    need(samples, f"{path}: no usable samples ({lines} skipped: no 2 loss tokens in a row within --max_len {max_len})")
     if lines > len(samples):
         say(f"{path}: skipped {lines - len(samples)} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
@@ -1926,10 +1922,11 @@ def setup_distributed(device_flag):
     if not get("TORCHELASTIC_RUN_ID") and rank == 0:
         print(f"rank 0: waiting for {world - 1} more ranks at {env['MASTER_ADDR']}:{env['MASTER_PORT']} (started "
               f"without torchrun; torch.distributed gives up after 30 min)", file=sys.stderr)
-    # torchrun keeps its store across --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with c10d), and the
-    # dead workers' keys make a restart's init fail or hang; on one node all share the restart count: fresh keys
-    backend, shared = "nccl" if device.type == "cuda" else "gloo", get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if shared and (restart := restart_count()) and get("GROUP_WORLD_SIZE") == "1":
+    # torchrun keeps one store across --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with c10d): the dead
+    # workers' keys in it make a restart's init fail or hang. On one node all workers share the restart count: new keys
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    shared, restart = get("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count()
+    if shared and restart and get("GROUP_WORLD_SIZE") == "1":
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
         dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
                                 world_size=world)
