@@ -1688,11 +1688,9 @@ def read_records(path, what, hint=""):
     """Yield (where, record) per record: JSONL here; a JSON array, Parquet or save_to_disk directory by formats.py."""
     need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
     need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is a device or a pipe, not a file{hint}")
-    kind = "a directory" if os.path.isdir(path) else data_kind(path)
-    if kind:
-        yield from import_tool("formats", f"{what} {path!r} ({kind})").read_records(path, what)
-    else:
-        yield from read_jsonl(path, what, hint)
+    kind = "a directory" if os.path.isdir(path) else data_kind(path)  # None: JSONL
+    formats = import_tool("formats", f"{what} {path!r} ({kind})") if kind else None
+    yield from formats.read_records(path, what) if kind else read_jsonl(path, what, hint)
 
 def check_ids(ids, vocab_size, where):
     need(isinstance(ids, list) and all(is_int(t) for t in ids), f"{where}: input_ids must be a list of integers")
@@ -1705,9 +1703,8 @@ def template_kwargs(tokenizer, enable_thinking):  # enable_thinking when set and
     return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
 
 def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
 
 def chat_sample(messages, tokenizer, kw, eos, where):
     """(ids, mask) as inference tokenizes it: each assistant turn after the text before it, mask 1 from its generation
@@ -1825,11 +1822,8 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
         return chat_sample(plain_messages(messages, where), tokenizer, template_kwargs(tokenizer, enable_thinking),
                            {*eos_ids, tokenizer.eos_token_id} - {None}, where)
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    if kind == "prompt+response":
-        p, r = encode(record["prompt"]), encode(record["response"])
-        return p + r, [0] * len(p) + [1] * len(r)
-    ids = encode(record["text"])
-    return ids, [1] * len(ids)
+    p, r = ([], encode(record["text"])) if kind == "text" else (encode(record["prompt"]), encode(record["response"]))
+    return p + r, [0] * len(p) + [1] * len(r)
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """A data file's samples (encode_sample) cut to max_len; those with no usable anchor skipped and counted."""
