@@ -1899,8 +1899,7 @@ def restart_count():  # how often torchrun --max_restarts has restarted this wor
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 def setup_distributed(device_flag):
-    """(rank, world, device): one process under `python`; DDP under torchrun (gloo on CPU, nccl on CUDA), all of its
-    variables set and valid (a partial set ran a rank that logged nothing, or waited in the rendezvous forever)."""
+    """(rank, world, device): one process under `python`, DDP under torchrun (gloo on CPU, nccl on CUDA)."""
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         ok = env[k] is None or env[k].isdigit() and (k != "WORLD_SIZE" or int(env[k]) >= 1)
