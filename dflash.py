@@ -1566,28 +1566,25 @@ def check_compatible(cfg, target, where="drafter"):
 # masks; one sample per row (HF targets do not separate packed samples); the held-out split
 
 def read_jsonl(path, what, hint=""):
-    """Yield ("file:line", record) for each non-blank line (a .jsonl.gz by its magic bytes too); every problem is one
-    error naming file and line."""
+    """Yield ("file:line", record) for each non-blank line of a JSONL file (gzipped too, by its magic bytes)."""
     need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
     try:
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
         with gzip.open(path, "rb") if gz else open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+            for n, line in enumerate(f, 1):
                 try:
                     if line.strip():
-                        yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
+                        yield f"{path}:{n}", json.loads(line.decode("utf-8"))
                 except UnicodeDecodeError as e:
-                    raise DFlashError(f"{path}:{lineno}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
+                    raise DFlashError(f"{path}:{n}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
                 except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser takes
-                    raise DFlashError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', None) or first_line(e)})"
-                                      ) from None
+                    raise DFlashError(f"{path}:{n}: not valid JSON ({first_line(e)})") from None
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
-        raise DFlashError(f"cannot read {what} file {path!r}: {getattr(e, 'strerror', None) or first_line(e)}"
-                          ) from None
+        why = getattr(e, "strerror", None) or first_line(e)
+        raise DFlashError(f"cannot read {what} file {path!r}: {why}") from None
 
-def data_kind(path):
-    """What a data file is when it is not JSONL: a JSON array or Parquet (by its first bytes), else None."""
+def data_kind(path):  # what a data file that is not JSONL is, by its first bytes: "Parquet", "a JSON array" or None
     try:
         with open(path, "rb") as f:
             head = f.read(4096)
@@ -1596,16 +1593,12 @@ def data_kind(path):
     return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
 def read_records(path, what, hint=""):
-    """Yield (where, record) for each record of a data file: JSONL here; a JSON array, Parquet or a datasets
-    save_to_disk directory by dflash_tools/formats.py."""
+    """Yield (where, record) per record: JSONL here; a JSON array, Parquet or save_to_disk directory by formats.py."""
     need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
-    need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is not a regular file (a device or a "
-         f"pipe){hint}")
-    kind = "a directory" if os.path.isdir(path) else data_kind(path)
-    if kind:
-        yield from import_tool("formats", f"{what} {path!r} ({kind})").read_records(path, what)
-    else:
-        yield from read_jsonl(path, what, hint)
+    need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is a device or a pipe, not a file{hint}")
+    kind = "a directory" if os.path.isdir(path) else data_kind(path)  # None: JSONL
+    formats = import_tool("formats", f"{what} {path!r} ({kind})") if kind else None
+    yield from formats.read_records(path, what) if kind else read_jsonl(path, what, hint)
 
 def check_ids(ids, vocab_size, where):
     need(isinstance(ids, list) and all(is_int(t) for t in ids), f"{where}: input_ids must be a list of integers")
@@ -1613,78 +1606,57 @@ def check_ids(ids, vocab_size, where):
     need(bad is None, f"{where}: token id {bad} is outside the target's vocabulary [0, {vocab_size})")
     return ids
 
-def template_kwargs(tokenizer, enable_thinking):
-    """enable_thinking, passed only when it is set and the chat template reads it (training and eval alike)."""
+def template_kwargs(tokenizer, enable_thinking):  # enable_thinking when set and the chat template reads it
     template = getattr(tokenizer, "chat_template", None) or ""
     return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
 
 def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
 
 def chat_sample(messages, tokenizer, kw, eos, where):
-    """(ids, mask) of a conversation with the ids inference gives: each assistant turn tokenized on its own after the
-    text before it, as a server tokenizes the generation prompt and the target appends its tokens. Whole-string
-    tokenization can merge the "\n" that ends "<|im_start|>assistant\n" with a code answer's indentation, and the
-    loss would start on a token the target never produces there. Mask 1 exactly on what the target generates for
-    each assistant turn k: from the end of its generation prompt through the eos token that stops generation. Turns
-    are located inside the full rendering, never by rendering messages[:k+1] alone: Qwen3-style templates render the
-    assistant turn after the last user message with a think block and earlier ones without."""
+    """(ids, mask) as inference tokenizes it: each assistant turn after the text before it, mask 1 from its generation
+    prompt's end through its eos; turns are found in the full rendering (Qwen3 drops earlier turns' think blocks)."""
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
 
     def render(msgs, gen=False):
         try:
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
         except Exception as e:  # the template's raise_exception, or a message it cannot render
-            raise DFlashError(f"{where}: the chat template fails on the first {len(msgs)} messages: "
-                              f"{(str(e).splitlines() or [type(e).__name__])[0]}") from None
+            raise DFlashError(f"{where}: the chat template fails on messages[:{len(msgs)}]: {first_line(e)}") from None
 
-    def ambiguous(k, why):
-        return DFlashError(f"{where}: assistant turn {k}: {why}, so its loss mask is ambiguous; split the "
-                           f"conversation into one sample per assistant turn")
-    full = render(messages)  # text; tokenized piece by piece below
-    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    def ambiguous(k, why):  # the refusal of a turn whose mask cannot be read exactly
+        return f"{where}: assistant turn {k}: {why}; ambiguous loss mask, make one sample per turn"
+
+    def add(t, ones=0):  # tokens t, the first `ones` of them in the loss
+        ids.extend(t)
+        mask.extend([1] * ones + [0] * (len(t) - ones))
+    full, turns = render(messages), [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     contexts = [render(messages[:k]) for k in turns] + [full]  # each must be a prefix of the full rendering
     ids, mask, pos = [], [], 0  # pos: where the text not yet tokenized starts
-
-    def add(text, m):
-        t = encode(text)
-        ids.extend(t)
-        mask.extend([m] * len(t))
     for i, k in enumerate(turns):
         context, gen = contexts[i], render(messages[:k], gen=True)
-        if not full.startswith(context):
-            raise ambiguous(k, "the template renders the turns before it differently inside the whole conversation")
-        # the turn starts where its generation prompt ends. An earlier turn rendered without what the prompt adds
-        # (an empty think block when thinking is off) starts where the two part, moved back to a token boundary of
-        # the prompt (an answer that starts with "<" must not start inside "<think>").
+        need(full.startswith(context), ambiguous(k, "the turns before it render differently in the whole conversation"))
+        # the turn starts where the prompt and the full text differ (an earlier turn lacks the prompt's empty think
+        # block), moved back to a token boundary of the prompt (an answer "<..." must not start inside "<think>")
         start = next((j for j, (a, b) in enumerate(zip(gen, full)) if a != b), min(len(gen), len(full)))
-        if start < len(gen):
-            gen_ids = encode(gen)
-            while start > len(context):
-                head = encode(gen[:start])
-                if head == gen_ids[:len(head)]:
-                    break
-                start -= 1
-        if start < len(context):
-            raise ambiguous(k, "the generation prompt rewrites the conversation before it")
-        add(full[pos:start], 0)
-        # the turn ends at the first eos token, searched no further than the next assistant turn's context
-        pos = len(contexts[i + 1])
+        gen_ids = encode(gen) if start < len(gen) else []
+        while len(context) < start < len(gen) and (head := encode(gen[:start])) != gen_ids[:len(head)]:
+            start -= 1
+        need(start >= len(context), ambiguous(k, "the generation prompt rewrites the conversation before it"))
+        add(encode(full[pos:start]))
+        pos = len(contexts[i + 1])  # the turn ends at its first eos, searched up to the next turn's context
         turn = encode(full[start:pos])
         end = next((j + 1 for j, t in enumerate(turn) if t in eos), None)
-        if end is not None:
-            ids.extend(turn)
-            mask.extend([1] * end + [0] * (len(turn) - end))
-            continue
-        own = render(messages[:k + 1])  # no end-of-turn token: the turn's own rendering ends it, if part of the whole
-        if not full.startswith(own) or len(own) <= start:
-            raise ambiguous(k, f"no eos token {sorted(eos)} ends it and the template renders it differently as the "
-                               f"last turn (pass the target's eos ids)")
-        add(full[start:len(own)], 1)
-        add(full[len(own):pos], 0)
-    add(full[pos:], 0)
+        if end is None:  # no eos: the turn's own rendering ends it, if it is part of the whole
+            own = render(messages[:k + 1])
+            ok = full.startswith(own) and len(own) > start
+            need(ok, ambiguous(k, f"no eos token {sorted(eos)} (the target's eos ids) ends it, nor its own rendering"))
+            turn = encode(full[start:len(own)])
+            add(turn, len(turn))
+            turn, end = encode(full[len(own):pos]), 0
+        add(turn, end)
+    add(encode(full[pos:]))
     return ids, mask
 
 def show_data(samples, tokenizer, n, file=None):
@@ -1696,109 +1668,84 @@ def show_data(samples, tokenizer, n, file=None):
               f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
 
 def record_kind(record, where, tokenizer, kinds):
-    """The one parser of a JSONL record, shared by training data and eval.py's prompts: which of `kinds`
-    ("input_ids", "messages", "prompt+response", "prompt", "text"; the first the record has) it is, with the shape of
-    those fields checked (input_ids by check_ids, where the caller knows the vocabulary)."""
+    """Which of `kinds` ("input_ids", "messages", "prompt+response", "prompt", "text") a record is (the first whose
+    fields are all there, not null), its fields checked; the one parser of training data and eval.py's prompts."""
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
     need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
     if kind == "input_ids":
         return kind
-    need(tokenizer is not None, f"{where}: the target has no tokenizer; use pre-tokenized {{\"input_ids\": [...]}} "
-         f"lines")
+    need(tokenizer is not None, f"{where}: the target has no tokenizer; use pre-tokenized {{\"input_ids\": ...}} lines")
     if kind == "messages":
         messages = record["messages"]
-        need(isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages),
-             f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        ok = isinstance(messages, list) and all(isinstance(m, dict) and "role" in m for m in messages)
+        need(ok, f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
         need(tokenizer.chat_template, f"{where}: messages need a chat template, and the target's tokenizer has none")
-    for f in kind.split("+"):
-        need(f == "messages" or isinstance(record[f], str), f"{where}: {f} must be a string")
-        if f != "messages":
-            encodable(record[f], where, f)
+    for f in () if kind == "messages" else kind.split("+"):
+        need(isinstance(record[f], str), f"{where}: {f} must be a string")
+        encodable(record[f], where, f)
     return kind
 
-def encodable(text, where, what):
-    """A lone surrogate ("\\ud800" is valid JSON) is no character: no tokenizer encodes it, so it is refused here."""
+def encodable(text, where, what):  # text, refused if it holds a lone surrogate ("\ud800" is valid JSON)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise DFlashError(f"{where}: {what} holds {text[e.start:e.end]!r}, a lone surrogate no tokenizer can encode; "
-                          f"fix or drop the sample") from None
+        raise DFlashError(f"{where}: {what} holds {text[e.start:e.end]!r}, a lone surrogate; fix or drop it") from None
     return text
 
 def plain_messages(messages, where):
-    """Messages whose content is text: a string, null (a tool call's), or OpenAI-style parts holding one text part
-    ([{"type": "text", "text": ...}], read as that text); other parts (images, several texts) are refused by name."""
+    """Messages with text content: a string, null (a tool call's) or one OpenAI-style text part (read as its text)."""
     out = []
     for j, m in enumerate(messages):
         c = m.get("content")
         if isinstance(c, list):
-            need(len(c) == 1 and isinstance(c[0], dict) and c[0].get("type") == "text" and isinstance(
-                c[0].get("text"), str), f"{where}: messages[{j}].content is a list of parts that is not one text "
-                 f"part ({json.dumps(c)[:80]}); give the content as one string")
-            c = c[0]["text"]
-        need(c is None or isinstance(c, str), f"{where}: messages[{j}].content must be a string, got "
-             f"{type(c).__name__}")
+            part = c[0] if len(c) == 1 and isinstance(c[0], dict) else {}
+            ok = part.get("type") == "text" and isinstance(part.get("text"), str)
+            need(ok, f"{where}: messages[{j}].content is not one text part ({json.dumps(c)[:80]}); give it as a string")
+            c = part["text"]
+        need(c is None or isinstance(c, str), f"{where}: messages[{j}].content is a {type(c).__name__}, not a string")
         out.append({**m, "content": c if c is None else encodable(c, where, f"messages[{j}].content")})
     return out
 
-def chat_record(record, where):
-    """ShareGPT's {"conversations": [...]} as {"messages": [...]} (dflash_tools/formats.py); any other record as is."""
+def chat_record(record, where):  # ShareGPT's {"conversations": [...]} as {"messages": [...]}; others as they are
     if isinstance(record, dict) and "conversations" in record and "messages" not in record:
         return import_tool("formats", f"{where} (ShareGPT conversations)").chat_record(record, where)
     return record
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
-    """One record -> (input_ids, loss_mask), loss_mask 1 on the tokens the drafter learns to predict: {"messages":
-    [...]} (the assistant turns; ShareGPT's "conversations" the same way), {"prompt", "response"}, {"text"} (all),
-    {"input_ids", "loss_mask"?} (ids checked against vocab_size). Chat data is rendered as at inference; a turn ends
-    at the tokenizer's eos or any of eos_ids (the target's generation_config's). The entry point for every format."""
+    """Any record -> (input_ids, loss_mask), 1 on what the drafter learns: chat data's assistant turns (rendered as at
+    inference, each ended by the tokenizer's eos or one of eos_ids), a response, a whole text, or as given."""
     record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
-        ids = check_ids(record["input_ids"], vocab_size, where)
-        mask = record.get("loss_mask")
+        ids, mask = check_ids(record["input_ids"], vocab_size, where), record.get("loss_mask")
         mask = [1] * len(ids) if mask is None else mask
-        need(isinstance(mask, list) and len(mask) == len(ids),
-             f"{where}: loss_mask must be a list as long as input_ids ({len(ids)})")
+        need(isinstance(mask, list) and len(mask) == len(ids), f"{where}: loss_mask is not a list of {len(ids)} 0/1s")
         bad = next((m for m in mask if not (isinstance(m, (int, float)) and m in (0, 1))), 0)  # bools are ints
         need(bad == 0, f"{where}: loss_mask holds {bad!r}; it must hold 0 or 1 (numbers, not strings)")
         return ids, [int(m) for m in mask]
+    if kind == "messages" or kind == "prompt+response" and tokenizer.chat_template:
+        messages = record["messages"] if kind == "messages" else [{"role": "user", "content": record["prompt"]},
+                                                                  {"role": "assistant", "content": record["response"]}]
+        return chat_sample(plain_messages(messages, where), tokenizer, template_kwargs(tokenizer, enable_thinking),
+                           {*eos_ids, tokenizer.eos_token_id} - {None}, where)
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    if kind == "messages":
-        eos = {*eos_ids, tokenizer.eos_token_id} - {None}
-        return chat_sample(plain_messages(record["messages"], where), tokenizer,
-                           template_kwargs(tokenizer, enable_thinking), eos, where)
-    if kind == "prompt+response" and tokenizer.chat_template:
-        return encode_sample({"messages": [{"role": "user", "content": record["prompt"]},
-                                           {"role": "assistant", "content": record["response"]}]},
-                             tokenizer, enable_thinking, eos_ids, where)
-    if kind == "prompt+response":
-        p, r = encode(record["prompt"]), encode(record["response"])
-        return p + r, [0] * len(p) + [1] * len(r)
-    ids = encode(record["text"])
-    return ids, [1] * len(ids)
+    p, r = ([], encode(record["text"])) if kind == "text" else (encode(record["prompt"]), encode(record["response"]))
+    return p + r, [0] * len(p) + [1] * len(r)
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
-    """A data file (read_records) through encode_sample, truncated to max_len; samples with nothing to learn (no
-    usable anchor) skipped and counted."""
-    samples, skipped, lines = [], 0, 0
-    for where, rec in read_records(path, "data", "; pass --data with a JSONL or Parquet file or a save_to_disk "
-                                   "directory"):
-        lines += 1
+    """A data file's samples (encode_sample) cut to max_len; those with no usable anchor skipped and counted."""
+    samples, lines, hint = [], 0, "; pass --data with a JSONL or Parquet file or a save_to_disk directory"
+    for lines, (where, rec) in enumerate(read_records(path, "data", hint), 1):
         ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)  # checks input_ids
         if "input_ids" not in rec:  # a tokenizer may have more tokens than the target's embedding rows
             check_ids(ids, vocab_size, where)
-        ids, mask = ids[:max_len], mask[:max_len]
-        if len(anchor_candidates(mask)):
-            samples.append((ids, mask))
-        else:
-            skipped += 1
+        if len(anchor_candidates(mask[:max_len])):
+            samples.append((ids[:max_len], mask[:max_len]))
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
-    need(samples, f"{path}: no usable samples ({skipped} skipped: no two consecutive response tokens within "
-         f"--max_len {max_len}); check the file and the loss_mask")
-    if skipped:
-        say(f"{path}: skipped {skipped} samples with fewer than 2 response tokens, kept {len(samples)}")
+    need(samples, f"{path}: no usable samples ({lines} skipped: no 2 loss tokens in a row within --max_len {max_len})")
+    if lines > len(samples):
+        say(f"{path}: skipped {lines - len(samples)} samples with fewer than 2 response tokens, kept {len(samples)}")
     return samples
 
 EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
@@ -1810,8 +1757,7 @@ def eval_fraction(args):
 def held_out_count(n, eval_fraction):  # eval_fraction of n samples, at least EVAL_FLOOR, never more than half
     return min(max(int(n * eval_fraction), EVAL_FLOOR), n // 2) if eval_fraction > 0 else 0
 
-def split_eval(samples, eval_fraction, seed):
-    """A deterministic held-out split (the same on every rank) of held_out_count samples: (train, eval)."""
+def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count samples held out, the same on every rank
     n_eval = held_out_count(len(samples), eval_fraction)
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     return [samples[i] for i in order[n_eval:]], [samples[i] for i in order[:n_eval]]
@@ -1820,15 +1766,13 @@ def split_eval(samples, eval_fraction, seed):
 # Signals, devices and distributed set-up
 
 class StopFlag:
-    """Inside `with StopFlag(out, say) as stop`, SIGTERM/SIGINT set stop.requested: the loop finishes the current
-    step, saves and exits. A second signal (Ctrl-C, then the SIGTERM of a scheduler or `timeout`) does not cancel the
-    save; a third abandons it (SystemExit: a checkpoint being written is removed, latest is untouched)."""
+    """`with StopFlag(out, say) as stop`: SIGTERM/SIGINT set stop.requested (finish the step, save, exit); a second
+    signal keeps the save; a third abandons it (SystemExit 128+signal; a half-written checkpoint goes, latest stays)."""
 
     def __init__(self, out, say=print):
-        self.out, self.say = out, say
+        self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
-        self.requested, self.count, self.signum = False, 0, None
         self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
@@ -1837,8 +1781,8 @@ class StopFlag:
             signal.signal(sig, handler)
 
     def _handler(self, signum, frame):
-        self.count, self.requested, name = self.count + 1, True, signal.Signals(signum).name
-        self.signum = self.signum or signum
+        self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
+        name = signal.Signals(signum).name
         if self.count == 1:
             self.say(f"{name}: finishing this step, then saving a checkpoint")
         elif self.count == 2:
@@ -1847,66 +1791,51 @@ class StopFlag:
             self.say(f"third signal ({name}): abandoning the checkpoint; {last_complete(self.out)}")
             raise SystemExit(128 + signum)
 
-def pick_device(flag, local_rank=0):
-    """--device, or cuda:LOCAL_RANK when CUDA is there, else cpu; a device that is not there is one error line."""
+def pick_device(flag, local_rank=0):  # --device, or cuda:LOCAL_RANK when CUDA is there, else cpu
     try:
         device = torch.device(flag or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         raise DFlashError(f"--device {flag!r} is not a device name (cpu, cuda, cuda:N)") from None
     need(device.type in ("cpu", "cuda"), f"--device {flag!r}: only cpu and cuda devices are supported")
     if device.type == "cuda":
-        need(torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
-             f"--device {device} is not available here ({torch.cuda.device_count()} CUDA devices"
-             f"{'' if torch.cuda.is_available() else '; this torch build has no CUDA'})")
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        need((device.index or 0) < n, f"--device {device} is not available here ({n} CUDA devices); pass another")
         torch.cuda.set_device(device)
     return device
 
 def restart_count():  # how often torchrun --max_restarts has restarted this worker group (0: a first start)
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets, all of them
-
-def dist_env():
-    """(rank, world, local rank) from torchrun's variables: one process when none says otherwise, else all of them
-    set and well formed (a partial set ran a rank that logged nothing, or waited in the rendezvous forever)."""
-    env = {k: os.environ.get(k) for k in DIST_VARS}
-    bad = next((k for k in DIST_VARS[:3] + DIST_VARS[4:] if env[k] is not None and not (env[k].isdigit() and (
-        k != "WORLD_SIZE" or int(env[k]) >= 1))), None)
-    need(bad is None, f"{bad}={env.get(bad)!r} is not a whole number" + (" >= 1" if bad == "WORLD_SIZE" else "") +
-         "; start with torchrun, which sets the distributed variables, or unset them to run one process")
-    rank, world, local = (int(env[k] or d) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    if (rank, world, local) == (0, 1, 0):
-        return 0, 1, 0
-    missing = [k for k in DIST_VARS if env[k] is None]
-    need(not missing, f"a partial distributed environment ({', '.join(f'{k}={v}' for k, v in env.items() if v)}; "
-         f"{', '.join(missing)} not set): start with torchrun, which sets them all, or unset them to run one process")
-    need(rank < world, f"RANK {rank} is not below WORLD_SIZE {world}: no such rank; start with torchrun")
-    return rank, world, local
-
 def setup_distributed(device_flag):
-    """The same script under `python` (one process) and `torchrun` (DDP: gloo on CPU, nccl on CUDA)."""
-    rank, world, local = dist_env()
-    device = pick_device(device_flag, local)
-    if world > 1 and not dist.is_initialized() and not os.environ.get("TORCHELASTIC_RUN_ID") and rank == 0:
-        print(f"rank 0: waiting for {world - 1} more ranks at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-              f" (started without torchrun; torch.distributed gives up after 30 min)", file=sys.stderr)
-    if world > 1 and not dist.is_initialized():  # the demo may have started it
-        backend, env = "nccl" if device.type == "cuda" else "gloo", os.environ.get
-        # torchrun keeps one store across the restarts of --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-        # with the c10d rendezvous): the dead workers' addresses in it make a restart's init fail or hang. On one
-        # node every worker has the same restart count, so a restart gets keys of its own
-        shared, restart = env("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count()
-        if shared and restart and env("GROUP_WORLD_SIZE") == "1":
-            store = dist.TCPStore(env("MASTER_ADDR"), int(env("MASTER_PORT")), world, is_master=False)
-            dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
-                                    world_size=world)
-        else:
-            if shared and env("GROUP_WORLD_SIZE", "1") != "1" and rank == 0 and int(env("TORCHELASTIC_MAX_RESTARTS")
-                                                                                      or 0) > 0:
-                print("note: torchrun --max_restarts over several nodes: start it with --rdzv_backend=c10d and "
-                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a restart can hang in init_process_group",
-                      file=sys.stderr)
-            dist.init_process_group(backend)
+    """(rank, world, device): one process under `python`, DDP under torchrun (gloo on CPU, nccl on CUDA)."""
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        ok = env[k] is None or env[k].isdigit() and (k != "WORLD_SIZE" or int(env[k]) >= 1)
+        need(ok, f"{k}={env[k]!r} is not a whole number{' >= 1' * (k == 'WORLD_SIZE')}; use torchrun, or unset it")
+    rank, world, local = int(env["RANK"] or 0), int(env["WORLD_SIZE"] or 1), int(env["LOCAL_RANK"] or 0)
+    if (rank, world, local) != (0, 1, 0):
+        have, missing = [f"{k}={v}" for k, v in env.items() if v], [k for k, v in env.items() if v is None]
+        need(not missing, f"{', '.join(missing)} unset beside {', '.join(have)}; use torchrun, or unset them all")
+        need(rank < world, f"RANK {rank} is not below WORLD_SIZE {world}: no such rank; start with torchrun")
+    device, get = pick_device(device_flag, local), os.environ.get
+    if world == 1 or dist.is_initialized():  # the demo may have started it
+        return rank, world, device
+    if not get("TORCHELASTIC_RUN_ID") and rank == 0:
+        print(f"rank 0: waiting for {world - 1} more ranks at {env['MASTER_ADDR']}:{env['MASTER_PORT']} (started "
+              f"without torchrun; torch.distributed gives up after 30 min)", file=sys.stderr)
+    # torchrun keeps one store across --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with c10d): the dead
+    # workers' keys in it make a restart's init fail or hang. On one node all workers share the restart count: new keys
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    shared, restart = get("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count()
+    if shared and restart and get("GROUP_WORLD_SIZE") == "1":
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
+                                world_size=world)
+        return rank, world, device
+    if shared and get("GROUP_WORLD_SIZE", "1") != "1" and rank == 0 and int(get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+        print("note: torchrun --max_restarts over several nodes: start it with --rdzv_backend=c10d and "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a restart can hang in init_process_group", file=sys.stderr)
+    dist.init_process_group(backend)
     return rank, world, device
 
 def peak_memory_mb(device):
@@ -1915,15 +1844,13 @@ def peak_memory_mb(device):
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-def any_rank(flag, world, device):
-    """True on every rank when flag is true on any (a stop request reaches one rank's handler, or all)."""
+def any_rank(flag, world, device):  # true on every rank when true on any (a stop signal may reach one rank only)
     t = torch.tensor(float(flag), device=device)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
-def broadcast(obj, world):
-    """Rank 0's object on every rank (e.g. the data file's digest: one rank reads the file)."""
+def broadcast(obj, world):  # rank 0's object on every rank (e.g. the data's digest: one rank reads the file)
     box = [obj]
     if world > 1:
         dist.broadcast_object_list(box, src=0)
