@@ -2028,7 +2028,9 @@ def check_writable_dir(d, what, subdirs=False):
     """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
     try:
         os.makedirs(d, exist_ok=True)
-        tempfile.NamedTemporaryFile(prefix=".probe", dir=d).close()
+        fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
+        os.close(fd)
+        os.remove(probe)
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
