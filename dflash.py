@@ -2232,7 +2232,7 @@ def check_run(args, world, device, master):
     if device.type == "cpu" and not args.plan and args.attention == "flex":
         problems.append("--attention flex: FlexAttention has no backward pass on the CPU; drop --attention")
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
-        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs the walk: drop --eval_walk_prompts 0")
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
@@ -2257,8 +2257,8 @@ def check_run(args, world, device, master):
         cfg = read_drafter_config(init_from) if init_from else new_drafter_config(
             meta, **given, say=print if master else lambda *a: None, max_len=args.max_len)
         for k, v in given.items():  # --init_from's drafter keeps its own geometry
-            same = v == (getattr(cfg, DRAFTER_FLAGS[k]) or (0 if k == "sliding_window" else None))
-            need(same or not init_from, f"--{k} {v}: the --init_from drafter has its own; drop --{k} or --init_from")
+            same = not init_from or v == (getattr(cfg, DRAFTER_FLAGS[k]) or (0 if k == "sliding_window" else None))
+            need(same, f"--{k} {v}: --init_from {args.init_from} has its own; drop --{k} or --init_from")
         arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
         variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
         stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
