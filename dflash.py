@@ -2052,8 +2052,7 @@ def check_out_dir(out):
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
 def lock_out(out):
-    """One run writes an --out at a time: an flock on the directory (a killed run leaves no stale lock), held until
-    the process ends; none where flock is missing or refused (Windows, some network file systems)."""
+    """One writer per --out: an flock on the directory till the process ends (none where flock is refused/missing)."""
     try:
         import fcntl
         key = os.path.realpath(out)
@@ -2084,8 +2083,7 @@ def path_digest(path):
         return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
 def resume_point(args, data_digest, master=True):
-    """(checkpoint, its train state) to continue, or (None, None) to start: --resume must | auto (auto too in a worker
-    torchrun restarted). Refused: an --out holding a run without --resume; other data, data order or loss."""
+    """(checkpoint, its train state) to continue, or (None, None) to start (auto too in a worker torchrun restarted)."""
     mode, out, left = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
@@ -2124,8 +2122,7 @@ def resume_point(args, data_digest, master=True):
     return d, state
 
 def target_rope(tc):
-    """(rope_theta, note) of the target's full-attention layers, which a new drafter takes; with a rope_parameters per
-    layer type (Gemma3: sliding 1e4, full 1e6) the note says which was taken."""
+    """(rope_theta, note) of the target's full-attention layers (Gemma3: sliding 1e4, full 1e6; note says so)."""
     rope = getattr(tc, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
         kind = "full_attention" if "full_attention" in rope else next(iter(rope))
@@ -2139,8 +2136,7 @@ YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attenti
              "mscale", "mscale_all_dim", "truncate")  # what yarn reads (never partial_rotary_factor, mrope_*)
 
 def target_window(tc):
-    """(positions the target takes, its yarn or None): max_position_embeddings, or a yarn target's reach
-    (original_max_position_embeddings x factor) where larger; the yarn of its full-attention layers."""
+    """(positions the target takes, its yarn or None): max_position_embeddings, or a yarn reach where larger."""
     native = getattr(tc, "max_position_embeddings", None) or 32768
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
@@ -2161,9 +2157,8 @@ def check_lengths(samples, tc, where):
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
-    """A new drafter for this target, shaped like z-lab's: width, vocab, eps, RoPE (target_rope; trained past its
-    window: its yarn) and attention/MLP geometry the target's unless given; n-1 sliding layers + 1 full unless
-    layer_types says otherwise. Every problem is raised at once."""
+    """A new drafter shaped like z-lab's: the target's geometry unless given (past its window: its yarn), n-1 sliding
+    layers + 1 full unless layer_types says otherwise. Every problem is raised at once."""
     tc = target.model.config.get_text_config()
     (rope_theta, rope_note), (reach, yarn) = target_rope(tc), target_window(tc)
     native = getattr(tc, "max_position_embeddings", None) or 32768
@@ -2201,8 +2196,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
 
 @dataclass
 class RunSetup:
-    """What check_run found: the drafter config (None for --show_data), the checkpoint to resume, its train state,
-    the data file's digest (kept in every checkpoint), the --init_from directory, the variant's module (or None)."""
+    """What check_run found (cfg None for --show_data; variant: the variant's module or None)."""
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
@@ -2211,8 +2205,8 @@ class RunSetup:
     variant: object = None
 
 def check_run(args, world, device, master):
-    """Set-up before any weights load: the data files, --out, the resume point, the drafter config from the target's
-    config.json and tokenizer (the target on the meta device), every problem of the flags at once; the memory plan."""
+    """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
+    device (every problem of the flags at once), the memory plan."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     data = [(p, flag) for p, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")) if p and not args.plan]
@@ -2277,12 +2271,13 @@ def check_run(args, world, device, master):
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
 def check_resume(out, run, global_batch, master):
-    """A checkpoint to resume must have this run's drafter and global batch (the data order); then rank 0 cuts
-    metrics.jsonl back to its step (all of it on a fresh start): what is logged again."""
-    d, state, arch = run.resume_dir, run.state, run.cfg and run.cfg.architecture
+    """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
+    (all of it on a fresh start)."""
+    d, state = run.resume_dir, run.state
     if state:
-        saved, how = read_drafter_config(d), "added" if arch == "DFlash2DraftModel" else "dropped"
-        need(saved.architecture == arch, f"cannot resume {d}: a {saved.architecture}, not {arch} (--dflash2 {how})")
+        saved, arch = read_drafter_config(d), run.cfg.architecture
+        was, how = saved.architecture, "drop" if arch == "DFlash2DraftModel" else "add"
+        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {how} --dflash2, or give a new --out")
         for k, v in asdict(run.cfg).items():
             was = getattr(saved, k)
             need(was == v, f"cannot resume {d}: it has {k}={was}, this run {v}; use its flags or a new --out")
@@ -2292,8 +2287,7 @@ def check_resume(out, run, global_batch, master):
         keep_metrics(out, state["step"] if state else -1)
 
 def read_data(args, target, say, cfg=None):
-    """(train samples, held-out samples): --eval_data's or split off --data, checked against the target (the mask
-    token unused, every sample within its positions). --show_data: --data's in file order, None."""
+    """(train, held-out samples), checked against the target (mask token unused, lengths); --show_data: (all, None)."""
     kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
@@ -2331,8 +2325,8 @@ def progress_bar(total_steps, step, master, args):
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
 
 def load_run_target(args, run, world, device):
-    """The run's target, loaded (sharded with --shard_target under torchrun), and its record: what a checkpoint keeps
-    and a drafter to go on (--init_from's, the checkpoint's) was trained against (unless --allow_other_target)."""
+    """The run's target (sharded with --shard_target under torchrun) and its record, which a drafter to go on
+    (--init_from's, the checkpoint's) must have been trained against (unless --allow_other_target)."""
     shard = args.shard_target and world > 1
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)
@@ -2348,11 +2342,9 @@ def run_summary(args, target, total_steps, global_batch, world, device):
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
 def count_bad_step(bad_steps, step, total, grad_norm, args, say):
-    """A step with a non-finite loss or grad norm (its update skipped): said and counted; --max_bad_steps in a row
-    end the run. Returns the new count."""
+    """A step with a non-finite loss or grad norm (update skipped), counted: --max_bad_steps in a row end the run."""
     bad_steps += 1
-    say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, skipped the update "
-        f"({bad_steps} in a row)")
+    say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad {grad_norm.item()}; skipped ({bad_steps})")
     need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps; lower --lr or check the data")
     return bad_steps
 
@@ -2384,8 +2376,7 @@ def append_metrics(out, record):
 # depends on besides the drafter, so two tau measured differently are never compared unknowingly
 
 def generation_prompt(tokenizer, kw):
-    """What the chat template appends to a user turn to start the assistant's, under template kwargs kw; None where
-    it cannot render a probe turn."""
+    """What the chat template appends to a user turn to start the assistant's, under kwargs kw (None: it cannot)."""
     turn = [{"role": "user", "content": "hi"}]
     try:
         base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
@@ -2395,9 +2386,8 @@ def generation_prompt(tokenizer, kw):
     return full[len(base):] if full.startswith(base) else full
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """The settings a walked tau depends on besides the drafter: thinking on | off | n/a (a template without
-    enable_thinking) | template default, max_new_tokens, greedy or the target's sampling (temperature, top_p, top_k),
-    short hashes of the chat template with its generation prompt ("none" without one) and of prompts (id lists)."""
+    """The settings a walked tau depends on besides the drafter: thinking, max_new_tokens, greedy or the sampling
+    (temperature, top_p, top_k), hashes of the chat template with its generation prompt and of the prompts."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
     if "enable_thinking" in template and enable_thinking is not None:
         thinking = "on" if enable_thinking else "off"
@@ -2464,8 +2454,7 @@ class HelpFormatter(argparse.HelpFormatter):
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with each flag's default in --help, exact flags (argparse would take --max_step for --max_steps)
-    and flag errors as one `error:` line with exit code 2, like every other input error."""
+    """argparse with defaults in --help, exact flags (not --max_step for --max_steps), errors one line, exit 2."""
 
     def __init__(self, **kw):
         super().__init__(formatter_class=HelpFormatter, allow_abbrev=False, **kw)
@@ -2484,8 +2473,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return args
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
-    """Every flag of both scripts, one line each: kind int or float gets number()'s range-checked type; anything else
-    (choices, store_true, a type function) passes through to add_argument."""
+    """A flag, one line each: kind int or float gets number()'s range-checked type; the rest goes to add_argument."""
     if kind is not None:
         kw["type"] = number(kind, lo, open_lo, hi)
     group.add_argument(name, default=default, help=help, **kw)
