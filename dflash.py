@@ -2292,10 +2292,8 @@ def read_data(args, target, say, cfg=None):
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
         return samples, None
-    if args.eval_data:
-        train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
-    else:
-        train_samples, eval_samples = split_eval(samples, eval_fraction(args), args.seed)
+    held = load_samples(args.eval_data, target.tokenizer, args.max_len, **kw) if args.eval_data else None
+    train_samples, eval_samples = (samples, held) if held else split_eval(samples, eval_fraction(args), args.seed)
     where, n = "--data" + " and --eval_data" * bool(args.eval_data), cfg.mask_token_id
     used = sum(ids.count(n) for ids, _ in train_samples + eval_samples)
     need(not used, f"--mask_token_id {n} occurs {used} times in {where}; pass an id the data never uses")
