@@ -1860,8 +1860,7 @@ def broadcast(obj, world):  # rank 0's object on every rank (e.g. the data's dig
 # The run's checks and set-up: outputs, resume, the drafter config, data, the trackers
 
 def check_writable_dir(d, what, subdirs=False):
-    """Prove d can take our outputs by the operations the end uses, before anything loads: create it, then create and
-    remove a file in it (files are written aside and renamed) and, with subdirs, a directory (checkpoints)."""
+    """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
     try:
         os.makedirs(d, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
@@ -1870,41 +1869,34 @@ def check_writable_dir(d, what, subdirs=False):
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
-        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); give a writable "
-                          f"location") from None
+        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); give a writable path") from None
 
 def check_out_dir(out):
-    """--out: a directory that can be created and written, with nothing but files where latest and metrics.jsonl go."""
+    """--out: a writable directory, with nothing but files where latest and metrics.jsonl go."""
     need(out, "--out is empty; give a directory")
     need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
     for p in (os.path.join(out, "latest"), os.path.join(out, "metrics.jsonl")):
-        need(not os.path.exists(p) or os.path.isfile(p), f"--out {out!r}: {p} is in the way (not a file); remove it "
-             f"or give another --out")
+        need(not os.path.exists(p) or os.path.isfile(p), f"{p} is in the way; remove it or give another --out")
     check_writable_dir(out, f"--out {out!r}", subdirs=True)
-    try:  # appended to: opened as the log will open it
-        if os.path.exists(os.path.join(out, "metrics.jsonl")):
-            open(os.path.join(out, "metrics.jsonl"), "a").close()
+    try:  # metrics.jsonl is appended to: opened as the log will open it
+        if os.path.exists(p):
+            open(p, "a").close()
     except OSError as e:
-        raise DFlashError(f"--out {out!r}: {out}/metrics.jsonl cannot be appended to ({e.strerror})") from None
+        raise DFlashError(f"--out {out!r}: {p} cannot be appended to ({e.strerror})") from None
 
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
 def lock_out(out):
-    """One run writes an --out at a time: an flock on the directory itself (nothing written; a killed run leaves no
-    stale lock), held until the process ends. Where flock is missing or refused (Windows, some network file
-    systems) there is no lock."""
+    """One writer per --out: an flock on the directory till the process ends (none where flock is refused/missing)."""
     try:
         import fcntl
         key = os.path.realpath(out)
         if key not in OUT_LOCKS:
-            fd = os.open(key, os.O_RDONLY)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise DFlashError(f"--out {out!r} is being written by another run (it holds its lock); wait for it "
-                                  f"to end, or give another --out") from None
-            OUT_LOCKS[key] = fd
+            OUT_LOCKS[key] = os.open(key, os.O_RDONLY)
+            fcntl.flock(OUT_LOCKS[key], fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(OUT_LOCKS.pop(key))
+        raise DFlashError(f"--out {out!r} is locked by another run; wait for it or give another --out") from None
     except (ImportError, OSError):
         pass
 
@@ -1919,27 +1911,21 @@ def earlier_run(out):
         return "a run without a complete checkpoint"
 
 def path_digest(path):
-    """{size, sha256} of a data file's bytes (a save_to_disk directory's by dflash_tools/formats.py): recorded in each
-    checkpoint, so a resume can tell the data changed."""
+    """{size, sha256} of a data file (a save_to_disk dir: formats.py), kept in checkpoints: a resume sees a change."""
     if os.path.isdir(path):
         return import_tool("formats", f"--data {path!r}").dir_digest(path)
     with open(path, "rb") as f:
         return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
-RESUME_SAME = ("seed", "max_len", "eval_fraction")  # flags that decide the data order and split (besides the batch)
-
 def resume_point(args, data_digest, master=True):
-    """(checkpoint, its train state) to continue from, or (None, None) to start: --resume must | auto (auto too for a
-    worker torchrun restarted). Without either, an --out that holds a run is refused (never started over in place);
-    so is a checkpoint made on other data, with another flag that decides the data order, or with another loss (a
-    checkpoint that records none was trained with the CE). Its drafter and global batch: check_resume."""
+    """(checkpoint, its train state) to continue, or (None, None) to start (auto too in a worker torchrun restarted)."""
     mode, out, left = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
         left = complete_checkpoints(out)
-        need(mode == "auto" and not left, f"--resume: {e}" + (
-            "" if left else "; no complete checkpoint is left: --resume auto starts anew in it, or give a new --out"))
+        fix = "" if left else "; no complete checkpoint is left: --resume auto starts anew, or give a new --out"
+        need(mode == "auto" and not left, f"--resume: {e}{fix}")
         d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
         if master:
             print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
@@ -1951,41 +1937,33 @@ def resume_point(args, data_digest, master=True):
             print(f"--resume: {out} has no latest; continuing its newest complete checkpoint {d}")
     if d is None:
         earlier = earlier_run(out)
-        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); "
-             + ("--resume auto starts anew in it, or give a new --out" if earlier else "drop --resume to start"))
-        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); " + (
-            "pass --resume to continue it" if left else "it has no complete checkpoint: pass --resume auto to start "
-            "anew in it") + ", or give a new --out")
+        fix = "--resume auto starts anew in it, or give a new --out" if earlier else "drop --resume to start"
+        need(mode != "must", f"--resume: no checkpoint in {out!r} (no {os.path.join(out, 'latest')}); {fix}")
+        fix = "pass --resume to continue it" if left else "no complete checkpoint: pass --resume auto to start anew"
+        need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); {fix}, or give a new --out")
         return None, None
     state = read_train_state(d)
-    old = state["args"] if isinstance(state["args"], dict) else {}
+    old = dict(state["args"]) if isinstance(state["args"], dict) else {}
+    if old.get("eval_fraction", 0) is None:  # None: the default, as this run counts it
+        old["eval_fraction"] = EVAL_FRACTION
+    old["loss"] = state.get("loss", "ce")  # the objective (none recorded: the CE), and D-PACE's alpha
+    old["dpace_alpha"] = state.get("dpace_alpha") if old["loss"] != "ce" else args.dpace_alpha
     now = {**vars(args), "eval_fraction": eval_fraction(args)}
-    old = {**old, **({"eval_fraction": EVAL_FRACTION} if "eval_fraction" in old and old["eval_fraction"] is None
-                     else {})}  # None: the default, as this run counts it
-    for k in RESUME_SAME:
-        need(old.get(k, now[k]) == now[k], f"cannot resume {d}: it was made with --{k} {old.get(k)}, this run has "
-             f"--{k} {now[k]} (it decides the data order); use {old.get(k)} or a new --out")
-    loss, alpha = state.get("loss", "ce"), state.get("dpace_alpha")  # the objective (none recorded: the CE)
-    need(loss == args.loss, f"cannot resume {d}: it was trained with --loss {loss}, this run has --loss {args.loss}; "
-         f"use --loss {loss}, or a new --out")
-    need(loss == "ce" or alpha == args.dpace_alpha, f"cannot resume {d}: it was trained with --dpace_alpha {alpha}, "
-         f"this run has --dpace_alpha {args.dpace_alpha}; use --dpace_alpha {alpha}, or a new --out")
-    saved = state.get("data")
-    need(not saved or not data_digest or saved == data_digest or args.allow_data_change,
-         f"cannot resume {d}: --data {args.data} changed since it was written, so the data order would differ; "
-         f"restore the file, or pass --allow_data_change to continue on the new data")
+    for k in ("seed", "max_len", "eval_fraction", "loss", "dpace_alpha"):  # the data order and split, the objective
+        was = old.get(k, now[k])
+        need(was == now[k], f"cannot resume {d}: it was made with --{k} {was}, this run has --{k} {now[k]}; use {was}")
+    same = not state.get("data") or not data_digest or state["data"] == data_digest
+    need(same or args.allow_data_change, f"cannot resume {d}: --data {args.data} changed; pass --allow_data_change")
     return d, state
 
 def target_rope(tc):
-    """(rope_theta, note) of the target's full-attention layers, whose geometry a new drafter takes: rope_parameters
-    is one dict, or one per layer type (Gemma3: sliding 1e4, full 1e6), then note says which one was taken."""
+    """(rope_theta, note) of the target's full-attention layers (Gemma3: sliding 1e4, full 1e6; note says so)."""
     rope = getattr(tc, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
         kind = "full_attention" if "full_attention" in rope else next(iter(rope))
         theta = float(rope[kind].get("rope_theta", 1e4))
         others = ", ".join(f"{k} {float(v.get('rope_theta', 1e4)):.0f}" for k, v in rope.items() if k != kind)
-        return theta, (f"drafter RoPE: rope_theta {theta:.0f}, the target's {kind} layers' (its layer types differ: "
-                       f"{others})")
+        return theta, f"drafter RoPE: rope_theta {theta:.0f}, the target's {kind} layers' (the others: {others})"
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None
     return float(theta if theta is not None else getattr(tc, "rope_theta", None) or 1e4), None
 
@@ -1993,62 +1971,44 @@ YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attenti
              "mscale", "mscale_all_dim", "truncate")  # what yarn reads (never partial_rotary_factor, mrope_*)
 
 def target_window(tc):
-    """(positions the target takes, its RoPE scaling or None): max_position_embeddings, or for a yarn target
-    original_max_position_embeddings x factor where larger; the scaling (YARN_KEYS of its rope_parameters or
-    rope_scaling, its full-attention layers' when per layer type) is None for plain RoPE."""
+    """(positions the target takes, its yarn or None): max_position_embeddings, or a yarn reach where larger."""
     native = getattr(tc, "max_position_embeddings", None) or 32768
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
         rope = rope.get("full_attention") or next(iter(rope.values()))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "yarn":
-        return native, None if kind == "default" else dict(rope)
-    scaling = {k: v for k, v in rope.items() if k in YARN_KEYS}
-    reach = int(scaling.get("original_max_position_embeddings") or native) * float(scaling.get("factor") or 1)
-    return max(native, int(reach)), scaling
-
-def long_context_rope(tc, max_len):
-    """(rope_scaling, max_position_embeddings) of a new drafter trained at max_len: plain RoPE and the target's
-    max_position_embeddings up to it; past it, a yarn target's own yarn and its reach (written into config.json, so
-    the engines serve the drafter's positions as trained). A sample past what the target takes: check_lengths."""
-    native = getattr(tc, "max_position_embeddings", None) or 32768
-    reach, scaling = target_window(tc)
-    if not max_len or max_len <= native or (scaling or {}).get("rope_type") != "yarn":
-        return None, native
-    return scaling, reach
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return native, None
+    yarn = {k: v for k, v in rope.items() if k in YARN_KEYS}
+    reach = int(int(yarn.get("original_max_position_embeddings") or native) * float(yarn.get("factor") or 1))
+    return max(native, reach), yarn if yarn.get("rope_type") == "yarn" else None
 
 def check_lengths(samples, tc, where):
     """Every sample fits in the positions the target takes (target_window), else one line naming the longest."""
-    reach, scaling = target_window(tc)
-    longest = max((len(ids) for ids, _ in samples), default=0)
-    yarn = (scaling or {}).get("rope_type") == "yarn"
-    more = "" if yarn else (f", or give the target's config.json a yarn rope_parameters (factor "
-                            f"{math.ceil(longest / reach)}, original_max_position_embeddings {reach})")
-    need(longest <= reach, f"{where}: a sample of {longest} tokens is past the {reach} positions the target takes "
-         f"({'its yarn reach' if yarn else 'its max_position_embeddings'}); use --max_len {reach}{more}")
+    (reach, yarn), longest = target_window(tc), max((len(ids) for ids, _ in samples), default=0)
+    what, factor = ("yarn reach" if yarn else "max_position_embeddings"), math.ceil(longest / reach)
+    fix = f"use --max_len {reach}" + ("" if yarn else f" or a yarn rope_parameters (factor {factor})")
+    need(longest <= reach, f"{where}: a {longest}-token sample is past the target's {reach} positions ({what}); {fix}")
 
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
-    """A new drafter for this target, shaped like z-lab's: hidden/vocab/eps from the target, rope_theta from its
-    full-attention layers (target_rope), unless given their attention geometry (heads, kv heads, head_dim) and MLP
-    width; plain RoPE over the full head (past the target's window: its yarn); n-1 causal sliding layers + 1 full
-    bidirectional layer unless layer_types says otherwise. Every problem of these flags is raised at once."""
+    """A new drafter shaped like z-lab's: the target's geometry unless given (past its window: its yarn), n-1 sliding
+    layers + 1 full unless layer_types says otherwise. Every problem is raised at once."""
     tc = target.model.config.get_text_config()
-    (rope_theta, rope_note), (rope_scaling, max_positions) = target_rope(tc), long_context_rope(tc, max_len)
+    (rope_theta, rope_note), (reach, yarn) = target_rope(tc), target_window(tc)
+    native = getattr(tc, "max_position_embeddings", None) or 32768
+    if not (max_len and max_len > native and yarn):  # within the window: plain RoPE, the target's window
+        reach, yarn = native, None
     n, L, problems = num_draft_layers or 5, target.num_layers, []  # None: the flag's default (said in --help)
-    block_size, sliding_window = block_size or 16, 2048 if sliding_window is None else sliding_window
-    heads = num_heads or tc.num_attention_heads
+    sliding_window, heads = 2048 if sliding_window is None else sliding_window, num_heads or tc.num_attention_heads
     mask_token_id = getattr(target.tokenizer, "mask_token_id", None) if mask_token_id is None else mask_token_id
     if mask_token_id is None:
-        problems.append("no mask token: the target's tokenizer defines none; pass --mask_token_id with an id the data "
-                        "never uses (z-lab's drafters use a spare embedding row)")
+        problems.append("no mask token (the tokenizer defines none); pass --mask_token_id, an id the data never uses")
     ids = target_layer_ids or default_target_layer_ids(L, n)
     if not target_layer_ids and len(set(ids)) < len(ids):
-        good = valid_target_layer_ids(L, n)
-        problems.append(f"the default target_layer_ids {ids} for a {L}-layer target and {n} drafter layers repeat a "
-                        f"layer; pass --target_layer_ids {','.join(map(str, good))}")
-        ids = good
+        good = ",".join(map(str, valid_target_layer_ids(L, n)))
+        problems.append(f"the default target_layer_ids {ids} repeat a layer; pass --target_layer_ids {good}")
+        ids = valid_target_layer_ids(L, n)
     layer_types = layer_types or ["sliding_attention" if sliding_window and i < n - 1 else "full_attention"
                                   for i in range(n)]
     try:
@@ -2058,7 +2018,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
             num_key_value_heads=num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
             head_dim=head_dim or getattr(tc, "head_dim", None) or target.hidden_size // heads,
             vocab_size=target.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling, max_position_embeddings=max_positions, block_size=block_size,
+            rope_scaling=yarn, max_position_embeddings=reach, block_size=block_size or 16,
             mask_token_id=0 if mask_token_id is None else mask_token_id, target_layer_ids=list(ids),
             num_target_layers=L, layer_types=layer_types, sliding_window=sliding_window or None)
         problems += engine_problems(cfg)  # before any weights load: check_run calls this on the meta target
@@ -2071,8 +2031,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
 
 @dataclass
 class RunSetup:
-    """What check_run found: the drafter config (None for --show_data), the checkpoint to resume and its train state,
-    the data file's digest (kept in every checkpoint), the --init_from directory, the variant's module (or None)."""
+    """What check_run found (cfg None for --show_data; variant: the variant's module or None)."""
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
@@ -2081,32 +2040,28 @@ class RunSetup:
     variant: object = None
 
 def check_run(args, world, device, master):
-    """Set-up, first part: every input that can be checked before any weights load. --out can be written, the
-    resume point, and the drafter config from the target's config.json and tokenizer alone (the target on the meta
-    device), with every problem of the flags with this target reported at once; then the memory plan."""
+    """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
+    device (every problem of the flags at once), the memory plan."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     data = [(p, flag) for p, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")) if p and not args.plan]
-    problems = [f"data file {p!r} " + ("is not a regular file (a device or a pipe)" if os.path.exists(p) else
-                                       "does not exist") + f"; pass {flag} with a JSONL or Parquet file or a "
-                f"save_to_disk dir" for p, flag in data if not (os.path.isfile(p) or os.path.isdir(p))]
+    problems = []
     for p, flag in data:  # not JSONL: its package and kind, before any weights load (a pipe is never opened)
-        if os.path.isdir(p) or os.path.isfile(p) and data_kind(p):
+        if not (os.path.isfile(p) or os.path.isdir(p)):
+            what = "is not a regular file (a pipe?)" if os.path.exists(p) else "does not exist"
+            problems.append(f"data file {p!r} {what}; pass {flag} with a JSONL or Parquet file or a save_to_disk dir")
+        elif os.path.isdir(p) or data_kind(p):
             import_tool("formats", f"{flag} {p!r}").check_readable(p, flag)
     if len(data) == 2 and not problems and os.path.samefile(args.data, args.eval_data):
-        problems.append(f"--eval_data {args.eval_data} is --data itself: its held-out metrics would be on training "
-                        f"data; give other data, or drop --eval_data (--eval_fraction splits --data)")
+        problems.append(f"--eval_data {args.eval_data} is --data itself; give other data, or drop --eval_data")
     if args.eval_data and args.eval_fraction:
-        problems.append(f"--eval_fraction {args.eval_fraction} splits --data, and --eval_data replaces that split; "
-                        f"drop one of them")
-    if device.type == "cpu" and not args.plan:
-        problems += [m for ok, m in ((args.dtype in ("auto", "fp32"), f"--dtype {args.dtype}: on the CPU the drafter "
-                                      f"trains in fp32 beside an fp32 target; drop --dtype or pass --dtype fp32"),
-                                     (args.attention != "flex", "--attention flex: FlexAttention has no backward pass "
-                                      "on the CPU; drop --attention (auto: dense on the CPU)")) if not ok]
+        problems.append(f"--eval_fraction {args.eval_fraction} splits --data, --eval_data replaces it; drop one")
+    if device.type == "cpu" and not args.plan and args.dtype not in ("auto", "fp32"):
+        problems.append(f"--dtype {args.dtype}: on the CPU the drafter trains in fp32; drop --dtype or pass fp32")
+    if device.type == "cpu" and not args.plan and args.attention == "flex":
+        problems.append("--attention flex: FlexAttention has no backward pass on the CPU; drop --attention")
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
-        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} measures the walk that "
-                        f"--eval_walk_prompts 0 turns off; drop --eval_walk_prompts 0 (default 16) or the budget")
+        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
     if writes:
         check_out_dir(args.out)
@@ -2117,23 +2072,22 @@ def check_run(args, world, device, master):
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: these flags need one
-    for needed, module, why in ((args.loss != "ce", "losses", f"--loss {args.loss}"),
-                                (args.eval_walk_tree_budget, "tree", "--eval_walk_tree_budget")):
-        if needed:
-            import_tool(module, why)
+    if args.loss != "ce":
+        import_tool("losses", f"--loss {args.loss}")
+    if args.eval_walk_tree_budget:
+        import_tool("tree", "--eval_walk_tree_budget")
     if args.show_data:
         need(not problems, "\n".join(problems))
         return RunSetup()
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
     cfg = variant = None
+    given = {k: getattr(args, k) for k in DRAFTER_FLAGS if getattr(args, k) is not None}
     try:
         cfg = read_drafter_config(init_from) if init_from else new_drafter_config(
-            meta, **{k: getattr(args, k) for k in DRAFTER_FLAGS if getattr(args, k) is not None},
-            say=print if master else lambda *a: None, max_len=args.max_len)
-        fixed = [f"--{k} {getattr(args, k)}" for k, c in INIT_FROM_FIXED.items() if init_from and getattr(args, k)
-                 is not None and getattr(args, k) != (getattr(cfg, c) or (0 if k == "sliding_window" else None))]
-        need(not fixed, f"{fixed and fixed[0]}: --init_from {args.init_from} keeps its own geometry (its "
-             f"config.json); drop {fixed and fixed[0].split()[0]}, or train a new drafter without --init_from")
+            meta, **given, say=print if master else lambda *a: None, max_len=args.max_len)
+        for k, v in given.items():  # --init_from's drafter keeps its own geometry
+            same = not init_from or v == (getattr(cfg, DRAFTER_FLAGS[k]) or (0 if k == "sliding_window" else None))
+            need(same, f"--{k} {v}: --init_from {args.init_from} has its own; drop --{k} or --init_from")
         arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
         variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
         stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
@@ -2152,38 +2106,32 @@ def check_run(args, world, device, master):
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
 def check_resume(out, run, global_batch, master):
-    """A checkpoint to resume must be this run's: the same drafter and the same global batch (the data order).
-    Then (a refused resume changes nothing) rank 0 cuts metrics.jsonl back to the checkpoint's step (all of it on a
-    fresh start): what is logged again."""
-    resume_dir, state = run.resume_dir, run.state
+    """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
+    (all of it on a fresh start)."""
+    d, state = run.resume_dir, run.state
     if state:
-        saved = read_drafter_config(resume_dir)
-        need(saved.architecture == run.cfg.architecture, f"cannot resume {resume_dir}: it is a {saved.architecture}, "
-             f"this run trains a {run.cfg.architecture} (--dflash2 " + ("added" if run.cfg.architecture ==
-             "DFlash2DraftModel" else "dropped") + "); resume with the flags it was trained with, or give a new --out")
+        saved, arch = read_drafter_config(d), run.cfg.architecture
+        was, how = saved.architecture, "drop" if arch == "DFlash2DraftModel" else "add"
+        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {how} --dflash2, or give a new --out")
         for k, v in asdict(run.cfg).items():
-            need(getattr(saved, k) == v, f"cannot resume {resume_dir}: it was made for {k}={getattr(saved, k)}, "
-                 f"this run has {v}; use the original target and flags, or a new --out")
-        need(state["global_batch"] == global_batch, f"cannot resume {resume_dir}: global batch was "
-             f"{state['global_batch']}, now {global_batch}; keep batch_size x grad_accum x ranks the same")
+            was = getattr(saved, k)
+            need(was == v, f"cannot resume {d}: it has {k}={was}, this run {v}; use its flags or a new --out")
+        b, n = state["global_batch"], global_batch
+        need(b == n, f"cannot resume {d}: global batch was {b}, now {n}; keep batch_size x grad_accum x ranks the same")
     if master:
         keep_metrics(out, state["step"] if state else -1)
 
 def read_data(args, target, say, cfg=None):
-    """(train samples, held-out samples): --eval_data's, or split off --data (split_eval), checked against the
-    target: the mask token unused, every sample within its positions. --show_data: --data's in file order, None."""
+    """(train, held-out samples), checked against the target (mask token unused, lengths); --show_data: (all, None)."""
     kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
         return samples, None
-    if args.eval_data:
-        train_samples, eval_samples = samples, load_samples(args.eval_data, target.tokenizer, args.max_len, **kw)
-    else:
-        train_samples, eval_samples = split_eval(samples, eval_fraction(args), args.seed)
+    held = load_samples(args.eval_data, target.tokenizer, args.max_len, **kw) if args.eval_data else None
+    train_samples, eval_samples = (samples, held) if held else split_eval(samples, eval_fraction(args), args.seed)
     where, n = "--data" + " and --eval_data" * bool(args.eval_data), cfg.mask_token_id
     used = sum(ids.count(n) for ids, _ in train_samples + eval_samples)
-    need(not used, f"--mask_token_id {n} occurs {used} times in {where}: the mask token must be an id the data never "
-         f"uses (its embedding is the drafter's only sign of an offset to draft); pass another --mask_token_id")
+    need(not used, f"--mask_token_id {n} occurs {used} times in {where}; pass an id the data never uses")
     check_lengths(train_samples + eval_samples, target.model.config.get_text_config(), where)
     split = "" if args.eval_data else f" (--eval_fraction {eval_fraction(args)}: at least {EVAL_FLOOR}, at most half)"
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
@@ -2198,12 +2146,11 @@ def report_to(args):  # the trackers asked for, in order, each once (--report_to
     return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
 
 def start_trackers(args, run, master):
-    """Rank 0's --report_to trackers (none elsewhere, nor for --show_data), given the run's flags and drafter
-    config, continuing a resumed run's curves."""
+    """Rank 0's --report_to trackers (none elsewhere, nor for --show_data), continuing a resumed run's curves."""
     if not (master and run.cfg and report_to(args)):
         return NoTrackers()
-    return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, {
-        "args": vars(args), "drafter": asdict(run.cfg)}, run.state)
+    config = {"args": vars(args), "drafter": asdict(run.cfg)}
+    return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, config, run.state)
 
 def progress_bar(total_steps, step, master, args):
     """Rank 0's tqdm bar of the steps, on a terminal only (redirected: the log lines alone; or --no_progress)."""
@@ -2211,11 +2158,10 @@ def progress_bar(total_steps, step, master, args):
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
 
 def load_run_target(args, run, world, device):
-    """The run's target, loaded (and with --shard_target under torchrun, sharded), and its record: what every
-    checkpoint keeps, and what a drafter to go on (--init_from's, the checkpoint's) must have been trained against
-    (unless --allow_other_target)."""
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code,
-                         shard=args.shard_target and world > 1)
+    """The run's target (sharded with --shard_target under torchrun) and its record, which a drafter to go on
+    (--init_from's, the checkpoint's) must have been trained against (unless --allow_other_target)."""
+    shard = args.shard_target and world > 1
+    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)
     for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
         if d:
@@ -2229,13 +2175,10 @@ def run_summary(args, target, total_steps, global_batch, world, device):
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
 def count_bad_step(bad_steps, step, total, grad_norm, args, say):
-    """A step whose loss or grad norm was not finite (its update skipped): said, counted, and after --max_bad_steps
-    in a row, the end of the run. Returns the new count."""
+    """A step with a non-finite loss or grad norm (update skipped), counted: --max_bad_steps in a row end the run."""
     bad_steps += 1
-    say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad norm {grad_norm.item()}, skipped the update "
-        f"({bad_steps} in a row)")
-    need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps (last at step {step}); lower --lr "
-         f"or check the data")
+    say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad {grad_norm.item()}; skipped ({bad_steps})")
+    need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps; lower --lr or check the data")
     return bad_steps
 
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
@@ -2265,12 +2208,8 @@ def append_metrics(out, record):
 # How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
 # depends on besides the drafter, so two tau measured differently are never compared unknowingly
 
-def short_hash(text):
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-
 def generation_prompt(tokenizer, kw):
-    """What the chat template appends after a user turn to start the assistant's, under the template keyword
-    arguments kw; None where it cannot render a probe turn."""
+    """What the chat template appends to a user turn to start the assistant's, under kwargs kw (None: it cannot)."""
     turn = [{"role": "user", "content": "hi"}]
     try:
         base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
@@ -2279,31 +2218,25 @@ def generation_prompt(tokenizer, kw):
         return None
     return full[len(base):] if full.startswith(base) else full
 
-def thinking_mode(tokenizer, enable_thinking):
-    """on | off, as the template renders it (its default found by comparing generation prompts), or n/a for a
-    template without enable_thinking (or none)."""
-    if "enable_thinking" not in (getattr(tokenizer, "chat_template", None) or ""):
-        return "n/a"
-    if enable_thinking is not None:
-        return "on" if enable_thinking else "off"
-    default = generation_prompt(tokenizer, {})
-    return next(("on" if v else "off" for v in (True, False)
-                 if default == generation_prompt(tokenizer, {"enable_thinking": v})), "template default")
-
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """The settings a walked tau depends on besides the drafter: thinking on/off, max_new_tokens, the serving mode
-    (greedy, or the target's sampling: an object with temperature, top_p, top_k), a short hash of the chat template
-    with the generation prompt it renders ("none" without a template), and with prompts (token-id lists) theirs."""
-    template = getattr(tokenizer, "chat_template", None) or ""
+    """The settings a walked tau depends on besides the drafter: thinking, max_new_tokens, greedy or the sampling
+    (temperature, top_p, top_k), hashes of the chat template with its generation prompt and of the prompts."""
+    template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
+    if "enable_thinking" in template and enable_thinking is not None:
+        thinking = "on" if enable_thinking else "off"
+    elif "enable_thinking" in template:  # the template's default: which generation prompt it renders
+        default = generation_prompt(tokenizer, {})
+        thinking = next(("on" if v else "off" for v in (True, False)
+                         if default == generation_prompt(tokenizer, {"enable_thinking": v})), "template default")
     if template:
-        kw = template_kwargs(tokenizer, enable_thinking)
-        template = short_hash(f"{template}\n--- generation prompt ---\n{generation_prompt(tokenizer, kw)}")
+        prompt = generation_prompt(tokenizer, template_kwargs(tokenizer, enable_thinking))
+        template = hashlib.sha256(f"{template}\n--- generation prompt ---\n{prompt}".encode()).hexdigest()[:12]
     s = sampling if sampling is not None and sampling.temperature > 0 else None
-    m = {"thinking": thinking_mode(tokenizer, enable_thinking), "max_new_tokens": max_new_tokens,
+    m = {"thinking": thinking, "max_new_tokens": max_new_tokens,
          "serving": f"sampled T={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k}" if s else "greedy",
          "template": template or "none"}
     if prompts is not None:
-        m["prompts"] = short_hash(json.dumps([[int(t) for t in p] for p in prompts]))
+        m["prompts"] = hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()[:12]
     return m
 
 # -----------------------------------------------------------------------------
@@ -2311,14 +2244,14 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
 
 def number(kind, lo, open_lo=False, hi=None):
     """An argparse type: a finite int or float >= lo (> lo when open_lo; <= hi when given); `.text` says the rule."""
-    text = f"{'an integer' if kind is int else 'a number'} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (
-        hi is not None)
+    name = "an integer" if kind is int else "a number"
+    text = f"{name} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (hi is not None)
 
     def parse(s):
         try:
             v = kind(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{s!r} is not {'an integer' if kind is int else 'a number'}") from None
+            raise argparse.ArgumentTypeError(f"{s!r} is not {name}") from None
         if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and (hi is None or v <= hi)):
             raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {text}")
         return v
@@ -2337,11 +2270,15 @@ LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --la
 def layer_type_list(s):
     """--layer_types: comma-separated sliding|full (or their config names) -> the config names."""
     types = [LAYER_TYPES.get(t.strip(), t.strip()) for t in s.split(",")]
-    bad = next((t for t in types if t not in LAYER_TYPES.values()), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"{s!r}: unknown layer type {bad!r}; give a comma-separated list of "
-                                         f"sliding|full, one per drafter layer")
+    if not set(types) <= set(LAYER_TYPES.values()):
+        raise argparse.ArgumentTypeError(f"{s!r}: give a comma-separated list of sliding|full, one per drafter layer")
     return types
+
+def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
+    names = [n.strip() for n in s.split(",") if n.strip()]
+    if not names or any(n not in ("none", "tensorboard", "wandb") for n in names):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected none, tensorboard or wandb (a comma list)")
+    return [n for n in names if n != "none"]
 
 class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
@@ -2350,8 +2287,7 @@ class HelpFormatter(argparse.HelpFormatter):
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with each flag's default in --help, exact flags (argparse would take --max_step for --max_steps,
-    silently) and flag errors as one `error:` line with exit code 2, like every other input error."""
+    """argparse with defaults in --help, exact flags (not --max_step for --max_steps), errors one line, exit 2."""
 
     def __init__(self, **kw):
         super().__init__(formatter_class=HelpFormatter, allow_abbrev=False, **kw)
@@ -2370,8 +2306,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return args
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
-    """Every flag of both scripts is declared by this, one line each: kind int or float gets number()'s range-checked
-    type; anything else (choices, store_true, a type function) passes through to add_argument."""
+    """A flag, one line each: kind int or float gets number()'s range-checked type; the rest goes to add_argument."""
     if kind is not None:
         kw["type"] = number(kind, lo, open_lo, hi)
     group.add_argument(name, default=default, help=help, **kw)
@@ -2379,11 +2314,11 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-DRAFTER_FLAGS = ("num_draft_layers", "block_size", "mask_token_id", "target_layer_ids", "sliding_window",
-                 "layer_types", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-INIT_FROM_FIXED = dict(zip(DRAFTER_FLAGS, ("num_hidden_layers", "block_size", "mask_token_id", "target_layer_ids",
-                                           "sliding_window", "layer_types", "num_attention_heads",
-                                           "num_key_value_heads", "head_dim", "intermediate_size")))
+DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
+                 "target_layer_ids": "target_layer_ids", "sliding_window": "sliding_window",
+                 "layer_types": "layer_types", "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+                 "intermediate_size": "intermediate_size"}  # the geometry flags -> their config fields
 VARIANT_FLAGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_alpha",
                  "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")  # what --dflash2 reads
 
@@ -2391,42 +2326,32 @@ def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
     g = p.add_argument_group("run")
     flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
-    flag(g, "--data", help="training data: JSONL (.jsonl, .jsonl.gz) of messages | conversations (ShareGPT) | "
-         "prompt+response | text | input_ids(+loss_mask) records; or a JSON array, Parquet or a datasets.save_to_disk "
-         "directory of the same")
+    flag(g, "--data", help="JSONL/JSON/Parquet/save_to_disk of messages|conversations|prompt+response|text|input_ids")
     flag(g, "--out", "out", "output directory for checkpoints and metrics.jsonl")
     flag(g, "--init_from", help="drafter directory (z-lab's or ours) or hub id (owner/name) to fine-tune from")
-    flag(g, "--resume", nargs="?", const="must", choices=["must", "auto"], help="continue from <out>/latest "
-         "(--resume: it must be there; auto: when it is, else start); a worker torchrun restarts resumes as with auto")
+    flag(g, "--resume", nargs="?", const="must", choices=["must", "auto"], help="resume <out>/latest (auto: or start)")
     flag(g, "--allow_data_change", False, "with --resume: continue although --data changed", action="store_true")
-    flag(g, "--allow_other_target", False, "use a drafter recorded as trained against another target",
-         action="store_true")
-    flag(g, "--demo", False, "the CPU demo (also what runs with no arguments; needs dflash_tools/)",
-         action="store_true")
+    flag(g, "--allow_other_target", False, "use a drafter trained against another target", action="store_true")
+    flag(g, "--demo", False, "the CPU demo (what runs with no arguments; needs dflash_tools/)", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)
     flag(g, "--block_size", None, "B: one anchor token + B-1 drafted tokens (default: 16)", int, lo=2, hi=256)
-    flag(g, "--target_layer_ids", None, "comma-separated target layers feeding the context (default: spread from 1 "
-         "to L-3)", type=int_list)
+    flag(g, "--target_layer_ids", None, "comma list of target layers to read (default: from 1 to L-3)", type=int_list)
     flag(g, "--mask_token_id", None, "mask token id (default: the tokenizer's)", int)
     flag(g, "--sliding_window", None, "window of the sliding layers (0: no sliding layers; default: 2048)", int)
-    flag(g, "--layer_types", None, "comma-separated sliding|full per layer (default: all sliding but the last)",
-         type=layer_type_list)
+    flag(g, "--layer_types", None, "comma list of sliding|full (default: sliding but the last)", type=layer_type_list)
     flag(g, "--num_heads", None, "attention heads (default: the target's)", int, lo=1, hi=256)
     flag(g, "--num_kv_heads", None, "key/value heads (GQA; default: the target's)", int, lo=1, hi=256)
     flag(g, "--head_dim", None, "head dimension (even; default: the target's)", int, lo=2, hi=1024)
     flag(g, "--intermediate_size", None, "MLP width (default: the target's)", int, lo=1, hi=65536)
     g = p.add_argument_group("data and loss")
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
-    flag(g, "--enable_thinking", None, "passed to the chat template if it reads enable_thinking, as eval.py does",
-         action=argparse.BooleanOptionalAction)
+    flag(g, "--enable_thinking", None, "passed to a chat template that reads it", action=argparse.BooleanOptionalAction)
     flag(g, "--show_data", 0, "print the first N encoded samples, loss spans in [[...]], then exit (0: train)", int)
-    flag(g, "--eval_fraction", None, f"held-out fraction of --data, at least 16 samples, at most half (default: "
-         f"{EVAL_FRACTION}; not with --eval_data)", float, hi=0.5)
+    flag(g, "--eval_fraction", None, f"held-out part of --data (default: {EVAL_FRACTION})", float, hi=0.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
-    flag(g, "--loss", "ce", "ce: the paper's CE weighted exp(-(i-1)/gamma) at offset i; dpace: D-PACE (and its "
-         "two factors alone), by dflash_tools/losses.py", choices=["ce", "dpace", "dpace-prefix", "dpace-continuation"])
+    flag(g, "--loss", "ce", "the loss (dpace*: D-PACE)", choices=["ce", "dpace", "dpace-prefix", "dpace-continuation"])
     flag(g, "--gamma", 4.0, "--loss ce's decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
     flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing of the drafter's confidence q: (1-alpha) q + alpha", float, hi=1)
     flag(g, "--labels", "target", "target: the target's greedy token; data: the data token", choices=["target", "data"])
@@ -2442,8 +2367,7 @@ def get_parser():
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
     g = p.add_argument_group("DFlash2 (with --dflash2; dflash_tools/dflash2.py)")
-    flag(g, "--dflash2", False, "a DFlash2 drafter (with --init_from a DFlash drafter: it, plus fresh DFlash2 pieces)",
-         action="store_true")
+    flag(g, "--dflash2", False, "a DFlash2 drafter (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
     flag(g, "--conv_kernel_size", None, "K, the convolution's taps along the block (default 2)", int, lo=1, hi=256)
     flag(g, "--conv_group_size", None, "channels sharing one dynamic tap (default 16)", int, lo=1, hi=65536)
     flag(g, "--selector_rank", None, "rank of the selector's codebooks (default 256)", int, lo=1, hi=8192)
@@ -2465,31 +2389,22 @@ def add_system_flags(p):
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     flag(g, "--seed", 0, "random seed", int, hi=2 ** 32 - 1)
     flag(g, "--log_every", 10, "log every N steps", int, lo=1)
-    flag(g, "--report_to", None, "also log to none | tensorboard | wandb (comma list)", action="append",
-         type=tracker_list)
+    flag(g, "--report_to", None, "also log to tensorboard|wandb|none (comma list)", action="append", type=tracker_list)
     flag(g, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal)", action="store_true")
     flag(g, "--eval_every", 500, "held-out evaluation every N steps (0: only at the start and the end)", int)
     flag(g, "--eval_walk_prompts", 16, "held-out prompts for the exact walked tau at each eval (0: off)", int)
     flag(g, "--eval_walk_tokens", 64, "greedy continuation length of each walked prompt", int, lo=1)
-    flag(g, "--eval_walk_tree_budget", 0, "also walk tree verification with this many nodes (0: off)", int,
-         hi=TREE_BUDGET_MAX)
+    flag(g, "--eval_walk_tree_budget", 0, "also walk trees of this many nodes (0: off)", int, hi=TREE_BUDGET_MAX)
     flag(g, "--save_every", 1000, "checkpoint every N steps (0: only at the end)", int)
     flag(g, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     g = p.add_argument_group("memory")
     flag(g, "--zero", False, "shard AdamW's state over the ranks (ZeroRedundancyOptimizer)", action="store_true")
-    flag(g, "--shard_target", False, "split the target's decoder layers over the ranks (FSDP2, under torchrun)",
-         action="store_true")
+    flag(g, "--shard_target", False, "split the target's layers over the ranks (FSDP2, torchrun)", action="store_true")
     flag(g, "--grad_checkpoint", False, "recompute each drafter layer in backward", action="store_true")
     flag(g, "--plan", False, "print the per-GPU memory plan, then exit (needs dflash_tools/)", action="store_true")
     flag(g, "--plan_world_size", None, "ranks to plan for (default: this run's)", int, lo=1)
     flag(g, "--plan_gpu_gb", None, "memory per GPU in GB to plan for (default: this machine's)", float, open_lo=True)
     return p
-
-def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
-    names = [n.strip() for n in s.split(",") if n.strip()]
-    if not names or any(n not in ("none", "tensorboard", "wandb") for n in names):
-        raise argparse.ArgumentTypeError(f"{s!r}: expected none, tensorboard or wandb (a comma list)")
-    return [n for n in names if n != "none"]
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv

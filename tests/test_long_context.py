@@ -123,8 +123,8 @@ def test_drafter_past_the_native_window_takes_the_targets_yarn(targets):
     plain = dflash.load_target(targets["plain"], "meta")  # plain RoPE: the drafter stays plain, the data is checked
     assert dflash.new_drafter_config(plain, max_len=1000, **kw).rope_scaling is None
     samples = [([1] * 1025, [1] * 1025)]  # (input_ids, loss_mask), as load_samples gives them
-    with pytest.raises(DFlashError, match="a sample of 1025 tokens is past the 1024 positions the target takes "
-                                          "\\(its yarn reach\\); use --max_len 1024$"):
+    with pytest.raises(DFlashError, match="a 1025-token sample is past the target's 1024 positions \\(yarn reach\\); "
+                                          "use --max_len 1024$"):
         dflash.check_lengths(samples, meta.model.config, "--data")
     dflash.check_lengths([([1] * 1024, [1] * 1024)], meta.model.config, "--data")
 
@@ -143,8 +143,8 @@ def test_training_past_the_window_refused_or_with_yarn(targets, tmp_path, capsys
     # a sample the target cannot take, under the default --max_len 3072: refused after the data is read
     one_error(capsys, dflash.main, ["--target", targets["plain"], "--data", long_data, *flags, "--max_steps",
                                          "1", "--out", str(tmp_path / "refused")],
-                   "a sample of 600 tokens is past the 256 positions the target takes (its max_position_embeddings)",
-                   "use --max_len 256, or give the target's config.json a yarn rope_parameters (factor 3")
+                   "a 600-token sample is past the target's 256 positions (max_position_embeddings)",
+                   "use --max_len 256 or a yarn rope_parameters (factor 3)")
     out = tmp_path / "yarn"
     dflash.main(["--target", targets["yarn"], "--data", long_data, *flags, "--max_len", "800", "--max_steps", "2",
                  "--eval_walk_prompts", "0", "--out", str(out), "--no_progress"])
