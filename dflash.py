@@ -1553,7 +1553,8 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     need(not local or os.path.isfile(f"{name}/config.json"), f"target {name!r} has no config.json; give a model dir")
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-        need(not getattr(config, "dflash_config", None), f"target {name!r} is a DFlash drafter; give its target model")
+        drafter = getattr(config, "dflash_config", None)
+        need(not drafter, f"target {name!r} is a DFlash drafter; --target takes the model it drafts for")
         if str(device) == "meta":
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
