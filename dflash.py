@@ -1337,13 +1337,12 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape, nothing else."""
     cfg = read_drafter_config(path)
     tensors, expected = read_safetensors(path), expected_shapes(cfg)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     need(not missing, f"{path}: missing tensor {missing and missing[0]} ({len(missing)} in all); it is incomplete")
-    need(not unexpected, f"{path}: unexpected tensor {unexpected and unexpected[0]}; keys take no 'model.' prefix, "
-         f"and no embedding or lm_head")
-    wrong = [f"{k} has shape {tuple(tensors[k].shape)}, expected {s}" for k, s in expected.items()
+    need(not extra, f"{path}: unexpected tensor {extra and extra[0]}; remove it (keys have no 'model.' prefix)")
+    wrong = [f"tensor {k} has shape {tuple(tensors[k].shape)}, expected {s}" for k, s in expected.items()
              if tuple(tensors[k].shape) != s]
-    need(not wrong, f"{path}: tensor {wrong and wrong[0]}; the weights do not match its config.json")
+    need(not wrong, f"{path}: {wrong and wrong[0]}; the weights do not fit config.json's sizes and target_layer_ids")
     bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
     need(bad is None, f"{path}: tensor {bad} holds NaN or inf (a diverged run?); use an earlier checkpoint")
     with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
@@ -1366,7 +1365,8 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
         config = {**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
         for name, obj in {"config.json": config, **(extra_files or {})}.items():
             if name.endswith(".json"):
-                write_atomic(os.path.join(tmp, name), json.dumps(obj, indent=2))
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(obj, f, indent=2)
             else:
                 torch.save(obj, os.path.join(tmp, name))
         os.umask(umask := os.umask(0o022))  # read it, put back: safetensors writes 0600, open() 0666 less the umask
@@ -1531,8 +1531,8 @@ def find_decoder(model):
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
                 and any(c is embed for c in m.children())):
             return m
-    raise DFlashError(f"target family {model.config.model_type} is not supported (no decoder stack of the Llama "
-                      f"kind); use Qwen3, Qwen3.5, Llama, Mistral, Gemma3, Phi3, Olmo2 or another of that kind")
+    family = model.config.model_type
+    raise DFlashError(f"target family {family} is not supported; use one with a Llama-kind decoder (Qwen3, Mistral...)")
 
 def load_tokenizer(name, trust_remote_code=False):
     """The target's tokenizer, or None when it has none (transformers 5 returns an empty stand-in)."""
