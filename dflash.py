@@ -1169,8 +1169,7 @@ def run_main(fn, args):
     except DFlashError as e:
         if getattr(args, "debug", False) or os.environ.get("DFLASH_DEBUG"):
             raise
-        for line in str(e).splitlines():
-            print(f"error: {line}", file=sys.stderr)
+        print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
 
 def import_tool(name, why):
@@ -1199,8 +1198,7 @@ def valid_target_layer_ids(L, n):
     return layers if n >= len(layers) else sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))]
                                                    for i in range(n)})
 
-def config_problems(c):
-    """Every problem of a drafter config at once, one line each."""
+def config_problems(c):  # every problem at once, one line each
     bad = [f"{k} must be a positive integer, got {getattr(c, k)!r}" for k in ("hidden_size", "intermediate_size",
            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "block_size",
            "num_target_layers", "max_position_embeddings") if not (is_int(getattr(c, k)) and getattr(c, k) > 0)]
@@ -1210,6 +1208,7 @@ def config_problems(c):
     n, L, H, KV = c.num_hidden_layers, c.num_target_layers, c.num_attention_heads, c.num_key_value_heads
     ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
     lists = isinstance(types, list)
+    known = lists and all(t in LAYER_TYPES.values() for t in types)
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
     return [msg for ok, msg in [
         (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
@@ -1218,10 +1217,8 @@ def config_problems(c):
         (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
         (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
-        (not ints or all(0 <= t < L for t in ids), f"target_layer_ids {ids} out of range: the target has {L} decoder "
-         f"layers"),
-        (lists and all(t in LAYER_TYPES.values() for t in types), f"layer_types must list full_attention or "
-         f"sliding_attention per layer, got {types!r}"),
+        (not ints or all(0 <= t < L for t in ids), f"target_layer_ids {ids} out of range for {L} decoder layers"),
+        (known, f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
         (not lists or len(types) == n, f"layer_types has {len(types) if lists else 0} entries, num_hidden_layers {n}"),
         (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
         (not lists or "sliding_attention" not in types or W, "layer_types has sliding layers; set sliding_window"),
@@ -1261,8 +1258,7 @@ def config_to_json(cfg):
             "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
-def config_class(d, where="config.json"):
-    """The config class config.json's architectures names: DFlashConfig, or a variant's (VARIANTS)."""
+def config_class(d, where="config.json"):  # DFlashConfig, or the variant's that config.json's architectures name
     arch = next((a for a in (d.get("architectures") or []) if a in VARIANTS), None) if isinstance(d, dict) else None
     return import_tool(VARIANTS[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
@@ -1389,8 +1385,8 @@ def target_record(target):
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
-    h.update(save({"rows": w[torch.linspace(0, V - 1, min(256, V)).long().to(w.device)].detach().to(
-        "cpu", torch.bfloat16).contiguous()}))
+    rows = w[torch.linspace(0, V - 1, min(256, V)).long().to(w.device)].detach().to("cpu", torch.bfloat16)
+    h.update(save({"rows": rows.contiguous()}))
     rows, cols = (torch.linspace(0, k - 1, min(m, k)).long().to(w.device) for k, m in ((V, 64), (w.shape[1], 8)))
     probe = [round(float(x), 8) for x in w.detach()[rows][:, cols].float().flatten().tolist()]
     return {"target": target.name, "fingerprint": h.hexdigest()[:12], "probe": probe}
@@ -1502,8 +1498,7 @@ def keep_metrics(out, step):
         write_atomic(path, "".join(kept))
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
-    """<out>/step_<n>/ = a drafter directory + train_state.pt (+ record), written by rank 0, then <out>/latest switched
-    to it. Called on every rank (--zero gathers the optimizer state on rank 0 first)."""
+    """On every rank: rank 0 writes <out>/step_<n>/ (drafter, train_state.pt, record), then switches <out>/latest."""
     from safetensors import SafetensorError
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
@@ -1573,7 +1568,6 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     return target
 
 def check_compatible(cfg, target, where="drafter"):
-    """A drafter made for another target must fail loudly, not draft garbage."""
     for what, ours, theirs in (("hidden size", cfg.hidden_size, target.hidden_size), ("vocab", cfg.vocab_size,
                                target.vocab_size), ("num_target_layers", cfg.num_target_layers, target.num_layers)):
         need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; it was made for another target")
