@@ -1213,7 +1213,8 @@ def config_problems(c):  # every problem at once, one line each
     return [msg for ok, msg in [
         (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
         (c.block_size >= 2, f"block_size must be >= 2 (an anchor plus drafts), got {c.block_size}"),
-        (H % KV == 0, f"num_attention_heads {H} is not a multiple of num_key_value_heads {KV} (--num_kv_heads)"),
+        (H % KV == 0, f"num_attention_heads {H} is not a multiple of num_key_value_heads {KV} (--num_heads, "
+         f"--num_kv_heads)"),
         (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
         (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
