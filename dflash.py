@@ -1220,7 +1220,7 @@ def config_problems(c):  # every problem at once, one line each
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
         (not ints or all(0 <= t < L for t in ids), f"target_layer_ids {ids} out of range for {L} decoder layers"),
         (known, f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
-        (not lists or len(types) == n, f"layer_types has {len(types) if lists else 0} entries, num_hidden_layers {n}"),
+        (not lists or len(types) == n, f"layer_types has {len(types) if lists else 0} entries; give {n}, one each"),
         (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
         (not lists or "sliding_attention" not in types or W, "layer_types has sliding layers; set sliding_window"),
         (real(c.rms_norm_eps), f"rms_norm_eps must be a positive finite number, got {c.rms_norm_eps!r}"),
@@ -1546,7 +1546,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     local = name.startswith((".", "/", "~")) or os.path.exists(name)
-    need(not local or os.path.isfile(f"{name}/config.json"), f"target {name!r} has no config.json; give a model dir")
+    need(not local or os.path.isfile(f"{name}/config.json"), f"target {name!r}: no config.json; give a model directory")
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
         drafter = getattr(config, "dflash_config", None)
