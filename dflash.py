@@ -1349,8 +1349,7 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     return drafter.to(device=device, dtype=dtype)
 
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """config.json + model.safetensors (in dtype) + {name: object} extra files (.json as JSON, else torch.save), each
-    mode 0666 & ~umask, written aside then renamed: a crash never leaves a partial directory at path."""
+    """config.json + model.safetensors + {name: object} extra files (.json as JSON, else torch.save), atomically."""
     from safetensors.torch import save_file
     path = path.rstrip("/")
     tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
@@ -1372,7 +1371,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(path):  # between the two renames the old copy waits at <path>.old<pid>
+    if os.path.exists(path):  # never a partial directory at path: between the renames the old one waits at `old`
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
@@ -1381,8 +1380,8 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
 def target_record(target):
-    """Name; fingerprint (sha256 over family, sizes and 256 embedding rows in bf16); probe (64 x 8 embedding values:
-    fp16 rounds unlike bf16, so check_trained_against compares them within bf16's precision, not by a hash)."""
+    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values, compared within bf16
+    rounding, since fp16 rounds unlike bf16 and no hash survives the load dtype."""
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
