@@ -1351,8 +1351,8 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
 def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
     """config.json + model.safetensors + {name: object} extra files (.json as JSON, else torch.save), atomically."""
     from safetensors.torch import save_file
-    path = path.rstrip("/")
-    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+    final = path.rstrip("/")
+    tmp, old = f"{final}.tmp{os.getpid()}", f"{final}.old{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -1371,9 +1371,9 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if os.path.exists(path):  # never a partial directory at path: between the renames the old one waits at `old`
-        os.replace(path, old)
-    os.replace(tmp, path)
+    if os.path.exists(final):  # never a partial directory at path: between the renames the old one waits at `old`
+        os.replace(final, old)
+    os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return path
 
