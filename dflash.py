@@ -1059,7 +1059,7 @@ def yarn_inv_freq(cfg, inv_freq):
 # Bad input is one `error:` line and exit code 2 (run_main), never a traceback, and never a corrupted checkpoint
 
 class DFlashError(Exception):
-    """Bad input or a bad checkpoint. Its message may hold several lines: one problem each (see run_main)."""
+    """Bad input or a bad checkpoint; its message holds one problem per line."""
 
 def need(ok, message):
     if not ok:
@@ -1069,118 +1069,96 @@ def first_line(e):  # what a library says went wrong, short enough for one error
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 def run_main(fn, args):
-    """fn(args) as a command: a DFlashError prints one `error:` line per problem on stderr and exits 2 (the traceback
-    only under --debug or DFLASH_DEBUG=1). Shared by dflash.py, eval.py and the tools."""
+    """fn(args) as a command (dflash.py, eval.py, the tools): a DFlashError is one `error:` line per problem, exit 2."""
     from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no weight-loading bars: stderr is for errors and our own progress
+    hf_logging.disable_progress_bar()  # stderr is for errors and our own progress
     try:
         return fn(args)
     except DFlashError as e:
         if getattr(args, "debug", False) or os.environ.get("DFLASH_DEBUG"):
             raise
-        for line in str(e).splitlines():
-            print(f"error: {line}", file=sys.stderr)
+        print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
 
 def import_tool(name, why):
-    """An extra from dflash_tools/ (they import this file as `dflash`), imported where a flag, a config or a file asks
-    for it; without the folder, one error line naming the module and what asked for it."""
+    """dflash_tools/<name>.py (it imports this file as `dflash`), imported where a flag, config or file asks for it."""
     sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
     try:
         return importlib.import_module(f"dflash_tools.{name}")
     except ModuleNotFoundError as e:
         if e.name not in ("dflash_tools", f"dflash_tools.{name}"):
             raise
-        raise DFlashError(f"{why} needs dflash_tools/{name}.py, which is not beside {os.path.basename(sys.argv[0])}; "
-                          f"copy the dflash_tools folder next to it") from None
+        raise DFlashError(f"{why} needs dflash_tools/{name}.py; copy dflash_tools/ beside {sys.argv[0]}") from None
 
 # -----------------------------------------------------------------------------
 # Drafter configs: their rules, and config.json in z-lab's layout as vLLM and SGLang read it
 
 VARIANTS = {"DFlash2DraftModel": "dflash2"}  # config.json's architectures -> the dflash_tools module defining it
-POSITIVE_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "vocab_size", "block_size", "num_target_layers",
-                       "max_position_embeddings")
 
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 def valid_target_layer_ids(L, n):
-    """The spread to suggest: the default where valid, else up to n distinct layers evenly from 1 to L-2 (never L-1,
-    which SGLang cannot capture: see capture_hidden). L=4, n=5 -> [1, 2]."""
+    """The default spread where valid, else up to n distinct layers evenly from 1 to L-2 (L=4, n=5 -> [1, 2])."""
     ids, layers = default_target_layer_ids(L, n), list(range(1, L - 1)) or [0]
     if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
         return ids
     return layers if n >= len(layers) else sorted({layers[round(i * (len(layers) - 1) / max(n - 1, 1))]
                                                    for i in range(n)})
 
-def config_problems(cfg):
-    """Every problem of a drafter config at once, one line each."""
-    bad = [f"{k} must be a positive integer, got {getattr(cfg, k)!r}" for k in POSITIVE_INT_FIELDS
-           if not (is_int(getattr(cfg, k)) and getattr(cfg, k) > 0)]
-    if bad:  # the checks below compute with these
+def config_problems(c):  # every problem at once, one line each
+    bad = [f"{k} must be a positive integer, got {getattr(c, k)!r}" for k in ("hidden_size", "intermediate_size",
+           "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "block_size",
+           "num_target_layers", "max_position_embeddings") if not (is_int(getattr(c, k)) and getattr(c, k) > 0)]
+    if bad:  # the rules below compute with these
         return bad
-    ids, types, W, n, L = (cfg.target_layer_ids, cfg.layer_types, cfg.sliding_window, cfg.num_hidden_layers,
-                           cfg.num_target_layers)
+    ids, types, W, m, V = c.target_layer_ids, c.layer_types, c.sliding_window, c.mask_token_id, c.vocab_size
+    n, L, H, KV = c.num_hidden_layers, c.num_target_layers, c.num_attention_heads, c.num_key_value_heads
     ints = isinstance(ids, list) and len(ids) > 0 and all(is_int(t) for t in ids)
     lists = isinstance(types, list)
+    known = lists and all(t in LAYER_TYPES.values() for t in types)
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
     return [msg for ok, msg in [
-        (cfg.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {cfg.head_dim}"),
-        (cfg.block_size >= 2, f"block_size must be >= 2 (one anchor token plus drafts), got {cfg.block_size}"),
-        (cfg.num_attention_heads % cfg.num_key_value_heads == 0, f"num_attention_heads {cfg.num_attention_heads} "
-         f"(--num_heads) is not a multiple of num_key_value_heads {cfg.num_key_value_heads} (--num_kv_heads)"),
-        (is_int(cfg.mask_token_id) and 0 <= cfg.mask_token_id < cfg.vocab_size, f"mask_token_id "
-         f"{cfg.mask_token_id!r} is outside the vocabulary [0, {cfg.vocab_size}); the drafter needs an id "
-         f"the target's embedding has"),
+        (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
+        (c.block_size >= 2, f"block_size must be >= 2 (an anchor plus drafts), got {c.block_size}"),
+        (H % KV == 0, f"num_attention_heads {H} is not a multiple of num_key_value_heads {KV} (--num_heads, "
+         f"--num_kv_heads)"),
+        (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
         (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
-        (not ints or 0 <= min(ids) and max(ids) < L, f"target_layer_ids {ids} out of range: the target has {L} "
-         f"decoder layers; e.g. --target_layer_ids {','.join(map(str, valid_target_layer_ids(L, n)))}"),
-        (lists and all(t in LAYER_TYPES.values() for t in types), f"layer_types must list full_attention or "
-         f"sliding_attention per layer, got {types!r}"),
-        (not lists or len(types) == n, f"layer_types has {len(types) if lists else 0} entries but num_hidden_layers "
-         f"is {n}"),
+        (not ints or all(0 <= t < L for t in ids), f"target_layer_ids {ids} out of range for {L} decoder layers"),
+        (known, f"layer_types must list full_attention or sliding_attention per layer, got {types!r}"),
+        (not lists or len(types) == n, f"layer_types has {len(types) if lists else 0} entries; give {n}, one each"),
         (W is None or (is_int(W) and W >= 0), f"sliding_window must be null or an integer >= 0, got {W!r}"),
-        (not lists or "sliding_attention" not in types or bool(W), "layer_types has sliding_attention layers but "
-         "sliding_window is not set"),
-        (real(cfg.rms_norm_eps), f"rms_norm_eps must be a positive finite number, got {cfg.rms_norm_eps!r}"),
-        (real(cfg.rope_theta), f"rope_theta must be a positive finite number, got {cfg.rope_theta!r}"),
-        (isinstance(cfg.attention_bias, bool), f"attention_bias must be true or false, got {cfg.attention_bias!r}"),
-        (cfg.is_causal in (None, True, False), f"is_causal must be null, true or false, got {cfg.is_causal!r}"),
-        (cfg.rope_scaling is None or (isinstance(cfg.rope_scaling, dict) and cfg.rope_type() == "yarn"),
-         f"rope_scaling {cfg.rope_scaling!r} is not supported (plain RoPE or yarn)")] if not ok]
+        (not lists or "sliding_attention" not in types or W, "layer_types has sliding layers; set sliding_window"),
+        (real(c.rms_norm_eps), f"rms_norm_eps must be a positive finite number, got {c.rms_norm_eps!r}"),
+        (real(c.rope_theta), f"rope_theta must be a positive finite number, got {c.rope_theta!r}"),
+        (isinstance(c.attention_bias, bool), f"attention_bias must be true or false, got {c.attention_bias!r}"),
+        (c.is_causal in (None, True, False), f"is_causal must be null, true or false, got {c.is_causal!r}"),
+        (c.rope_scaling is None or isinstance(c.rope_scaling, dict) and c.rope_type() == "yarn",
+         f"rope_scaling {c.rope_scaling!r} is not supported (plain RoPE or yarn)")] if not ok]
 
 def engine_problems(cfg):
-    """Legal drafters (their masks are well defined) that one engine would serve as another drafter: refused where
-    read, before training starts, and by the writer, each with the flag that fixes it."""
-    n, B, W, L, ids = (cfg.num_hidden_layers, cfg.block_size, cfg.sliding_window, cfg.num_target_layers,
-                       cfg.target_layer_ids)
-    both_sides = [i for i in range(n) if W is not None and cfg.layer_kind(i) == (False, W)]
+    """Legal drafters one engine would serve as another drafter, each with the flag that fixes it."""
+    B, W, L, ids = cfg.block_size, cfg.sliding_window, cfg.num_target_layers, cfg.target_layer_ids
+    both = [i for i in range(cfg.num_hidden_layers) if W is not None and cfg.layer_kind(i) == (False, W)]
     return [msg for ok, msg in [
-        (not (both_sides and B > W), f"layers {both_sides} are bidirectional sliding layers (is_causal false) with "
-         f"block_size {B} > sliding_window {W}: vLLM windows them on both sides as trained here, SGLang on the left "
-         f"only (later block tokens would be visible there); pass --block_size {W} or --sliding_window {B}"),
-        (ids[-1] != L - 1, f"target_layer_ids {ids} name the target's last layer {L - 1}: vLLM serves it, SGLang "
-         f"cannot capture it (it captures layer inputs); pass --target_layer_ids "
-         f"{','.join(map(str, sorted({min(t, L - 2) for t in ids})))}")] if not ok]
+        (not (both and B > W), f"layers {both} slide on both sides (is_causal false) with block_size {B} > "
+         f"sliding_window {W}: SGLang windows the left only; pass --block_size {W} or --sliding_window {B}"),
+        (ids[-1] != L - 1, f"target_layer_ids {ids} name the target's last layer {L - 1}, which SGLang cannot "
+         f"capture; pass --target_layer_ids {','.join(map(str, sorted({min(t, L - 2) for t in ids})))}")] if not ok]
 
 def config_to_json(cfg):
-    """The z-lab config.json layout (Qwen3-style fields plus dflash_config), each layer's attention stated in every
-    key vLLM and SGLang read, so that no engine default decides what it means: is_causal where all layers agree
-    (mixed: causal iff sliding, both engines' rule), use_sliding_window and swa_window_size where a layer slides; a
-    variant's fields in dflash_config. A layout one engine would serve as another drafter is never written."""
+    """z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read."""
     bad = engine_problems(cfg)
     need(not bad, "\n".join(bad))
-    base = {f.name for f in fields(DFlashConfig)}
-    d = {k: v for k, v in asdict(cfg).items() if k in base}
+    d = {k: v for k, v in asdict(cfg).items() if k in {f.name for f in fields(DFlashConfig)} and k != "is_causal"}
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
         d.pop("rope_scaling")
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
     causal, sliding = {c for c, _ in kinds}, any(w is not None for _, w in kinds)
-    d.pop("is_causal")
-    said = {"is_causal": causal.pop()} if len(causal) == 1 else {}
+    said = {"is_causal": causal.pop()} if len(causal) == 1 else {}  # mixed: causal iff sliding, both engines' rule
     dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
@@ -1189,19 +1167,16 @@ def config_to_json(cfg):
             "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
-def config_class(d, where="config.json"):
-    """The config class config.json's architectures names: DFlashConfig, or a variant's (VARIANTS)."""
+def config_class(d, where="config.json"):  # DFlashConfig, or the variant's that config.json's architectures name
     arch = next((a for a in (d.get("architectures") or []) if a in VARIANTS), None) if isinstance(d, dict) else None
     return import_tool(VARIANTS[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
 def config_from_json(d, where="config.json"):
-    """Read config.json: the layout config_to_json writes (ours: it reads back to exactly the same JSON) here; any
-    other (z-lab's, NeMo's, SpecForge's, hand-edited) as vLLM and SGLang serve it, by dflash_tools/engines.py."""
+    """Our own layout (it must write back to exactly the same JSON) here; any other by dflash_tools/engines.py."""
     try:
         cls, dc, rope = config_class(d, where), d["dflash_config"], dict(d["rope_parameters"])
         top = {f.name for f in fields(DFlashConfig)} - {"mask_token_id", "target_layer_ids"}
-        kw = {f.name: (d if f.name in top else dc)[f.name] for f in fields(cls) if f.name in (d if f.name in top
-                                                                                             else dc)}
+        kw = {k: (d if k in top else dc)[k] for k in (f.name for f in fields(cls)) if k in (d if k in top else dc)}
         kw.update(rope_theta=rope.pop("rope_theta"), rope_scaling=None if rope == {"rope_type": "default"} else rope,
                   mask_token_id=dc["mask_token_id"], target_layer_ids=dc["target_layer_ids"],
                   is_causal=d.get("is_causal"))
@@ -1218,8 +1193,7 @@ def config_from_json(d, where="config.json"):
 # Checkpoints: a drafter directory in the z-lab layout (config.json + model.safetensors, no "model." prefix);
 # a training checkpoint <out>/step_N adds train_state.pt, and <out>/latest names the newest complete one
 
-def expected_shapes(cfg):
-    """{tensor name: shape} of a drafter of cfg (its class built on the meta device: no memory, no init)."""
+def expected_shapes(cfg):  # built on the meta device: no memory, no init
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in cfg.Drafter(cfg).state_dict().items()}
 
@@ -1233,144 +1207,111 @@ def read_json(path, what):
         raise DFlashError(f"{path}: not valid JSON ({first_line(e)[:100]}); the {what} is corrupt") from None
 
 def read_drafter_config(path):
-    need(os.path.isdir(path), f"drafter directory {path!r} does not exist (expected config.json + model.safetensors)")
+    need(os.path.isdir(path), f"drafter directory {path!r} does not exist; give one with config.json and weights")
     cfg_path = os.path.join(path, "config.json")
-    need(os.path.isfile(cfg_path), f"{path!r} has no config.json; is it a DFlash drafter directory?")
+    need(os.path.isfile(cfg_path), f"{path!r} has no config.json; give a DFlash drafter directory")
     d = read_json(cfg_path, "drafter config")
     arch = next((a for a in d.get("architectures") or [] if isinstance(a, str) and a.endswith((
         "ForCausalLM", "ForConditionalGeneration"))), None) if isinstance(d, dict) else None
-    need(arch is None or "dflash_config" in d, f"{path!r} is a target model ({arch}), not a drafter; it goes to "
-         f"--target")
-    need(not os.path.exists(os.path.join(path, "mask_embedding.pt")), f"{path}: mask_embedding.pt: vLLM replaces the "
-         f"mask token's embedding with it, SGLang does not; remove it from the drafter directory")
+    need(arch is None or "dflash_config" in d, f"{path} is a target model ({arch}), not a drafter; use it as --target")
+    mask = os.path.join(path, "mask_embedding.pt")
+    need(not os.path.exists(mask), f"{mask}: vLLM would use it as the mask token's embedding, SGLang not; remove it")
     return config_from_json(d, where=cfg_path)
 
 def read_safetensors(path, load=True):
-    """All tensors of a drafter directory: model.safetensors, or the shards its index names ({name: tensor};
-    load=False: only opens every file, which checks it)."""
+    """{name: tensor} of model.safetensors or the shards its index names (load=False: only opens each, a check)."""
     from safetensors import safe_open
     files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
     if not os.path.isfile(files[0]):
         need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-        weight_map = read_json(index, "safetensors index")
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        need(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
-             f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
-        files = [os.path.join(path, f) for f in sorted(set(weight_map.values()))]
+        m = read_json(index, "safetensors index")
+        m = m.get("weight_map") if isinstance(m, dict) else None
+        ok = isinstance(m, dict) and all(isinstance(v, str) for v in m.values())
+        need(ok, f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
+        files = [os.path.join(path, f) for f in sorted(set(m.values()))]
     tensors = {}
     for file in files:
         try:  # safe_open rejects a missing, truncated or garbage file (it checks the header against the size)
             with safe_open(file, "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()} if load else {})
         except Exception as e:  # safetensors raises its own (Rust) error types
-            raise DFlashError(f"{file}: not a readable safetensors file ({first_line(e)}); the checkpoint is "
-                              f"corrupt") from None
+            raise DFlashError(f"{file}: unreadable safetensors ({first_line(e)}); the checkpoint is corrupt") from None
     return tensors
 
 def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     """Load a z-lab or our drafter directory strictly: every tensor present with its exact shape, nothing else."""
     cfg = read_drafter_config(path)
     tensors, expected = read_safetensors(path), expected_shapes(cfg)
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
-    need(not missing, f"{path}: missing tensor {missing[:1] and missing[0]}"
-         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    need(not unexpected, f"{path}: unexpected tensor {unexpected[:1] and unexpected[0]} (embedding and lm_head "
-         f"belong to the target; keys carry no 'model.' prefix)")
-    wrong = next((k for k in expected if tuple(tensors[k].shape) != expected[k]), None)
-    need(wrong is None, f"{path}: tensor {wrong} has shape {wrong and tuple(tensors[wrong].shape)}, expected "
-         f"{wrong and expected[wrong]}" + (" (len(target_layer_ids) * hidden_size columns)" * (wrong == "fc.weight")))
+    missing, extra = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    need(not missing, f"{path}: missing tensor {missing and missing[0]} ({len(missing)} in all); it is incomplete")
+    need(not extra, f"{path}: unexpected tensor {extra and extra[0]}; remove it (keys have no 'model.' prefix)")
+    wrong = [f"tensor {k} has shape {tuple(tensors[k].shape)}, expected {s}" for k, s in expected.items()
+             if tuple(tensors[k].shape) != s]
+    need(not wrong, f"{path}: {wrong and wrong[0]}; the weights do not fit config.json's sizes and target_layer_ids")
     bad = next((k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
-    need(bad is None, f"{path}: tensor {bad} holds NaN or inf (not finite); the drafter is corrupt (a diverged run?): "
-         f"use an earlier checkpoint")
+    need(bad is None, f"{path}: tensor {bad} holds NaN or inf (a diverged run?); use an earlier checkpoint")
     with torch.device("meta"):  # no random init of weights about to be overwritten (1.7B for Qwen3.6-27B)
         drafter = cfg.Drafter(cfg, attention)
     drafter.load_state_dict(tensors, strict=True, assign=True)
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
 
-@contextmanager
-def atomic_dir(path):
-    """A temporary directory that replaces `path` only once everything in it is written: a crash never leaves a
-    partial directory at `path` (between the two renames the old copy waits at <path>.old<pid>)."""
-    path = path.rstrip("/")
-    tmp, old = f"{path}.tmp{os.getpid()}", f"{path}.old{os.getpid()}"
+def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
+    """config.json + model.safetensors + {name: object} extra files (.json as JSON, else torch.save), atomically."""
+    from safetensors.torch import save_file
+    final = path.rstrip("/")
+    tmp, old = f"{final}.tmp{os.getpid()}", f"{final}.old{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if os.path.exists(path):
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """config.json + model.safetensors (bf16 or fp32) and any {name: object} extra files (name.json: as JSON, else
-    torch.save), atomically."""
-    from safetensors.torch import save_file
-    with atomic_dir(path) as tmp:
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        files = {"config.json": {**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")},
-                 **(extra_files or {})}
-        for name, obj in files.items():
+        config = {**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
+        for name, obj in {"config.json": config, **(extra_files or {})}.items():
             if name.endswith(".json"):
                 with open(os.path.join(tmp, name), "w") as f:
                     json.dump(obj, f, indent=2)
             else:
                 torch.save(obj, os.path.join(tmp, name))
-        umask = os.umask(0o022)  # read it (and put it back): safetensors writes 0600, open() 0666 less the umask
-        os.umask(umask)
-        for name in os.listdir(tmp):  # every file of a checkpoint one mode, readable where its siblings are
+        os.umask(umask := os.umask(0o022))  # read it, put back: safetensors writes 0600, open() 0666 less the umask
+        for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(final):  # never a partial directory at path: between the renames the old one waits at `old`
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
-TARGET_RECORD = "target.json"  # in our checkpoints: {"target": name, "fingerprint": target_fingerprint}
-
-def target_fingerprint(target):
-    """12 hex digits of sha256 over the target's family and sizes and 256 rows of its embedding table (in bf16): the
-    same target in any dtype or directory gives the same, another target of the same shape another."""
-    from safetensors.torch import save
-    tc, V = target.model.config.get_text_config(), target.vocab_size
-    rows = target.embed.weight[torch.linspace(0, V - 1, min(256, V)).long().to(target.embed.weight.device)]
-    h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
-    h.update(save({"rows": rows.detach().to("cpu", torch.bfloat16).contiguous()}))
-    return h.hexdigest()[:12]
-
-def target_probe(target):
-    """512 values of the embedding table (64 rows x 8 columns, spread out) in float: compared within bf16's
-    precision, they tell the same target in any load dtype (fp16 rounds differently from bf16: no hash of the
-    values survives it) from another one of the same shape."""
-    w, V = target.embed.weight, target.vocab_size
-    rows = torch.linspace(0, V - 1, min(64, V)).long().to(w.device)
-    cols = torch.linspace(0, w.shape[1] - 1, min(8, w.shape[1])).long().to(w.device)
-    return [round(float(x), 8) for x in w.detach()[rows][:, cols].float().flatten().tolist()]
+TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
 def target_record(target):
-    return {"target": target.name, "fingerprint": target_fingerprint(target), "probe": target_probe(target)}
-
-def same_target(saved, record):
-    """Whether a target record names this target: its probe within bf16's rounding (2^-8 relative) of this target's,
-    or, for a record without one (older checkpoints), the same fingerprint."""
-    a, b = saved.get("probe"), record["probe"]
-    if not isinstance(a, list):
-        return saved["fingerprint"] == record["fingerprint"]
-    return len(a) == len(b) and all(isinstance(x, (int, float)) and abs(x - y) <= 2 ** -7 * max(abs(x), abs(y)) + 1e-6
-                                    for x, y in zip(a, b))
+    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values, compared within bf16
+    rounding, since fp16 rounds unlike bf16 and no hash survives the load dtype."""
+    from safetensors.torch import save
+    w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
+    h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
+    rows = w[torch.linspace(0, V - 1, min(256, V)).long().to(w.device)].detach().to("cpu", torch.bfloat16)
+    h.update(save({"rows": rows.contiguous()}))
+    rows, cols = (torch.linspace(0, k - 1, min(m, k)).long().to(w.device) for k, m in ((V, 64), (w.shape[1], 8)))
+    probe = [round(float(x), 8) for x in w.detach()[rows][:, cols].float().flatten().tolist()]
+    return {"target": target.name, "fingerprint": h.hexdigest()[:12], "probe": probe}
 
 def check_trained_against(path, record, what, allow=False):
-    """A drafter of ours names its target (TARGET_RECORD; z-lab's name none): one for another target, even of the same
-    shape, drafts for the wrong model (tau ~1 without a word): refused unless allow, and then said on stderr."""
+    """Refuse (unless allow: then a note) a drafter whose TARGET_RECORD names another target; z-lab's have none."""
     f = os.path.join(path, TARGET_RECORD)
     saved = read_json(f, "target record") if os.path.isfile(f) else {}
-    need(isinstance(saved, dict) and isinstance(saved.get("fingerprint", ""), str), f"{f}: not a target record (a "
-         f"JSON object with a string fingerprint); the checkpoint is corrupt: remove {f} or restore it")
-    if saved.get("fingerprint") is None or same_target(saved, record):
+    ok = isinstance(saved, dict) and isinstance(saved.get("fingerprint", ""), str)
+    need(ok, f"{f} is not a target record (a JSON object with a string fingerprint); remove or restore it")
+    a, b = saved.get("probe"), record["probe"]  # within bf16's rounding (2^-8 relative): the same target in any dtype
+    near = isinstance(a, list) and len(a) == len(b) and all(
+        isinstance(x, (int, float)) and abs(x - y) <= 2 ** -7 * max(abs(x), abs(y)) + 1e-6 for x, y in zip(a, b))
+    old = not isinstance(a, list) and saved.get("fingerprint") == record["fingerprint"]  # records without a probe
+    if saved.get("fingerprint") is None or near or old:
         return
-    msg = (f"{what} was trained against {saved.get('target')!r} (fingerprint {saved['fingerprint']}), not "
-           f"{record['target']!r} ({record['fingerprint']})")
+    msg = f"{what} was trained against {saved.get('target')!r} ({saved['fingerprint']}), not {record['target']!r}"
     need(allow, f"{msg}; pass --allow_other_target to use it anyway")
     print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
@@ -1378,21 +1319,18 @@ def resolve_drafter(path, flag="--drafter"):
     """A drafter directory, or a hub id (owner/name), which dflash_tools/engines.py downloads once."""
     if os.path.exists(path):
         return path
-    need(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path,
-         f"{flag} {path!r} does not exist; give a drafter directory or a hub id (owner/name)")
+    hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path
+    need(hub, f"{flag} {path!r} does not exist; give a drafter directory or a hub id (owner/name)")
     return import_tool("engines", f"{flag} {path!r} (a hub id)").download(path, flag)
 
-TRAIN_STATE_KEYS = {"step", "optimizer", "args", "global_batch", "bad_steps"}
-
 def read_train_state(d):
-    """train_state.pt of checkpoint d (memory-mapped: cheap to read before anything else loads)."""
     path = os.path.join(d, "train_state.pt")
-    try:
+    try:  # memory-mapped: cheap to read before anything else loads
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # missing, truncated zip, garbage pickle: all one line
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
-    need(isinstance(state, dict) and TRAIN_STATE_KEYS <= set(state), f"{path}: cannot read the training state (not "
-         f"a training state: keys {', '.join(sorted(TRAIN_STATE_KEYS))} expected); the file is corrupt")
+    ok = isinstance(state, dict) and {"step", "optimizer", "args", "global_batch", "bad_steps"} <= set(state)
+    need(ok, f"{path}: not a training state (it lacks step, optimizer, args, ...); the file is corrupt")
     return state
 
 def checkpoint_problem(d):
@@ -1409,12 +1347,11 @@ def step_of(name):
 
 def complete_checkpoints(out):
     """The complete step_N directories of out, the newest first."""
-    steps = sorted((step_of(n) for n in (os.listdir(out) if os.path.isdir(out) else []) if step_of(n) is not None),
-                   reverse=True)
+    steps = sorted({step_of(n) for n in (os.listdir(out) if os.path.isdir(out) else [])} - {None}, reverse=True)
     return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
 def latest_checkpoint(out):
-    """The checkpoint <out>/latest names, checked complete (each file opens); None if there is no latest."""
+    """The checkpoint <out>/latest names, checked complete; None if there is no latest."""
     latest = os.path.join(out, "latest")
     if not os.path.isfile(latest):
         return None
@@ -1433,14 +1370,13 @@ def last_complete(out):
     """What a run that stops now leaves behind: the checkpoint <out>/latest names (read, not checked)."""
     try:
         with open(os.path.join(out, "latest")) as f:
-            return (f"the last complete checkpoint is {os.path.join(out, f.read(4096).strip())} (resume from it with "
-                    f"--resume)")
+            name = os.path.join(out, f.read(4096).strip())
+        return f"the last complete checkpoint is {name} (resume from it with --resume)"
     except (OSError, UnicodeDecodeError):
         return f"no complete checkpoint in {out} yet"
 
 def write_atomic(path, text):
-    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one). So
-    <out>/latest never names a partial checkpoint; metrics.jsonl and eval.py's --json are written the same way."""
+    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as f:
@@ -1454,27 +1390,23 @@ def write_atomic(path, text):
         raise
 
 def keep_metrics(out, step):
-    """Drop the records of metrics.jsonl after `step` (-1: all), and a line cut short by a kill: what a resumed or
-    restarted run logs again."""
+    """Drop metrics.jsonl's records after `step` (-1: all) and a line a kill cut short: a resumed run logs them anew."""
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.isfile(path):
         return
-
-    def logged(line):
-        try:
-            return json.loads(line).get("step", 0) <= step
-        except (ValueError, AttributeError, TypeError):
-            return False
     with open(path) as f:
         lines = [x for x in f if x.strip()]
-    kept = [x for x in lines if logged(x)]
+    kept = []
+    for line in lines:
+        try:
+            kept += [line] if json.loads(line).get("step", 0) <= step else []
+        except (ValueError, AttributeError, TypeError):
+            pass
     if len(kept) < len(lines):
         write_atomic(path, "".join(kept))
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
-    """<out>/step_<n>/ = a drafter directory (z-lab layout) + train_state.pt (+ record, the target it is trained
-    against, as TARGET_RECORD), written atomically by rank 0, then <out>/latest switched to it (atomically too).
-    Called on every rank: with --zero the optimizer state is first gathered on rank 0; all ranks wait for it."""
+    """On every rank: rank 0 writes <out>/step_<n>/ (drafter, train_state.pt, record), then switches <out>/latest."""
     from safetensors import SafetensorError
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
@@ -1485,10 +1417,9 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
                 "train_state.pt": {"step": step, "optimizer": optimizer.state_dict(), **state},
                 **({TARGET_RECORD: record} if record else {})})
             write_atomic(os.path.join(out, "latest"), os.path.basename(d) + "\n")
-        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota, a file-size limit: nothing
-            # partial is left (atomic_dir) and latest is unchanged; safetensors and torch.save raise their own types
-            raise DFlashError(f"cannot write checkpoint {d} ({getattr(e, 'strerror', None) or first_line(e)}); "
-                              f"{last_complete(out)}") from None
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota: nothing partial, latest kept
+            why = getattr(e, "strerror", None) or first_line(e)
+            raise DFlashError(f"cannot write checkpoint {d} ({why}); {last_complete(out)}") from None
         say(f"saved {d}")
     if world > 1:
         dist.barrier()
@@ -1497,20 +1428,17 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
 # Loading the target (AutoModelForCausalLM)
 
 def find_decoder(model):
-    """The text decoder stack, found by inspection rather than by model name: the module holding `layers` (a
-    ModuleList), a final `norm` and the input embedding (Qwen3.5/3.6 multimodal: model.model.language_model)."""
+    """The text decoder stack: the module holding `layers` (a ModuleList), a final `norm` and the input embedding."""
     embed = model.get_input_embeddings()
     for _, m in model.named_modules():
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
                 and any(c is embed for c in m.children())):
             return m
-    raise DFlashError(f"target family {model.config.model_type} ({type(model).__name__}) is not supported: dflash "
-                      f"hooks a decoder stack of the Llama kind (decoder layers, then a final norm); supported: Qwen3, "
-                      f"Qwen3-MoE, Qwen3.5/3.6, Llama, Mistral, Gemma3, Phi3, Olmo2 (and others of that kind)")
+    family = model.config.model_type
+    raise DFlashError(f"target family {family} is not supported; use one with a Llama-kind decoder (Qwen3, Mistral...)")
 
 def load_tokenizer(name, trust_remote_code=False):
-    """The target's tokenizer, or None when it has none (pre-tokenized data still works; transformers 5 returns an
-    empty stand-in when the directory has no tokenizer files)."""
+    """The target's tokenizer, or None when it has none (transformers 5 returns an empty stand-in)."""
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -1519,18 +1447,17 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
-    """A local path or hub id; frozen, in eval mode; bf16 on CUDA and fp32 on CPU unless dtype says otherwise. device
-    "meta": from config.json alone (no weights read), for the checks before loading. shard (--shard_target under
-    torchrun): its decoder layers split over the ranks by dflash_tools/shard.py."""
+    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
+    shard (--shard_target): the decoder layers split over the ranks by dflash_tools/shard.py."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-    need(not ((name.startswith((".", "/", "~")) or os.path.exists(name)) and not os.path.isfile(f"{name}/config.json")),
-         f"target {name!r} is not a model directory (no config.json); give a local path or a hub id")
+    local = name.startswith((".", "/", "~")) or os.path.exists(name)
+    need(not local or os.path.isfile(f"{name}/config.json"), f"target {name!r}: no config.json; give a model directory")
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
-        need(not getattr(config, "dflash_config", None), f"target {name!r} is a DFlash drafter, not a target model; it "
-             f"goes to --drafter (eval.py) or --init_from, and --target takes the model it drafts for")
+        drafter = getattr(config, "dflash_config", None)
+        need(not drafter, f"target {name!r} is a DFlash drafter; --target takes the model it drafts for")
         if str(device) == "meta":
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
@@ -1538,14 +1465,9 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
             model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
                                                          trust_remote_code=trust_remote_code)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
-        kind = ".safetensors" if "deserializing" in str(e) else ".index.json" if isinstance(e, ValueError) else "-"
-        files = [os.path.join(name, f) for f in sorted(os.listdir(name)) if f.endswith(kind)] if os.path.isdir(
-            name) else []
-        raise DFlashError(f"cannot load target {name!r}: {first_line(e)}" + (
-            f" (in {', '.join(files)}: not valid JSON or a truncated or garbage weight file)" if files else "")
-        ) from None
+        raise DFlashError(f"cannot load target {name!r}: {first_line(e)}") from None
     model.eval().requires_grad_(False)
-    need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head (get_output_embeddings() is None)")
+    need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head; give a causal language model")
     target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
                     load_tokenizer(name, trust_remote_code), name)
     if shard:
@@ -1554,12 +1476,9 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     return target
 
 def check_compatible(cfg, target, where="drafter"):
-    """A drafter made for another target must fail loudly, not draft garbage."""
-    for what, ours, theirs in (("hidden size", cfg.hidden_size, target.hidden_size),
-                               ("vocab", cfg.vocab_size, target.vocab_size),
-                               ("num_target_layers", cfg.num_target_layers, target.num_layers)):
-        need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; the drafter was made for another "
-             f"target")
+    for what, ours, theirs in (("hidden size", cfg.hidden_size, target.hidden_size), ("vocab", cfg.vocab_size,
+                               target.vocab_size), ("num_target_layers", cfg.num_target_layers, target.num_layers)):
+        need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; it was made for another target")
 
 # -----------------------------------------------------------------------------
 # Data: JSONL (other formats: dflash_tools/formats.py) -> (input_ids, loss_mask) per sample with exact chat loss

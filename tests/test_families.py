@@ -226,9 +226,9 @@ def two_targets(tmp_path_factory, data):
 def test_checkpoint_records_its_target(two_targets):
     a, _, ckpt = two_targets
     rec = dflash.read_json(os.path.join(ckpt, dflash.TARGET_RECORD), "target record")
-    assert rec["target"] == a and rec["fingerprint"] == dflash.target_fingerprint(dflash.load_target(a))
+    assert rec["target"] == a and rec["fingerprint"] == dflash.target_record(dflash.load_target(a))["fingerprint"]
     # the fingerprint is of the target, not of its dtype or its path
-    assert dflash.target_fingerprint(dflash.load_target(a, dtype=torch.bfloat16)) == rec["fingerprint"]
+    assert dflash.target_record(dflash.load_target(a, dtype=torch.bfloat16))["fingerprint"] == rec["fingerprint"]
 
 
 def test_eval_refuses_a_drafter_of_another_target_unless_told(two_targets, tmp_path, capsys):
