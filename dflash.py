@@ -819,9 +819,7 @@ class Batches:
         self.seed, self.pad_id = seed, pad_id
         self.global_batch = batch_size * grad_accum * world
         self.steps_per_epoch = len(samples) // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise DFlashError(f"{len(samples)} training samples < one global batch ({batch_size} x {grad_accum} x "
-                              f"{world} ranks); lower --batch_size or --grad_accum")
+        need(self.steps_per_epoch, f"{len(samples)} samples < one global batch; lower --batch_size or --grad_accum")
         self._order = (None, None)
 
     def get(self, step, micro):
