@@ -113,8 +113,7 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
     kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
         if tokenizer is None:
-            raise DFlashError("the target has no tokenizer, so the built-in prompts cannot be encoded; pass --prompts "
-                              "with pre-tokenized {\"input_ids\": [...]} lines")
+            raise DFlashError("the target has no tokenizer for the built-in prompts; pass --prompts of input_ids")
         return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw, vocab_size)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
     prompts = [encode_prompt(rec, tokenizer, where, kw, vocab_size)
@@ -450,9 +449,7 @@ def truth_probs(target, final, prompt_len, continuation, s):
 def check_loop_target(target):
     from transformers import DynamicCache
     if not DynamicCache(config=target.model.config).is_croppable:
-        raise DFlashError(f"--mode loop needs a target whose KV cache can be cropped after a rejected draft; "
-                          f"{target.name} has recurrent (linear-attention) state that cannot be rolled back. "
-                          f"Use --mode exact, which gives the same tau without rolling back")
+        raise DFlashError(f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
 
 
 @torch.no_grad()
@@ -505,8 +502,7 @@ def as_eval_drafter(name, d, target, block_size):
     if d.block_size is not None:
         dflash.check_compatible(d.cfg, target, where=f"drafter {name}")
         if block_size and block_size > d.block_size:
-            raise DFlashError(f"--block_size {block_size} is larger than drafter {name}'s trained block size "
-                              f"{d.block_size}; it can only be evaluated at a block size <= {d.block_size}")
+            raise DFlashError(f"--block_size {block_size} > drafter {name}'s {d.block_size}; give at most that")
     return d, block_size or d.block_size
 
 
@@ -514,13 +510,11 @@ def check_modes(mode, sampled, tree_budgets, given_continuations):
     """The combinations that have no meaning: the loop is greedy chain verification; tree verification and given
     (greedy) continuations do not sample."""
     if (sampled or tree_budgets) and mode == "loop":
-        raise DFlashError("--mode loop runs greedy chain verification; --temperature and --tree_budget are measured "
-                          "by the exact walk (drop --mode loop)")
+        raise DFlashError("--mode loop is greedy chains only; drop it for --temperature or --tree_budget")
     if sampled and tree_budgets:
         raise DFlashError("--tree_budget measures greedy tree verification; drop it or --temperature")
     if sampled and given_continuations:
-        raise DFlashError("--temperature walks continuations sampled from the target, not given (greedy) ones "
-                          "(--bench answers greedily: drop --temperature)")
+        raise DFlashError("--temperature samples continuations, and --bench gives greedy ones; drop --temperature")
 
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
@@ -552,8 +546,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     dflash2 = [name for name, (d, _) in drafters.items()
                if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
     if tree_budgets and dflash2:
-        raise DFlashError(f"--tree_budget: drafter {dflash2[0]} is a DFlash2 drafter, whose selector drafts one chain "
-                          f"(no tree verification is defined for it); drop --tree_budget or that drafter")
+        raise DFlashError(f"--tree_budget: DFlash2 drafter {dflash2[0]} drafts one chain; drop --tree_budget or it")
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
@@ -596,9 +589,7 @@ def check_prompt_lengths(target, prompts):
     yarn's reach) is one line naming its length and the limit, before any generation."""
     limit, _ = dflash.target_window(target.model.config.get_text_config())
     i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
-    dflash.need(longest < limit, f"prompt {i} is {longest} tokens, and the target takes {limit} positions "
-                f"(max_position_embeddings, or its yarn's reach) with room for one new token; shorten it or leave it "
-                f"out")
+    dflash.need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
 
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
@@ -717,8 +708,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     from tqdm import tqdm
     tok = target.tokenizer
     if tok is None or not tok.chat_template:
-        raise DFlashError("--bench renders its prompts through the target's chat template, and the target's "
-                          "tokenizer has none")
+        raise DFlashError("--bench needs the target tokenizer's chat template, and it has none")
     kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
     render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
@@ -872,15 +862,13 @@ def compare_reports(paths, depth_buckets=None):
     reports = {}
     for path in paths:
         r = dflash.read_json(path, "eval.py report")
-        dflash.need(isinstance(r, dict) and isinstance(r.get("results"), list),
-                    f"{path}: not an eval.py --json report of drafters (a --bench report: measure the drafters in "
-                    f"one --bench run)")
+        ok = isinstance(r, dict) and isinstance(r.get("results"), list)
+        dflash.need(ok, f"{path}: not an eval.py --json report of drafters (--bench: measure them in one run)")
         reports[path] = r
     measured = check_same_measurement(reports)
     for key in ("target", "mode", "tree_budgets"):  # the table's columns, or what was measured, would differ
         seen = {json.dumps(r.get(key)) for r in reports.values()}
-        dflash.need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); table "
-                    f"reports of one target, mode and --tree_budget")
+        dflash.need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); give alike")
     names = [res["drafter"] for r in reports.values() for res in r["results"]]
     results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
                for path, r in reports.items() for res in r["results"]]
@@ -927,22 +915,15 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", a
 
 def budget_list(s):
     """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
-    try:
-        budgets = tuple(int(x) for x in s.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+    budgets = tuple(dflash.int_list(s))
     if min(budgets) < 1 or max(budgets) > dflash.TREE_BUDGET_MAX:
-        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most "
-                                         f"{dflash.TREE_BUDGET_MAX} draft nodes")
+        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most {dflash.TREE_BUDGET_MAX}")
     return budgets
 
 
 def depth_list(s):
     """--depth_buckets: comma-separated positive anchor positions."""
-    try:
-        edges = sorted({int(x) for x in s.split(",")})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+    edges = sorted(set(dflash.int_list(s)))
     if edges[0] < 1:
         raise argparse.ArgumentTypeError(f"{s}: every edge must be a position of at least 1")
     return edges
@@ -1039,8 +1020,7 @@ def run(args):
     device = dflash.pick_device(args.device)
     sampling = sampling_args(args)
     if args.tree_budget and PROMPT_LOOKUP in args.drafter:
-        raise DFlashError("--tree_budget: prompt-lookup drafts one chain and has no distribution to build a tree "
-                          "from; drop --drafter prompt-lookup (the default baseline is shown without a tree)")
+        raise DFlashError("--tree_budget: prompt-lookup has no distribution to grow a tree; drop its --drafter")
     check_modes(args.mode, sampling is not None, args.tree_budget, args.bench is not None)
     if args.dump_drafts and not args.json:
         raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")

@@ -517,7 +517,7 @@ def test_selector_sampled_lengths_rule():
 
 
 def test_tree_budget_is_refused_for_dflash2(dense2):
-    with pytest.raises(DFlashError, match="DFlash2 drafter, whose selector drafts one chain"):
+    with pytest.raises(DFlashError, match="DFlash2 drafter v2 drafts one chain"):
         ev.evaluate_drafters(dense2["target"], {"v2": dense2["drafter2"]}, dense2["prompts"][:1], 8,
                              tree_budgets=(4,), progress=False)
 

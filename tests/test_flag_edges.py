@@ -61,7 +61,7 @@ def test_eval_flag_at_its_edge(ev_files, tmp_path, capsys, flag, value):
         with pytest.raises(SystemExit) as e:
             ev.main(argv)
         err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and "block size <= 4" in err
+        assert e.value.code == 2 and err.startswith("error: ") and "\n" not in err and "'s 4; give at most that" in err
         return
     ev.main(argv)
     report = json.loads((tmp_path / "r.json").read_text())
