@@ -2265,7 +2265,7 @@ def get_parser():
     flag(g, "--max_len", 3072, "truncate samples to this many tokens", int, lo=2)
     flag(g, "--enable_thinking", None, "passed to a chat template that reads it", action=argparse.BooleanOptionalAction)
     flag(g, "--show_data", 0, "print the first N encoded samples, loss spans in [[...]], then exit (0: train)", int)
-    flag(g, "--eval_fraction", None, f"held-out part of --data (default: {EVAL_FRACTION})", float, hi=0.5)
+    flag(g, "--eval_fraction", None, f"held-out part of --data, >= 16 rows (default: {EVAL_FRACTION})", float, hi=.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
     flag(g, "--loss", "ce", "the loss (dpace*: D-PACE)", choices=["ce", "dpace", "dpace-prefix", "dpace-continuation"])
