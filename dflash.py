@@ -1271,7 +1271,8 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
                     json.dump(obj, f, indent=2)
             else:
                 torch.save(obj, os.path.join(tmp, name))
-        os.umask(umask := os.umask(0o022))  # read it, put back: safetensors writes 0600, open() 0666 less the umask
+        umask = os.umask(0o022)  # read it, then put it back: safetensors writes 0600, open() 0666 less the umask
+        os.umask(umask)
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     except BaseException:
