@@ -664,10 +664,10 @@ def walk_tau(drafter, target, walk, world, tree=0):
     names = (["tree"] if tree else []) + list(getattr(drafter, "WALKS", ()))
     total = torch.zeros(2 + 2 * len(names) + B - 1, device=dev)  # lengths, steps; per other walk; steps accepting >= k
     trees = import_tool("tree", "tree verification") if tree else None
+    rule = trees.topk_rule(min(tree, target.vocab_size)) if trees else None  # the chain's drafts and a top-K
     for prompt, continuation in zip(*walk):
         ids = torch.tensor([prompt + continuation], device=dev)
         features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
-        rule = trees.topk_rule(min(tree, target.vocab_size)) if trees else None  # the chain's drafts and a top-K
         drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, truth=not trees)
         others = [trees.walk(continuation, more["logq"], more["tokens"], tree)] if trees else [
             tau_walk(continuation, more.get(k, drafts).tolist()) for k in names]
@@ -1793,14 +1793,15 @@ def check_out_dir(out):
     """--out: a writable directory, with nothing but files where latest and metrics.jsonl go."""
     need(out, "--out is empty; give a directory")
     need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
-    for p in (os.path.join(out, "latest"), os.path.join(out, "metrics.jsonl")):
+    metrics = os.path.join(out, "metrics.jsonl")
+    for p in (os.path.join(out, "latest"), metrics):
         need(not os.path.exists(p) or os.path.isfile(p), f"{p} is in the way; remove it or give another --out")
     check_writable_dir(out, f"--out {out!r}", subdirs=True)
     try:  # metrics.jsonl is appended to: opened as the log will open it
-        if os.path.exists(p):
-            open(p, "a").close()
+        if os.path.exists(metrics):
+            open(metrics, "a").close()
     except OSError as e:
-        raise DFlashError(f"--out {out!r}: {p} cannot be appended to ({e.strerror})") from None
+        raise DFlashError(f"--out {out!r}: {metrics} cannot be appended to ({e.strerror})") from None
 
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
