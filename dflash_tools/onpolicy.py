@@ -1,0 +1,331 @@
+"""The on-policy stage (--stage onpolicy): a trained drafter (--init_from) trained where serving puts its blocks.
+
+Every --onpolicy_every optimizer steps the current drafter is rolled out on the prompts of the step's training
+samples (the tokens before their first loss token): the target continues each prompt (greedy, or sampled at
+--onpolicy_temperature with eval.py's sampling), one hooked target pass over prompt + continuation gives the
+drafter's context features and the target's final hidden states, and the drafter is walked along the continuation
+exactly as eval.py walks it (DFlash: its argmax drafts; DFlash2: its selector's path, at T > 0 rejection-sampled).
+The rollout records the block starts, the proposals, the accepted lengths, and those hidden states: through the
+target's lm_head they give the target's distribution p at every verified position, so no second target pass runs.
+
+The objective re-runs the drafter, with gradient, at the recorded block starts. A block anchored at a with m
+accepted drafts covers offsets 1..B-1 (those inside the continuation):
+  - offsets 1..m+1 (the accepted drafts and the first rejection): CE to the target's greedy token, through the
+    drafter's own block_loss (DFlash2: its selector's term too), or forward KL(p || q) (--onpolicy_accepted);
+  - offsets m+1+k, k >= 1 (the rejected proposals): reverse KL(q || p) or total variation, weighted
+    decay^(k-1) (--onpolicy_rejected, --onpolicy_decay);
+summed and divided by the global batch's sum of those weights; plus --onpolicy_sft_weight times the usual SFT loss
+(dflash.dflash_loss) on random anchors of the same samples. DFlash2's q is its unary head's softmax plus alpha
+times its selector's softmax over the top-k candidates (teacher-forced predecessors), against p renormalised over
+those candidates. p is the target's softmax at the rollout temperature (1 for greedy rollouts). The logits exist
+one chunk of tokens at a time, recomputed in backward (memory bounded as in SFT).
+
+Rollout seeds derive from (--seed, step, sample key) and the rollouts live in the stage's state (saved in every
+checkpoint), so a resumed run is bitwise the same. Each step appends a line to <out>/onpolicy.jsonl: the rollouts'
+age in optimizer steps, their walked tau, the two loss terms, and the step's compute (target forward tokens,
+drafter forward and backward tokens)."""
+import json
+import math
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dflash
+
+DEFAULTS = {"onpolicy_every": 1, "onpolicy_tokens": 64, "onpolicy_temperature": 0.0, "onpolicy_accepted": "fkl",
+            "onpolicy_rejected": "rkl", "onpolicy_decay": 0.8, "onpolicy_sft_weight": 0.1}
+
+
+def add_flags(g):
+    f = dflash.flag
+    f(g, "--onpolicy_every", None, "roll out every k optimizer steps, training on the latest rollouts in between "
+      "(default 1)", int, lo=1)
+    f(g, "--onpolicy_tokens", None, "tokens the target generates per rollout prompt (default 64)", int, lo=1)
+    f(g, "--onpolicy_temperature", None, "rollout temperature, 0: greedy (default 0)", float, hi=100)
+    f(g, "--onpolicy_accepted", None, "loss on the accepted drafts and the first rejection (default fkl)",
+      choices=["ce", "fkl"])
+    f(g, "--onpolicy_rejected", None, "loss on the rejected proposals (default rkl; none: off)",
+      choices=["rkl", "tv", "none"])
+    f(g, "--onpolicy_decay", None, "weight decay^(k-1) of the k-th rejected proposal (default 0.8)", float,
+      open_lo=True, hi=1)
+    f(g, "--onpolicy_sft_weight", None, "weight of the SFT loss on random anchors (default 0.1; 0: off)", float)
+
+
+def settings(args):
+    """The stage's flags with their defaults filled in, as a dict."""
+    return {k: v if getattr(args, k, None) is None else getattr(args, k) for k, v in DEFAULTS.items()}
+
+
+def check(args):
+    """Refuse the combinations that have no meaning, one line each, before any weights load."""
+    need = dflash.need
+    need(args.init_from, "--stage onpolicy trains a trained drafter further; add --init_from DIR (an SFT run's step_N)")
+    need(args.loss == "ce", f"--loss {args.loss}: the on-policy stage has its own objective (--onpolicy_accepted, "
+         f"--onpolicy_rejected); drop --loss")
+    need(args.labels == "target", "--labels data: the on-policy stage learns the target's own distribution; drop "
+         "--labels")
+    need(not getattr(args, "shard_target", False), "--shard_target: the on-policy rollouts generate per rank; drop "
+         "--shard_target")
+    need(not (args.onpolicy_rejected == "none" and args.onpolicy_decay is not None), "--onpolicy_decay weighs the "
+         "rejected proposals, and --onpolicy_rejected none drops them; drop one")
+    s = settings(args)
+    need(s["onpolicy_tokens"] >= 2, "--onpolicy_tokens 1 gives no block to walk; use 2 or more")
+    need(s["onpolicy_temperature"] == 0 or s["onpolicy_temperature"] > 1e-3, "--onpolicy_temperature: 0 (greedy) "
+         "or at least 0.001")
+
+
+# -----------------------------------------------------------------------------
+# The rollout: eval.py's walk of the current drafter, recorded
+
+def prompts_of(batch):
+    """(row, prompt) of each row of a collated batch that has a prompt: the tokens before its first loss token."""
+    out = []
+    for r, mask in enumerate(batch["loss_mask"].tolist()):
+        if 1 in mask and mask.index(1) > 0:
+            out.append((r, batch["input_ids"][r, :mask.index(1)].tolist()))
+    return out
+
+
+def is_dflash2(drafter):
+    return hasattr(drafter, "candidate_selector")
+
+
+@torch.no_grad()
+def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0):
+    """The exact walk of drafter on one prompt: eval.py's (greedy, or at temperature T its sampled continuation,
+    drawn with a generator seeded by seed, and acceptance rule, DFlash2's uniforms seeded by accept_seed), recorded. Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the
+    continuation index of each block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
+    import eval as tau_eval
+    dev, cfg = target.lm_head.weight.device, drafter.cfg
+    eos = target.eos_ids()
+    sampling = tau_eval.Sampling(temperature) if temperature > 0 else None
+    if sampling:
+        g = torch.Generator(dev).manual_seed(seed)
+        continuation = tau_eval.sampled_continuation(target, prompt, num_tokens, eos, sampling, g)
+    else:
+        continuation = dflash.greedy_continuation(target, prompt, num_tokens, eos)
+    ids = torch.tensor([prompt + continuation], device=dev)
+    features, final = dflash.target_features(target, ids, cfg.target_layer_ids)  # the walk's one hooked pass
+    drafts, details = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), truth=True,
+                                                temperature=temperature)
+    if sampling and is_dflash2(drafter):
+        p_truth = tau_eval.truth_probs(target, final, len(prompt), continuation, sampling)
+        lengths = dflash.import_tool("dflash2", "a DFlash2 drafter").sampled_lengths(
+            continuation, p_truth, details["q"], torch.Generator().manual_seed(accept_seed))
+    else:
+        lengths = dflash.tau_walk(continuation, drafts.tolist())
+    starts = tau_eval.step_anchors(lengths)
+    return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0],
+            "starts": torch.tensor(starts, dtype=torch.long, device=dev),
+            "accepted": torch.tensor(lengths, dtype=torch.long, device=dev) - 1,
+            "proposals": drafts[starts] if starts else drafts[:0],
+            "target_tokens": 2 * len(ids[0]) - 1}  # the cached generation (P + n - 1 tokens), the hooked pass
+
+
+def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step):
+    """The rollouts of a collated micro-batch's prompts, each seeded by (seed, step, its sample key)."""
+    was = drafter.training
+    drafter.eval()
+    out = [rollout(drafter, target, p, num_tokens, temperature, dflash.mix_seed(seed, step, batch["keys"][r]),
+                   dflash.mix_seed(seed, step, batch["keys"][r], 1)) for r, p in prompts_of(batch)]
+    drafter.train(was)
+    return out
+
+
+# -----------------------------------------------------------------------------
+# The objective
+
+def pack(rollouts, cfg, device):
+    """Rollouts -> padded tensors: ids (b, S), context (b, S, m*D), final (b, S, D), then region_weights' first
+    arguments: lengths (b,), anchors, valid, accepted (b, N), with N the most blocks of a row (padding anchors are invalid)."""
+    b, S = len(rollouts), max(len(r["ids"]) for r in rollouts)
+    N = max(1, max(len(r["starts"]) for r in rollouts))
+    pad = lambda t, n: F.pad(t, (0, 0) * (t.dim() - 1) + (0, n - t.shape[0]))  # noqa: E731
+    ids = torch.stack([pad(r["ids"], S) for r in rollouts]).to(device)
+    context = torch.stack([pad(r["features"], S) for r in rollouts]).to(device)
+    final = torch.stack([pad(r["final"], S) for r in rollouts]).to(device)
+    anchors = torch.stack([pad(r["starts"] + r["prompt_len"], N) for r in rollouts]).to(device)
+    accepted = torch.stack([pad(r["accepted"], N) for r in rollouts]).to(device)
+    valid = torch.stack([torch.arange(N) < len(r["starts"]) for r in rollouts]).to(device)
+    lengths = torch.tensor([len(r["ids"]) for r in rollouts], device=device)
+    return ids, context, final, lengths, anchors, valid, accepted
+
+
+def region_weights(lengths, anchors, valid, accepted, B, decay, rejected):
+    """(b, N, B) weights of the accepted side (offsets 1..m+1: 1) and of the rejected side (offset m+1+k, k >= 1:
+    decay^(k-1); 0 when rejected is "none"), both 0 outside the continuation and on padding blocks."""
+    i = torch.arange(B, device=anchors.device)
+    inside = (anchors[..., None] + i < lengths[:, None, None]) & valid[..., None] & (i > 0)
+    m = accepted[..., None]
+    acc = (inside & (i <= m + 1)).float()
+    k = (i - m - 1).clamp(min=1).float()
+    rej = torch.where(inside & (i > m + 1), decay ** (k - 1), 0.0) if rejected != "none" else torch.zeros_like(acc)
+    return acc, rej
+
+
+def divergence(h, f, lm_head, mode, temperature, selector=None, pred=None, cfg=None, alpha=0.0, stop_gradient=False):
+    """Per-token divergence (T,) of the drafter's q (from final-normed hidden states h (T, D), with gradient) to the
+    target's p (from its final hidden states f (T, D)): mode "fkl" KL(p||q), "rkl" KL(q||p), "tv" total variation.
+    DFlash2 (selector given): q of its unary logits, plus alpha times its selector's over the unary top-k with
+    predecessors pred (T,), against p renormalised over those candidates. Chunks of tokens, recomputed in backward:
+    no (T, V) tensor is kept."""
+    chunk = dflash.vocab_chunk(lm_head.weight.shape[0])
+    T = max(temperature, 0.0) or 1.0
+
+    def div(logq, logp):
+        if mode == "fkl":
+            return (logp.exp() * (logp - logq)).sum(-1)
+        if mode == "rkl":
+            return (logq.exp() * (logq - logp)).sum(-1)
+        return 0.5 * (logq.exp() - logp.exp()).abs().sum(-1)
+
+    fp32 = torch.promote_types(lm_head.weight.dtype, torch.float32)  # (float64 in the tests)
+
+    def piece(hc, fc, pc):
+        with torch.no_grad():
+            logp = F.log_softmax(lm_head(fc.to(lm_head.weight.dtype)).to(fp32) / T, -1)
+        z = lm_head(hc.to(lm_head.weight.dtype)).to(fp32)
+        if selector is None:
+            return div(F.log_softmax(z, -1), logp)
+        from dflash_tools.dflash2 import unary_logits
+        z = unary_logits(z, cfg.output_multiplier, cfg.final_logit_softcapping)
+        out = div(F.log_softmax(z, -1), logp)
+        top = z.topk(cfg.selector_top_k)
+        hs, vals = (hc.detach(), top.values.detach()) if stop_gradient else (hc, top.values)
+        s = selector.scores(hs, pc, top.indices, vals)
+        p_c = logp.gather(1, top.indices)
+        return out + alpha * div(F.log_softmax(s, -1), p_c - p_c.logsumexp(-1, keepdim=True))
+
+    pred = pred if pred is not None else torch.zeros(len(h), dtype=torch.long, device=h.device)
+    parts = [checkpoint(piece, h[s:s + chunk], f[s:s + chunk], pred[s:s + chunk], use_reentrant=False)
+             if torch.is_grad_enabled() else piece(h[s:s + chunk], f[s:s + chunk], pred[s:s + chunk])
+             for s in range(0, len(h), chunk)]
+    return torch.cat(parts) if parts else h.new_zeros(0)
+
+
+def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
+    """The on-policy loss of one micro-batch's rollouts, unnormalised: (sum of weighted token losses, its weight
+    total, the stats of the drafter's block_loss on the accepted side, drafter tokens run)."""
+    dev, B = target.lm_head.weight.device, cfg.block_size
+    ids, context, final, lengths, anchors, valid, accepted = pack(rollouts, cfg, dev)
+    acc_w, rej_w = region_weights(lengths, anchors, valid, accepted, B, s["onpolicy_decay"], s["onpolicy_rejected"])
+    block_ids = dflash.block_input_ids(ids, anchors, B, cfg.mask_token_id)
+    with torch.no_grad():
+        x = dflash.embed_blocks(target, block_ids)
+        greedy = dflash.block_labels(dflash.greedy_labels(final, target.lm_head), anchors, B)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
+        hidden = model(context.to(raw.fc.weight.dtype), x, anchors, valid)                     # (b, N, B, D)
+    if s["onpolicy_accepted"] == "ce":
+        loss, stats = raw.block_loss(hidden, target.lm_head, greedy, acc_w, block_ids, progress=progress)
+    else:
+        with torch.no_grad():
+            _, stats = raw.block_loss(hidden.detach(), target.lm_head, greedy, acc_w, block_ids, progress=progress)
+        loss = hidden.new_zeros((), dtype=torch.float32)
+    # the target's state before each drafted position: final[a+i-1]; DFlash2's teacher-forced predecessors
+    before = (dflash.block_positions(anchors, B) - 1).clamp(min=0, max=ids.shape[1] - 1)
+    f = final.gather(1, before.flatten(1)[..., None].expand(-1, -1, final.shape[-1])).view(*before.shape, -1)
+    kw = {}
+    if is_dflash2(raw):
+        from dflash_tools.dflash2 import predecessors, selector_alpha
+        alpha = selector_alpha(*progress, *raw.schedule) if progress else raw.schedule[0]
+        kw = dict(selector=raw.candidate_selector, cfg=cfg, alpha=alpha, stop_gradient=raw.stop_gradient,
+                  pred=predecessors(block_ids, dflash.block_labels(ids, anchors, B)))
+    T = s["onpolicy_temperature"]
+    for mode, w in (("fkl", acc_w if s["onpolicy_accepted"] == "fkl" else None),
+                    (s["onpolicy_rejected"], rej_w if s["onpolicy_rejected"] != "none" else None)):
+        if w is None:
+            continue
+        sel = (w.flatten() > 0).nonzero().squeeze(1)
+        h = hidden.reshape(-1, hidden.shape[-1])[sel]
+        more = {**kw, "pred": kw["pred"].flatten()[sel]} if kw else {}
+        loss = loss + (divergence(h, f.reshape(-1, f.shape[-1])[sel], target.lm_head, mode, T, **more)
+                       * w.flatten()[sel]).sum()
+    return loss, acc_w.sum() + rej_w.sum(), stats, int(valid.sum()) * B
+
+
+def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, *, args, state,
+               progress, gamma=4.0, **loss_kw):
+    """One optimizer step of the on-policy stage (dflash.train_step's contract): a rollout when the step asks for
+    one (else the state's latest), the on-policy terms and --onpolicy_sft_weight x the SFT loss, one update."""
+    s = settings(args)
+    raw = loss_kw.get("raw_model") or model
+    dev = target.lm_head.weight.device
+    step = progress[0] if progress else state.get("step", 0)
+    compute = {"target_tokens": 0, "drafter_fwd_tokens": 0, "drafter_bwd_tokens": 0}
+    if "rollouts" not in state or step % s["onpolicy_every"] == 0:
+        state["rollouts"] = [rollout_batch(raw, target, mb, s["onpolicy_tokens"], s["onpolicy_temperature"],
+                                           args.seed, step) for mb in micro_batches]
+        state["rollout_step"] = step
+        rolled = [r for rs in state["rollouts"] for r in rs]
+        compute["target_tokens"] += sum(r["target_tokens"] for r in rolled)
+        compute["drafter_fwd_tokens"] += sum(len(r["ids"]) - r["prompt_len"] - 1 for r in rolled) * cfg.block_size
+    state["step"] = step + 1
+    rolled = [r for rs in state["rollouts"] for r in rs]
+    walk = torch.tensor([float(sum(len(r["ids"]) - r["prompt_len"] - 1 for r in rolled)), float(
+        sum(len(r["starts"]) for r in rolled))], device=dev)  # walked tokens (accepted + 1 each step), steps
+    # the global normalisers, before any backward: the on-policy weights and the SFT term's
+    terms = [region_weights(*pack(rs, cfg, dev)[3:], cfg.block_size, s["onpolicy_decay"], s["onpolicy_rejected"])
+             for rs in state["rollouts"] if rs]
+    totals = {"op": sum((a.sum() + r.sum() for a, r in terms), torch.zeros((), device=dev))}
+    sft = s["onpolicy_sft_weight"] > 0
+    if sft:
+        anchors = [dflash.batch_anchors(mb, num_anchors) for mb in micro_batches]
+        weights = [dflash.loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma)
+                   for mb, (a, v) in zip(micro_batches, anchors)]
+        totals["sft"] = sum(dflash.loss_normaliser(w) for w in weights).to(dev)
+    totals = {k: v / world for k, v in dflash.all_reduce_sum(totals, world).items()}  # DDP averages: undo it
+    total, op_sum, sft_sum = None, torch.zeros((), device=dev), torch.zeros((), device=dev)
+    for m, (mb, rs) in enumerate(zip(micro_batches, state["rollouts"])):
+        last = m == len(micro_batches) - 1
+        if rs:
+            with model.no_sync() if world > 1 and not (last and not sft) else nullcontext():
+                loss, _, stats, n = onpolicy_terms(model, raw, target, cfg, rs, s, progress)
+                (loss / totals["op"].clamp(min=1e-9)).backward()
+            op_sum += loss.detach()
+            compute["drafter_fwd_tokens"] += n
+            compute["drafter_bwd_tokens"] += n
+            total = dflash.add_stats(total, stats)
+        if sft:
+            a, v = anchors[m]
+            with model.no_sync() if world > 1 and not last else nullcontext():
+                out, stats = dflash.dflash_loss(model, cfg, target, mb, a, v, weights[m], weight_total=totals["sft"],
+                                                progress=progress, **loss_kw)
+                (s["onpolicy_sft_weight"] * out).backward()
+            sft_sum += stats["ce_w"]
+            compute["target_tokens"] += mb["tokens"]
+            compute["drafter_fwd_tokens"] += int(v.sum()) * cfg.block_size
+            compute["drafter_bwd_tokens"] += int(v.sum()) * cfg.block_size
+            if not rs:
+                total = dflash.add_stats(total, stats)
+    total = dflash.add_stats(total, {"tokens": torch.tensor(float(sum(mb["tokens"] for mb in micro_batches)),
+                                                            device=dev),
+                                     "op_loss": op_sum, "sft_loss": sft_sum, "walk": walk,
+                                     **{k: torch.tensor(float(v), device=dev) for k, v in compute.items()}})
+    total = dflash.all_reduce_sum(total, world)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    ok = math.isfinite(total["op_loss"].item() + total["sft_loss"].item()) and math.isfinite(grad_norm.item())
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    log(args, step, state, totals, total)
+    return total, grad_norm, ok
+
+
+def log(args, step, state, totals, total):
+    """Rank 0 appends the step's on-policy record to <out>/onpolicy.jsonl."""
+    if (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0) or not getattr(args, "out", None):
+        return
+    walk = total["walk"].tolist()
+    record = {"step": step + 1, "rollout_age": step - state["rollout_step"],
+              "rollout_tau": walk[0] / walk[1] if walk[1] else None,
+              "onpolicy_loss": (total["op_loss"] / totals["op"].clamp(min=1e-9)).item(),
+              "sft_loss": (total["sft_loss"] / totals["sft"].clamp(min=1e-9)).item() if "sft" in totals else None,
+              **{k: int(total[k].item()) for k in ("target_tokens", "drafter_fwd_tokens", "drafter_bwd_tokens")}}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "onpolicy.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")

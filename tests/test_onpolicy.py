@@ -1,0 +1,233 @@
+"""The on-policy stage (dflash_tools/onpolicy.py): its rollout is eval.py's walk (greedy and sampled, DFlash and
+DFlash2) and the target's distribution comes from that walk's one hooked pass; the objective's gradient equals a
+direct recomputation written out block by block; a resume mid-stage (between rollouts) is bitwise; bad flags are
+one line. Tiny random models on CPU, fp32."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dflash
+import eval as ev
+from conftest import (DENSE_DRAFTER, DENSE_TARGET, reference_greedy, tiny_cfg, tiny_qwen3, torch_threads,
+                      train_on_continuations)
+from dflash_tools import dflash2, onpolicy
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+V2 = dict(conv_kernel_size=2, conv_group_size=4, selector_rank=4, selector_top_k=5)
+TOKENS = 20
+
+
+def randomize(module, seed, scale=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny dense target, 4 prompts, a DFlash drafter trained briefly on their continuations and a DFlash2 one
+    whose selector moves its path off the unary argmax."""
+    target = dflash.load_target(tiny_qwen3(str(tmp_path_factory.mktemp("op") / "target"), **DENSE_TARGET))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, DENSE_DRAFTER["mask_token_id"], (8,), generator=g).tolist() for _ in range(4)]
+    conts = [reference_greedy(target, p, TOKENS) for p in prompts]
+    torch.manual_seed(0)
+    d1 = train_on_continuations(target, dflash.DFlashDrafter(tiny_cfg(DENSE_DRAFTER)), prompts, conts, steps=20)
+    torch.manual_seed(0)
+    d2 = train_on_continuations(target, dflash2.Drafter(tiny_cfg(DENSE_DRAFTER, V2)), prompts, conts, steps=20)
+    randomize(d2.candidate_selector, 12)
+    return {"target": target, "prompts": prompts, "dflash": d1, "dflash2": d2}
+
+
+# -----------------------------------------------------------------------------
+# The rollout is eval.py's walk
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rollout_is_eval_walk(tiny, variant, temperature):
+    target, drafter, prompts = tiny["target"], tiny[variant], tiny["prompts"]
+    sampling = ev.Sampling(temperature, samples=1, seed=5) if temperature else None
+    report = ev.evaluate_drafters(target, {"d": drafter}, prompts, TOKENS, progress=False, sampling=sampling,
+                                  dump_drafts=True)
+    entries = report["results"][0]["prompts"]
+    steps = 0
+    for i, (prompt, e) in enumerate(zip(prompts, entries)):
+        r = onpolicy.rollout(drafter, target, prompt, TOKENS, temperature, dflash.mix_seed(5, i, 0),
+                             dflash.mix_seed(5, i, 0, 1))
+        assert r["ids"].tolist() == prompt + e["continuation"]
+        assert (r["accepted"] + 1).tolist() == e["acceptance_lengths"]
+        assert r["starts"].tolist() == ev.step_anchors(e["acceptance_lengths"])
+        if not temperature:  # (eval.py dumps drafts only where they are the proposals: the greedy walk)
+            assert r["proposals"].tolist() == e["drafts"]
+        steps += len(e["acceptance_lengths"])
+    assert steps > len(prompts)  # more than one block a prompt: the walk moved
+    if temperature and variant == "dflash":
+        assert any(e["continuation"] != reference_greedy(target, p, TOKENS) for p, e in zip(prompts, entries))
+
+
+def test_target_distribution_is_the_walk_pass(tiny):
+    """The recorded final hidden states through lm_head are the target's own logits over prompt + continuation."""
+    target, prompt = tiny["target"], tiny["prompts"][0]
+    r = onpolicy.rollout(tiny["dflash"], target, prompt, TOKENS)
+    with torch.no_grad():
+        logits = target.model(input_ids=r["ids"][None]).logits[0]
+    assert torch.allclose(target.lm_head(r["final"]), logits, atol=1e-5)
+    assert r["target_tokens"] == 2 * len(r["ids"]) - 1
+
+
+# -----------------------------------------------------------------------------
+# The objective against a direct recomputation, block by block
+
+
+def direct_loss(drafter, target, rollouts, s, alpha):
+    """The objective written out: each recorded block run alone through the drafter's forward, the full softmaxes,
+    the regions and weights from the accepted lengths by hand; DFlash2's selector term with explicit loops."""
+    cfg, B, M = drafter.cfg, drafter.cfg.block_size, drafter.cfg.mask_token_id
+    T = s["onpolicy_temperature"] or 1.0
+    W = target.lm_head.weight
+    total, norm = 0.0, 0.0
+    for r in rollouts:
+        ids, S, P = r["ids"], len(r["ids"]), r["prompt_len"]
+        for k, m in zip(r["starts"].tolist(), r["accepted"].tolist()):
+            a = P + k
+            x = F.embedding(torch.tensor([[[ids[a].item()] + [M] * (B - 1)]]), target.embed.weight)
+            h = drafter(r["features"][None], x, torch.tensor([[a]]), torch.ones(1, 1, dtype=torch.bool))[0, 0]
+            for i in range(1, B):
+                if a + i >= S:
+                    break
+                logp = F.log_softmax(W @ r["final"][a + i - 1] / T, -1)
+                z = W @ h[i]
+                if isinstance(drafter, dflash2.Drafter):
+                    z = dflash2.unary_logits(z, cfg.output_multiplier, cfg.final_logit_softcapping)
+                logq = F.log_softmax(z, -1)
+                pred = ids[a + i - 1].item() if i > 1 else ids[a].item()
+                label = (W @ r["final"][a + i - 1]).argmax().item()
+                if i <= m + 1:
+                    w, mode = 1.0, s["onpolicy_accepted"]
+                elif s["onpolicy_rejected"] != "none":
+                    w, mode = s["onpolicy_decay"] ** (i - m - 2), s["onpolicy_rejected"]
+                else:
+                    continue
+                terms = [(logq, logp, 1.0)]
+                if isinstance(drafter, dflash2.Drafter):
+                    top = z.topk(cfg.selector_top_k)
+                    sc = torch.stack([top.values[j] + (drafter.candidate_selector.predecessor_codebook[pred]
+                                                       * drafter.candidate_selector.hidden_projection(h[i])
+                                                       ) @ drafter.candidate_selector.successor_codebook[c]
+                                      for j, c in enumerate(top.indices.tolist())])
+                    pc = logp[top.indices]
+                    if mode == "ce":
+                        hit = (top.indices == label).nonzero()
+                        sel = (sc.logsumexp(0) - sc[hit[0, 0]]) if len(hit) else sc.sum() * 0
+                        terms.append((sel, None, alpha))
+                    else:
+                        terms.append((F.log_softmax(sc, 0), pc - pc.logsumexp(0), alpha))
+                for lq, lp, c in terms:
+                    if lp is None:
+                        total = total + w * c * lq
+                    elif mode == "ce":
+                        total = total + w * c * -lq[label]
+                    elif mode == "fkl":
+                        total = total + w * c * (lp.exp() * (lp - lq)).sum()
+                    elif mode == "rkl":
+                        total = total + w * c * (lq.exp() * (lq - lp)).sum()
+                    else:
+                        total = total + w * c * 0.5 * (lq.exp() - lp.exp()).abs().sum()
+                norm += w
+    return total / norm
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+@pytest.mark.parametrize("accepted,rejected,T", [("fkl", "rkl", 0.0), ("ce", "tv", 0.0), ("fkl", "tv", 0.7)])
+def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted, rejected, T):
+    target, prompts = tiny["target"], tiny["prompts"][:2]
+    drafter = copy.deepcopy(tiny[variant]).double().train()
+    target64 = copy.copy(target)
+    target64.lm_head = copy.deepcopy(target.lm_head).double()
+    target64.embed = copy.deepcopy(target.embed).double()
+    s = {**onpolicy.DEFAULTS, "onpolicy_accepted": accepted, "onpolicy_rejected": rejected, "onpolicy_decay": 0.7,
+         "onpolicy_temperature": T}
+    rollouts = [onpolicy.rollout(tiny[variant], target, p, 12, T, seed=i, accept_seed=i) for i, p in enumerate(prompts)]
+    rollouts = [{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in r.items()}
+                for r in rollouts]
+    assert any((r["accepted"] < drafter.cfg.block_size - 2).any() for r in rollouts)  # rejected proposals exist
+    loss, norm, _, _ = onpolicy.onpolicy_terms(drafter, drafter, target64, drafter.cfg, rollouts, s, (0, 1))
+    (loss / norm).backward()
+    got = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+    ref = direct_loss(drafter, target64, rollouts, s, getattr(drafter, "alpha", 0.0))
+    tol = 1e-6 if accepted == "ce" else 1e-8  # fp32: the drafter's own CE (block_loss), the weights
+    assert (loss / norm).item() == pytest.approx(ref.item(), rel=tol)
+    ref.backward()
+    want = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys() and len(got) > 4
+    for n in got:
+        assert torch.allclose(got[n], want[n], rtol=tol * 10, atol=tol * 1e-3), n
+
+
+def test_region_weights_by_hand():
+    # blocks of B = 5 at anchors 2 and 4 of a row of length 8: m = 1 accepted, then m = 3 (the block runs off the end)
+    acc, rej = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2, 4, 0]]), torch.tensor([[1, 1, 0]]),
+                                       torch.tensor([[1, 3, 0]]), 5, 0.5, "rkl")
+    assert acc.tolist() == [[[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0] * 5]]
+    assert rej.tolist() == [[[0, 0, 0, 1, 0.5], [0] * 5, [0] * 5]]
+    _, none = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2]]), torch.tensor([[1]]),
+                                      torch.tensor([[1]]), 5, 0.5, "none")
+    assert not none.any()
+
+
+# -----------------------------------------------------------------------------
+# Steps and resume
+
+
+def run_steps(drafter, target, batches, args, steps, state=None, optimizer=None, start=0):
+    opt = optimizer or torch.optim.AdamW(drafter.parameters(), lr=1e-3)
+    state = {} if state is None else state
+    for step in range(start, steps):
+        micro = [batches.get(step, m) for m in range(2)]
+        onpolicy.train_step(drafter, opt, target, drafter.cfg, micro, 1e-3, 6, 1.0, 1, args=args, state=state,
+                            progress=(step, steps), gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
+    return opt, state
+
+
+def round_trip(obj):
+    """What a checkpoint keeps: torch.save, then torch.load as dflash reads train_state.pt (weights only)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_resume_mid_stage_is_bitwise(tiny, variant, tmp_path):
+    target = tiny["target"]
+    samples = [(p + c, [0] * len(p) + [1] * len(c)) for p, c in
+               ((p, reference_greedy(target, p, 12)) for p in tiny["prompts"])]
+    batches = dflash.Batches(samples, 1, 2, 0, 1, 0, 0)
+    args = type("A", (), dict(onpolicy.DEFAULTS, seed=0, out=str(tmp_path), onpolicy_every=3,
+                              onpolicy_temperature=0.5))()
+    with torch_threads(2):
+        a = copy.deepcopy(tiny[variant]).train()
+        run_steps(a, target, batches, args, 5)
+        b = copy.deepcopy(tiny[variant]).train()
+        opt, state = run_steps(b, target, batches, args, 2)  # stopped between two rollouts (steps 0 and 3)
+        saved = round_trip({"w": b.state_dict(), "opt": opt.state_dict(), "stage": state})
+        c = copy.deepcopy(tiny[variant]).train()
+        c.load_state_dict(saved["w"])
+        opt_c = torch.optim.AdamW(c.parameters(), lr=1e-3)
+        opt_c.load_state_dict(saved["opt"])
+        run_steps(c, target, batches, args, 5, saved["stage"], opt_c, start=2)
+    sa, sc = a.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sc[k]) for k in sa)
+    assert not all(torch.equal(sa[k], tiny[variant].state_dict()[k]) for k in sa)  # it trained
+    import json
+    ages = [json.loads(line)["rollout_age"] for line in open(tmp_path / "onpolicy.jsonl")]
+    assert ages[:5] == [0, 1, 2, 0, 1]
