@@ -300,10 +300,9 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
             compute["drafter_bwd_tokens"] += int(v.sum()) * cfg.block_size
             if not rs:
                 total = dflash.add_stats(total, stats)
-    total = dflash.add_stats(total, {"tokens": torch.tensor(float(sum(mb["tokens"] for mb in micro_batches)),
-                                                            device=dev),
-                                     "op_loss": op_sum, "sft_loss": sft_sum, "walk": walk,
-                                     **{k: torch.tensor(float(v), device=dev) for k, v in compute.items()}})
+    total = {**total, "tokens": torch.tensor(float(sum(mb["tokens"] for mb in micro_batches)), device=dev),
+             "op_loss": op_sum, "sft_loss": sft_sum, "walk": walk,
+             **{k: torch.tensor(float(v), device=dev) for k, v in compute.items()}}
     total = dflash.all_reduce_sum(total, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     ok = math.isfinite(total["op_loss"].item() + total["sft_loss"].item()) and math.isfinite(grad_norm.item())

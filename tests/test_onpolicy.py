@@ -164,22 +164,23 @@ def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted,
     got = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
     drafter.zero_grad()
     ref = direct_loss(drafter, target64, rollouts, s, getattr(drafter, "alpha", 0.0))
-    tol = 1e-6 if accepted == "ce" else 1e-8  # fp32: the drafter's own CE (block_loss), the weights
+    tol = 1e-6  # fp32 parts: the weights decay^(k-1), the drafter's own CE (block_loss)
     assert (loss / norm).item() == pytest.approx(ref.item(), rel=tol)
     ref.backward()
     want = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys() and len(got) > 4
     for n in got:
-        assert torch.allclose(got[n], want[n], rtol=tol * 10, atol=tol * 1e-3), n
+        assert (got[n] - want[n]).norm() <= tol * want[n].norm() and want[n].norm() > 0, n
 
 
 def test_region_weights_by_hand():
     # blocks of B = 5 at anchors 2 and 4 of a row of length 8: m = 1 accepted, then m = 3 (the block runs off the end)
-    acc, rej = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2, 4, 0]]), torch.tensor([[1, 1, 0]]),
-                                       torch.tensor([[1, 3, 0]]), 5, 0.5, "rkl")
+    valid = torch.tensor([[True, True, False]])
+    acc, rej = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2, 4, 0]]), valid, torch.tensor([[1, 3, 0]]),
+                                       5, 0.5, "rkl")
     assert acc.tolist() == [[[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0] * 5]]
     assert rej.tolist() == [[[0, 0, 0, 1, 0.5], [0] * 5, [0] * 5]]
-    _, none = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2]]), torch.tensor([[1]]),
+    _, none = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2]]), torch.tensor([[True]]),
                                       torch.tensor([[1]]), 5, 0.5, "none")
     assert not none.any()
 
