@@ -28,17 +28,27 @@ The method in ten lines
     against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
     most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
 
-Extras plug in from dflash_tools/, each imported only where a flag, config.json or file kind asks (import_tool).
-A variant is one file there: a Config(DFlashConfig) (its fields, architecture, problems(), dflash_config_keys())
-and a Drafter(DFlashDrafter) overriding the hooks it changes (Layer, draft, block_loss, summary); name it in
-VARIANTS and declare its flags.
+Extending it: a variant, a loss or a training stage is one module, and nothing here is edited. Each is named by
+its flag as a dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags
+with flag(g, ...), accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
+- A variant (--variant NAME; --dflash2 is --variant dflash2): `class Config(DFlashConfig)` with its fields, problems()
+  and dflash_config_keys(), its `architecture: ClassVar[str] = "XDraftModel"` on one line (how config.json's
+  architectures find a dflash_tools/ module); `class Drafter(DFlashDrafter)` overriding the hooks it changes: Layer,
+  draft (the draft rule), block_loss, summary; `Config.Drafter = Drafter`. Optional configure(cfg, args) -> cfg and
+  prepare(drafter, cfg, args) -> drafter (default: the DFlash fields and weights carried over). A checkpoint of a
+  variant outside dflash_tools/ names its module in config.json (dflash_module); loading it takes
+  --trust_variant_code unless --variant names it.
+- A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
+  f(args) -> an object with CE's token_loss, weights, normaliser. It keeps the DFlash architecture: engines serve it.
+- A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved
+  in each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
 """
 
 import argparse
 import difflib
 import gzip
 import hashlib
-import importlib
+import importlib.util
 import itertools
 import json
 import math
@@ -51,6 +61,7 @@ import tempfile
 import time
 import zlib
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
@@ -286,7 +297,6 @@ class DFlashDrafter(nn.Module):
     """No embedding and no lm_head: both are the target's. attention: "flex" (block-sparse, CUDA) or "dense"
     (two_part_attention; anywhere, also backward on CPU). A variant overrides Layer, draft, block_loss, summary."""
     Layer = DecoderLayer
-    STATS = {"w": (), "ce_w": (), "correct": "B", "count": "B", "accepted": (), "blocks": ()}  # "B": per offset
 
     def __init__(self, cfg, attention="dense"):
         super().__init__()
@@ -333,9 +343,9 @@ class DFlashDrafter(nn.Module):
         diagnostics {name: (n, B-1)} (h: their hidden states; truth (n, B): the true tokens)."""
         return logits.argmax(-1), {}
 
-    def block_loss(self, hidden, lm_head, labels, weights, block_ids, reweight=None, progress=None):
-        """sum(w * CE) and its stats (weighted_ce); block_ids and progress (step, total) are for a variant."""
-        return weighted_ce(hidden, lm_head, labels, weights, reweight=reweight)
+    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
+        """sum(w * loss) and its stats (weighted_ce; loss: --loss's, CE); block_ids, progress (step, total): a variant's."""
+        return weighted_ce(hidden, lm_head, labels, weights, loss=loss)
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
         return {}
@@ -491,28 +501,39 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-def loss_normaliser(weights, reweight=None):
-    """The loss's denominator (train_step sums it over the global batch): sum(w), or with a reweighting loss the
-    number of sequences with a real anchor, as SpecForge normalises it."""
-    return weights.sum() if reweight is None else (weights > 0).flatten(1).any(1).sum().float()
+class CE:
+    """The method's loss, hard cross-entropy, as --loss objects state it (another: dflash_tools/losses.py): per token
+    from a chunk of fp32 logits (T, V); the weights from the method's w and the drafter's log q of each label (no
+    gradient); the denominator, summed over the global batch."""
+    def token_loss(self, logits, labels):
+        return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None, reweight=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head, and the stats of the same pass to all-reduce.
-    hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot) @ W, is formed
-    chunk by chunk in ChunkedLMHeadCE's forward (Part II), so [tokens, V] logits never exist. reweight (another
-    --loss): w = reweight(q, valid) from the drafter's probability q of each label, without gradient."""
-    w = weights.flatten()
-    sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
-    ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
-                                     labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
+    def weights(self, w, logq, valid):
+        return w
+
+    def normaliser(self, w):
+        return w.sum()
+
+def token_selection(weights, device):
+    """The flat indices of the tokens that count (w > 0, not padding anchors), found where the weights were built (on
+    the CPU in training: no device sync), and the weights on the device."""
+    return (weights.flatten() > 0).nonzero().squeeze(1).to(device), weights.to(device)
+
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
+    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, and the stats of the same
+    pass to all-reduce. hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot)
+    @ W for CE, is formed chunk by chunk in ChunkedLMHead's forward (Part II): [tokens, V] logits never exist."""
+    loss = loss or CE()
+    sel, weights = token_selection(weights, hidden.device)
+    y = labels.flatten()[sel].clamp(min=0)
+    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
+                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss)
     valid = weights > 0
-    if reweight is not None:  # q = exp(-CE), the drafter's probability of the label; the weights get no gradient
-        q = torch.zeros_like(w).index_put((sel,), ce.detach().neg().exp()).view_as(weights)
-        w = reweight(q, valid).flatten()
-    ce_w = (ce * w[sel]).sum()
+    w = loss.weights(weights, torch.zeros_like(weights).flatten().index_put((sel,), logq.to(weights.dtype)).view_as(weights), valid)
+    ce_w = (tl * w.flatten()[sel]).sum()
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
-    correct[sel] = pred == labels.flatten()[sel]
-    return ce_w, {"w": loss_normaliser(weights, reweight).detach(), "ce_w": ce_w.detach(),
+    correct[sel] = pred == y
+    return ce_w, {"w": loss.normaliser(weights).detach(), "ce_w": ce_w.detach(),
                   **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
 def accuracy_stats(correct, valid):
@@ -529,9 +550,9 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     model: the drafter or its compiled/DDP wrapper (raw_model: the drafter). labels: "target" (its greedy token at
     a+i: what verification accepts) or "data". Returns (sum(w * CE) / weight_total, stats); training passes the
     global batch's weight_total, so the split over ranks and micro-steps cannot dilute or reweight the loss."""
-    dev, B = target.lm_head.weight.device, cfg.block_size
+    dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where it was built: token_selection)
     input_ids = batch["input_ids"].to(dev)
-    anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
+    anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
@@ -695,11 +716,11 @@ def lr_at(step, total_steps, lr, warmup_ratio):
 def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
     """One optimizer step over the micro-batches: returns the stats summed over ranks, the grad norm, and whether the
     update was taken (a non-finite loss or grad norm skips it on every rank alike). The anchors are drawn before any
-    forward, so every micro-step's loss is normalised by the whole global batch's loss_normaliser."""
+    forward, so every micro-step's loss is normalised by the whole global batch's (the loss's normaliser)."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
-    w_total = sum(loss_normaliser(w, loss_kw.get("reweight")) for w in weights).to(device)
+    w_total = sum((loss_kw.get("loss") or CE()).normaliser(w) for w in weights).to(device)
     w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
     total = None
     for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
@@ -727,9 +748,7 @@ def rank_share(items, rank, world):
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
     """Held-out loss and tau estimate, summed over ranks; anchors keyed by the sample's index in the eval set."""
-    cfg = drafter.cfg
-    z = torch.zeros((), device=target.lm_head.weight.device)
-    total = {k: z.new_zeros(cfg.block_size if per == "B" else ()) for k, per in drafter.STATS.items()}  # (none here)
+    cfg, total = drafter.cfg, None
     mine, per_rank = rank_share(list(range(len(samples))), rank, world)
     for s in range(0, per_rank, batch_size):
         idx = mine[s:s + batch_size]
@@ -769,7 +788,8 @@ def build_drafter(args, run, target, world, device, say=print):
     cfg, state, source = run.cfg, run.state, run.resume_dir or run.init_from
     drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
     if run.variant:  # the variant's own set-up from its flags
-        drafter = run.variant.prepare(drafter, cfg, args)
+        v = run.variant
+        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
     if not source and tied(target):
         start_off_mask(drafter, target)
         say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
@@ -791,8 +811,7 @@ def build_drafter(args, run, target, world, device, say=print):
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
-    reweight = None if args.loss == "ce" else import_tool("losses", f"--loss {args.loss}").reweight_of(args)
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, raw_model=drafter, reweight=reweight,
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, raw_model=drafter, loss=loss_of(args),
                    pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
     return drafter, model, optimizer, loss_kw
 
@@ -865,12 +884,15 @@ def train(args):
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "loss": args.loss, "dpace_alpha": args.dpace_alpha, "wandb_id": trackers.wandb_id},
+            "loss": args.loss, "stage": args.stage, **plugin_args(args), "stage_state": stage_state,
+            "wandb_id": trackers.wandb_id},
             world, say, trained_for)
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
+    stage_state = (run.state or {}).get("stage_state") or {}  # what a --stage keeps between steps, saved and resumed
+    step_fn = partial(run.stage.train_step, args=args, state=stage_state) if run.stage else train_step
     if step == 0:
         held_out(0)
     stopped, t_last, tokens = False, time.time(), 0
@@ -878,8 +900,8 @@ def train(args):
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
-                                              args.grad_clip, world, progress=(step, total_steps), **loss_kw)
+            total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
+                                           args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             bad_steps = 0 if ok else count_bad_step(bad_steps, step + 1, total, grad_norm, args, say)
             step += 1
             bar.update(1)
@@ -984,36 +1006,46 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
-class ChunkedLMHeadCE(torch.autograd.Function):
-    """Per-token CE and argmax of lm_head(h) in chunks of rows, with the gradient w.r.t. h ((softmax - onehot) @ W;
-    the lm_head is frozen) formed in the same pass: only (T, D) is kept for backward."""
+class ChunkedLMHead(torch.autograd.Function):
+    """A loss's per-token values (CE: lse - logit of the label), log q of the label and the argmax of lm_head(h) in
+    chunks of rows, with the gradient w.r.t. h (d loss / d logits @ W; the lm_head is frozen) formed in the same pass:
+    only (T, D) is kept for backward. CE's gradient softmax - onehot is formed in place; another loss's by autograd."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk):
+    def forward(ctx, h, weight, bias, labels, chunk, loss):
         T = h.shape[0]
-        ce = torch.empty(T, dtype=torch.float32, device=h.device)
+        out, logq = torch.empty(T, device=h.device), torch.empty(T, device=h.device)  # fp32
         pred = torch.empty(T, dtype=torch.long, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for s in range(0, T, chunk):
             hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
             logits = F.linear(hs, weight, bias).float()                          # (chunk, V)
             lse = logits.logsumexp(-1)
-            ce[s:s + chunk] = lse - logits.gather(1, ys[:, None]).squeeze(1)
+            logq[s:s + chunk] = logits.gather(1, ys[:, None]).squeeze(1) - lse
             pred[s:s + chunk] = logits.argmax(-1)
+            if type(loss).token_loss is CE.token_loss:  # the method's CE: -log q, its gradient in place
+                out[s:s + chunk], p = -logq[s:s + chunk], None
+                if grad is not None:
+                    p = logits.sub_(lse[:, None]).exp_()  # one (chunk, V) buffer, not three
+                    p[torch.arange(len(ys), device=h.device), ys] -= 1.0
+            else:
+                with torch.enable_grad():
+                    z = logits.requires_grad_(grad is not None)
+                    tl = loss.token_loss(z, ys)
+                    p = torch.autograd.grad(tl.sum(), z)[0] if grad is not None else None
+                out[s:s + chunk] = tl.detach()
+                del z, tl
             if grad is not None:
-                p = logits.sub_(lse[:, None]).exp_()  # in place: one (chunk, V) buffer, not three
-                p[torch.arange(len(ys), device=h.device), ys] -= 1.0
                 grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
-                del p
-            del logits  # free this chunk's (chunk, V) buffer before the next one is allocated
+            del logits, p  # free this chunk's (chunk, V) buffers before the next ones are allocated
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
+        ctx.mark_non_differentiable(logq, pred)
+        return out, logq, pred
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred):
+    def backward(ctx, grad_out, grad_logq, grad_pred):
         (grad,) = ctx.saved_tensors
-        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
+        return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     """Blocks to draft at once so the largest intermediates stay near `budget` elements: the MLP and the logits,
@@ -1088,10 +1120,36 @@ def import_tool(name, why):
             raise
         raise DFlashError(f"{why} needs dflash_tools/{name}.py; copy dflash_tools/ beside {sys.argv[0]}") from None
 
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
+TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported: named by a flag, or --trust_variant_code
+
+def plugin(spec, why):
+    """A variant, loss or stage module: dflash_tools/<spec>.py, an importable module, or a .py path (outside
+    dflash_tools/ only when TRUSTED). Its DFLASH_MODULE is what config.json records to find it again."""
+    if os.path.isfile(os.path.join(TOOLS, f"{spec}.py")) and "." not in spec and "/" not in spec:
+        return import_tool(spec, why)
+    need(spec in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --trust_variant_code to import it")
+    sys.modules.setdefault("dflash", sys.modules[__name__])
+    try:
+        if not spec.endswith(".py"):
+            module = importlib.import_module(spec)
+        else:
+            name = "dflash_plugin_" + hashlib.sha256(os.path.abspath(spec).encode()).hexdigest()[:12]
+            module = sys.modules.get(name)
+            if module is None:
+                loader = importlib.util.spec_from_file_location(name, spec)
+                module = sys.modules[name] = importlib.util.module_from_spec(loader)
+                loader.loader.exec_module(module)
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        sys.modules.pop(locals().get("name", ""), None)
+        raise DFlashError(f"{why}: no module {spec!r} in {TOOLS} nor elsewhere ({first_line(e)}); copy dflash_tools/ "
+                          f"beside {sys.argv[0]}, or give a module or a .py path") from None
+    module.DFLASH_MODULE = os.path.abspath(spec) if spec.endswith(".py") else spec
+    return module
+
+
 # -----------------------------------------------------------------------------
 # Drafter configs: their rules, and config.json in z-lab's layout as vLLM and SGLang read it
-
-VARIANTS = {"DFlash2DraftModel": "dflash2"}  # config.json's architectures -> the dflash_tools module defining it
 
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
@@ -1161,13 +1219,20 @@ def config_to_json(cfg):
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
           **({"swa_window_size": cfg.sliding_window} if sliding else {}), **cfg.dflash_config_keys()}
-    return {"architectures": [cfg.architecture], "model_type": "qwen3", "hidden_act": "silu",
+    module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
+    return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
+            "hidden_act": "silu",
             "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
-def config_class(d, where="config.json"):  # DFlashConfig, or the variant's that config.json's architectures name
-    arch = next((a for a in (d.get("architectures") or []) if a in VARIANTS), None) if isinstance(d, dict) else None
-    return import_tool(VARIANTS[arch], f"{where} ({arch})").Config if arch else DFlashConfig
+def config_class(d, where="config.json"):
+    """DFlashConfig, or the variant's that config.json names: its dflash_module (a variant outside dflash_tools/, as
+    transformers' auto_map), else the dflash_tools module whose Config has its architecture."""
+    d, known = d if isinstance(d, dict) else {}, {arch: m for _, m, arch in tool_plugins() if arch}
+    if isinstance(d.get("dflash_module"), str):
+        return plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})").Config
+    arch = next((a for a in (d.get("architectures") or []) if a in known), None)
+    return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
 def config_from_json(d, where="config.json"):
     """Our own layout (it must write back to exactly the same JSON) here; any other by dflash_tools/engines.py."""
@@ -1865,10 +1930,9 @@ def resume_point(args, data_digest, master=True):
     old = dict(state["args"]) if isinstance(state["args"], dict) else {}
     if old.get("eval_fraction", 0) is None:  # None: the default, as this run counts it
         old["eval_fraction"] = EVAL_FRACTION
-    old["loss"] = state.get("loss", "ce")  # the objective (none recorded: the CE), and D-PACE's alpha
-    old["dpace_alpha"] = state.get("dpace_alpha") if old["loss"] != "ce" else args.dpace_alpha
+    old.update(loss=state.get("loss", "ce"), stage=state.get("stage"), **{k: state.get(k) for k in plugin_args(args)})
     now = {**vars(args), "eval_fraction": eval_fraction(args)}
-    for k in ("seed", "max_len", "eval_fraction", "loss", "dpace_alpha"):  # the data order and split, the objective
+    for k in ("seed", "max_len", "eval_fraction", "loss", "stage", *plugin_args(args)):  # data order and split, objective
         was = old.get(k, now[k])
         need(was == now[k], f"cannot resume {d}: it was made with --{k} {was}, this run has --{k} {now[k]}; use {was}")
     same = not state.get("data") or not data_digest or state["data"] == data_digest
@@ -1950,13 +2014,14 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
 
 @dataclass
 class RunSetup:
-    """What check_run found (cfg None for --show_data; variant: the variant's module or None)."""
+    """What check_run found (cfg None for --show_data)."""
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
     data_digest: dict | None = None
     init_from: str | None = None
-    variant: object = None
+    variant: object = None  # the variant's module, or None
+    stage: object = None    # --stage's module, or None
 
 def check_run(args, world, device, master):
     """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
@@ -1991,8 +2056,8 @@ def check_run(args, world, device, master):
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: these flags need one
-    if args.loss != "ce":
-        import_tool("losses", f"--loss {args.loss}")
+    stage = plugin(args.stage, f"--stage {args.stage}") if args.stage else None
+    getattr(stage, "check", lambda a: None)(args)
     if args.eval_walk_tree_budget:
         import_tool("tree", "--eval_walk_tree_budget")
     if args.show_data:
@@ -2007,11 +2072,10 @@ def check_run(args, world, device, master):
         for k, v in given.items():  # --init_from's drafter keeps its own geometry
             same = not init_from or v == (getattr(cfg, DRAFTER_FLAGS[k]) or (0 if k == "sliding_window" else None))
             need(same, f"--{k} {v}: --init_from {args.init_from} has its own; drop --{k} or --init_from")
-        arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
-        variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
-        stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
-        need(variant or not stray, f"--{stray and stray[0]} is DFlash2's; add --dflash2 (or drop it)")
-        cfg = variant.configure(cfg, args) if variant else cfg
+        spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
+        variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
+        variant = None if variant is sys.modules[__name__] else variant
+        cfg = (variant.configure(cfg, args) if hasattr(variant, "configure") else as_variant(variant, cfg)) if variant else cfg
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
@@ -2022,7 +2086,19 @@ def check_run(args, world, device, master):
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     if writes and master:  # every input checked: now this run is --out's one writer, before anything is written
         lock_out(args.out)
-    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
+    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage)
+
+def as_variant(variant, cfg=None, drafter=None):
+    """What a variant without configure() or prepare() gets: its Config holding cfg's DFlash fields, or its Drafter
+    holding the drafter's weights (its own new ones as initialised)."""
+    if drafter is None:
+        return cfg if isinstance(cfg, variant.Config) else variant.Config(**{
+            f.name: getattr(cfg, f.name) for f in fields(DFlashConfig)})
+    if isinstance(drafter, variant.Drafter):
+        return drafter
+    new = variant.Drafter(cfg, drafter.attention).to(drafter.fc.weight.device)
+    new.load_state_dict(drafter.state_dict(), strict=False)
+    return new
 
 def check_resume(out, run, global_batch, master):
     """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
@@ -2030,8 +2106,9 @@ def check_resume(out, run, global_batch, master):
     d, state = run.resume_dir, run.state
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
-        was, how = saved.architecture, "drop" if arch == "DFlash2DraftModel" else "add"
-        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {how} --dflash2, or give a new --out")
+        was, v = saved.architecture, sys.modules[type(saved).__module__]
+        fix = f"pass --variant {getattr(v, 'DFLASH_MODULE', v.__name__.split('.')[-1])}" if was != DFlashConfig.architecture else "drop --variant"
+        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {fix}, or give a new --out")
         for k, v in asdict(run.cfg).items():
             was = getattr(saved, k)
             need(was == v, f"cannot resume {d}: it has {k}={was}, this run {v}; use its flags or a new --out")
@@ -2089,7 +2166,7 @@ def load_run_target(args, run, world, device):
 
 def run_summary(args, target, total_steps, global_batch, world, device):
     """The line that opens training: the target, the steps, the ranks, and the loss with its parameter."""
-    param = f"gamma {args.gamma}" if args.loss == "ce" else f"alpha {args.dpace_alpha}"
+    param = ", ".join(f"{k} {v}" for k, v in ({"gamma": args.gamma} if args.loss == "ce" else plugin_args(args)).items())
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
@@ -2216,13 +2293,78 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def parse_args(self, args=None, namespace=None):
-        args, extra = self.parse_known_args(args, namespace)
-        if extra:  # an unknown flag names the closest one
+        argv = sys.argv[1:] if args is None else list(args)
+        if "--variant" in self._option_string_actions:  # dflash.py's parser: the plug-ins' flags join it
+            try:
+                for title, module in chosen_plugins(argv, every="-h" in argv or "--help" in argv):
+                    if title not in [g.title for g in self._action_groups]:  # (parsed before: already there)
+                        module.add_flags(self.add_argument_group(title))
+            except DFlashError as e:
+                self.error(first_line(e))
+        args, extra = self.parse_known_args(argv, namespace)
+        if extra:  # an unknown flag names the plug-in that has it, or the closest one
             bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
+            owner = next((title for title, module in chosen_plugins([], every=True) if bad[2:] in flag_dests(module)), 0)
+            if owner:
+                self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
             self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
+
+def tool_plugins():
+    """dflash_tools/' plug-ins (flag, module, architecture), read off their files: a variant's Config has an
+    `architecture: ClassVar[str]` line, a loss module LOSSES, a training stage a train_step."""
+    found = []
+    for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
+        with open(os.path.join(TOOLS, f), errors="replace") as file:
+            text = file.read() if f.endswith(".py") else ""
+        arch = re.search(r'^ +architecture: ClassVar\[str\] = "(\w+)"', text, re.M)
+        kind = "--variant" if arch else "--loss" if re.search(r"^LOSSES = ", text, re.M) else "--stage" if re.search(
+            r"^def train_step\(", text, re.M) else None
+        found += [(kind, f[:-3], arch and arch[1])] if kind else []
+    return found
+
+def chosen_plugins(argv, every=False):
+    """[(title, module)] of the plug-ins with flags that argv's --variant (--dflash2), --loss, --stage name (every:
+    all of dflash_tools/'); TRUSTED: the modules the flags name, everything with --trust_variant_code."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in ("--variant", "--loss", "--stage"):
+        p.add_argument(name)
+    for name in ("--dflash2", "--trust_variant_code"):
+        p.add_argument(name, action="store_true")
+    a = p.parse_known_args(argv)[0]
+    need(not (a.dflash2 and a.variant not in (None, "dflash2")), f"--dflash2 is --variant dflash2, not {a.variant}")
+    loss = a.loss if a.loss and a.loss != "ce" else None
+    given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage,
+             "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
+    TRUSTED.clear()
+    TRUSTED.update({v for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
+    if loss:
+        names = getattr(loss_plugin(loss)[0], "LOSSES", {})
+        need(loss_plugin(loss)[1] in names, f"--loss {loss}: no such loss; give ce or one of {', '.join(names) or 'its LOSSES'}")
+    chosen = {(f, m) for f, m, _ in tool_plugins()} if every else {(f, m) for f, m in given.items() if m}
+    modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
+    return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules
+            if hasattr(mod, "add_flags")]
+
+def loss_plugin(spec):  # (module, name) of --loss spec: a name in dflash_tools/losses.py, or MODULE_OR_PATH:name
+    module, _, name = spec.rpartition(":")
+    return plugin(module or "losses", f"--loss {spec}"), name
+
+def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[name](args)
+    module, name = loss_plugin(args.loss) if args.loss != "ce" else (None, None)
+    return module.LOSSES[name](args) if module else CE()
+
+def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
+    modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if
+                                                                             args.stage else [])
+    return {k: getattr(args, k) for m in modules for k in flag_dests(m)}
+
+def flag_dests(module):  # the flags a plug-in's add_flags declares, by their dest
+    p = argparse.ArgumentParser(add_help=False)
+    getattr(module, "add_flags", lambda g: None)(p)
+    return [a.dest for a in p._actions]
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
     """A flag, one line each: kind int or float gets number()'s range-checked type; the rest goes to add_argument."""
@@ -2238,8 +2380,6 @@ DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", "block_size": "block_s
                  "layer_types": "layer_types", "num_heads": "num_attention_heads",
                  "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
                  "intermediate_size": "intermediate_size"}  # the geometry flags -> their config fields
-VARIANT_FLAGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_alpha",
-                 "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")  # what --dflash2 reads
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
@@ -2252,6 +2392,10 @@ def get_parser():
     flag(g, "--allow_data_change", False, "with --resume: continue although --data changed", action="store_true")
     flag(g, "--allow_other_target", False, "use a drafter trained against another target", action="store_true")
     flag(g, "--demo", False, "the CPU demo (what runs with no arguments; needs dflash_tools/)", action="store_true")
+    flag(g, "--variant", help="a drafter variant: a dflash_tools/ module (dflash2), a module or a .py path")
+    flag(g, "--dflash2", False, "--variant dflash2 (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
+    flag(g, "--stage", help="a training stage replacing the SFT step: a dflash_tools/ module, a module or a .py path")
+    flag(g, "--trust_variant_code", False, "import the variant code a drafter's config.json names", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)
     flag(g, "--block_size", None, "B: one anchor token + B-1 drafted tokens (default: 16)", int, lo=2, hi=256)
@@ -2270,9 +2414,8 @@ def get_parser():
     flag(g, "--eval_fraction", None, f"held-out part of --data, >= 16 rows (default: {EVAL_FRACTION})", float, hi=.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
-    flag(g, "--loss", "ce", "the loss (dpace*: D-PACE)", choices=["ce", "dpace", "dpace-prefix", "dpace-continuation"])
+    flag(g, "--loss", "ce", "ce, a name in dflash_tools/losses.py (dpace*: D-PACE) or MODULE_OR_PATH.py:NAME")
     flag(g, "--gamma", 4.0, "--loss ce's decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
-    flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing of the drafter's confidence q: (1-alpha) q + alpha", float, hi=1)
     flag(g, "--labels", "target", "target: the target's greedy token; data: the data token", choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
     g = p.add_argument_group("optimisation")
@@ -2285,16 +2428,6 @@ def get_parser():
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
-    g = p.add_argument_group("DFlash2 (with --dflash2; dflash_tools/dflash2.py)")
-    flag(g, "--dflash2", False, "a DFlash2 drafter (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
-    flag(g, "--conv_kernel_size", None, "K, the convolution's taps along the block (default 2)", int, lo=1, hi=256)
-    flag(g, "--conv_group_size", None, "channels sharing one dynamic tap (default 16)", int, lo=1, hi=65536)
-    flag(g, "--selector_rank", None, "rank of the selector's codebooks (default 256)", int, lo=1, hi=8192)
-    flag(g, "--selector_top_k", None, "candidates per drafted offset (default 16)", int, lo=1, hi=1024)
-    flag(g, "--selector_alpha", None, "weight of the selector's CE (default 1; 0: not trained)", float)
-    flag(g, "--selector_warmup_ratio", None, "fraction of the steps with the selector at 0 (default 0)", float, hi=1)
-    flag(g, "--selector_ramp_ratio", None, "fraction of the steps of its linear ramp to alpha (default 0)", float, hi=1)
-    flag(g, "--selector_stop_gradient", False, "the selector's CE trains the selector alone", action="store_true")
     return add_system_flags(p)
 
 def add_system_flags(p):
