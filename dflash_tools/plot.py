@@ -249,9 +249,9 @@ def draw_mask(S=MASK_S, B=MASK_B, anchors=MASK_ANCHORS):
     """Each layer's dense mask, queries (rows) x [context ; blocks] (columns), the key groups split and named."""
     plt = pyplot()
     groups, nq = key_groups(S, B, anchors), len(anchors) * B
-    fig, axes = plt.subplots(1, len(MASK_LAYERS), figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, len(MASK_LAYERS), figsize=(11, 3.9))
     for ax, (title, causal, window) in zip(axes, MASK_LAYERS):
-        ax.imshow(mask_matrix(causal, window, S, B, anchors).float(), cmap="Blues", vmin=-0.15, vmax=1.1)
+        ax.imshow(mask_matrix(causal, window, S, B, anchors).float().numpy(), cmap="Blues", vmin=-0.15, vmax=1.1)
         start = 0
         for name, pos in groups:
             ax.axvline(start - 0.5, color="black", lw=1.5)
