@@ -17,16 +17,15 @@ Part III the operations a run needs.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
-    [tok[a], M, M, ..., M] (the anchor token a, then B-1 mask tokens) embedded with the target's embedding, and
-    its output at block offset i goes through the target's lm_head to predict the token at position a+i.
-    It conditions on context features: the outputs h[t] of a few target layers t in target_layer_ids,
-    concatenated and projected by fc + hidden_norm into one hidden vector per position, which every drafter
-    layer sees as extra keys/values. Visibility: a block token sees the context positions j < a (the target has
-    not yet computed the anchor's hidden state when drafting) and tokens of its own block (all of them, or
-    only earlier ones in a causal layer); sliding layers also drop keys more than W positions away.
-    Training draws many anchors per sequence and runs every block in one call. The loss is hard cross-entropy
-    against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
-    most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
+    [tok[a], M, M, ..., M] (the anchor token a, then B-1 mask tokens) embedded with the target's embedding, and its
+    output at block offset i goes through the target's lm_head to predict the token at position a+i. It conditions on
+    context features: the outputs h[t] of a few target layers t in target_layer_ids, concatenated and projected by
+    fc+hidden_norm into one hidden vector per position, which every drafter layer sees as extra keys/values. Visibility
+    (pictured above make_mask_mod): a block token sees the context positions j < a (when drafting, the target has no
+    hidden state for the anchor yet) and its own block (only offsets up to its own in a causal layer); sliding layers
+    drop keys W or more positions away. Training draws many anchors per sequence and runs every block in one call. The
+    loss is hard cross-entropy against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i
+    (early offsets matter most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the global batch.
 
 Extending it: a variant, a loss or a training stage is one module, and nothing here is edited. Each is named by
 its flag as a dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags
@@ -139,40 +138,41 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 # -----------------------------------------------------------------------------
-# Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function.
-# Queries are N blocks of B tokens (query q_idx is offset i = q_idx % B of block n = q_idx // B, at position a+i);
-# keys are [S context positions ; the N blocks of B tokens].
+# Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function. Keys:
+# [S context positions ; N blocks of B]; query n*B + i is offset i of block n, at position a+i. S=8, B=4, anchors 2, 5:
+#   x: visible      | bidirectional full layer    | causal sliding layer, W=3
+#                   | context   block 0  block 1  | context   block 0  block 1
+#   key position    | 01234567  2345     5678     | 01234567  2345     5678
+#   block 0 i=0 @2  | xx......  xxxx     ....     | xx......  x...     ....
+#           i=1 @3  | xx......  xxxx     ....     | .x......  xx..     ....
+#           i=2 @4  | xx......  xxxx     ....     | ........  xxx.     ....
+#           i=3 @5  | xx......  xxxx     ....     | ........  .xxx     ....
+#   block 1 i=0 @5  | xxxxx...  ....     xxxx     | ...xx...  ....     x...
+#           i=1 @6  | xxxxx...  ....     xxxx     | ....x...  ....     xx..
+#           i=2 @7  | xxxxx...  ....     xxxx     | ........  ....     xxx.
+#           i=3 @8  | xxxxx...  ....     xxxx     | ........  ....     .xxx
 
 def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
-    """anchors, anchor_valid (b, N). A key is visible to block token i of the block anchored at a iff
-    - it is a context position j < a (the target has no hidden state for the anchor itself yet at inference), or
-      a token i' of the same block (any i' in a bidirectional layer, i' <= i in a causal one);
-    - and, in a sliding layer, it lies within the window by position: q_pos - k_pos < W for every key (context and
-      block alike, as vLLM and SGLang serve it), and also k_pos - q_pos < W when the sliding layer is bidirectional;
-    - and the anchor is real (padding anchors see nothing)."""
-
+    """anchors, anchor_valid (b, N) -> mask_mod, pictured above (python -m dflash_tools.plot --mask): query i of anchor
+    a sees context j < a and its own block (offsets i' <= i when causal); a sliding window counts positions for every
+    key, context and block alike, as vLLM and SGLang serve it: |q_pos - k_pos| < W. Padding anchors see nothing."""
     def mask_mod(b, h, q_idx, kv_idx):
         n, i = q_idx // B, q_idx % B
-        a = anchors[b, n]
-        is_ctx = kv_idx < S
-        k_off = (kv_idx - S) % B                       # a block key's offset i': its position is a + i'
-        ctx_ok = is_ctx & (kv_idx < a)
-        blk_ok = ~is_ctx & ((kv_idx - S) // B == n)
+        a, k_off = anchors[b, n], (kv_idx - S) % B     # a block key's offset i': its position is a + i'
+        ctx_ok = (kv_idx < S) & (kv_idx < a)
+        blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == n)
         if causal:
             blk_ok = blk_ok & (k_off <= i)
-        if window is not None:                         # q_pos - k_pos < W; for block keys that is i - i' < W
+        if window is not None:                         # for block keys |q_pos - k_pos| = |i - i'|
             ctx_ok = ctx_ok & (a + i - kv_idx < window)
-            blk_ok = blk_ok & (i - k_off < window)
-            if not causal:
-                blk_ok = blk_ok & (k_off - i < window)
+            blk_ok = blk_ok & ((i - k_off).abs() < window)
         return anchor_valid[b, n] & (ctx_ok | blk_ok)
 
     return mask_mod
 
 def dense_masks(mask_mod, b, N, S, B, device):
-    """The rule evaluated where the dense path computes scores: every block query against the S context keys,
-    (b, N, B, S), and each block's queries against its own B keys, (b, N, B, B). Keys of other blocks are never
-    visible, so nothing else is needed."""
+    """The rule where the dense path computes scores: block queries against the S context keys, (b, N, B, S), and
+    against their own block's B keys, (b, N, B, B); other blocks' keys are never visible."""
     q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
     ctx_idx = torch.arange(S, device=device)                    # context key j
     own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
@@ -356,18 +356,6 @@ def tied(target):
     """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
     return target.lm_head.weight is target.embed.weight
 
-@torch.no_grad()
-def start_off_mask(drafter, target):
-    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
-    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
-    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
-    M = drafter.cfg.mask_token_id
-    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
-    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
-    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
-        g = torch.ones_like(u)
-        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
-
 # -----------------------------------------------------------------------------
 # The target: frozen; forward hooks capture the context features h[t] and the final hidden state f, whose greedy
 # tokens are the labels
@@ -485,6 +473,18 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
     noise = torch.stack([torch.randn(x.shape[1:], device=x.device, generator=torch.Generator(x.device).manual_seed(
         mix_seed(k, 7))) for k in keys])
     return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
+
+@torch.no_grad()
+def start_off_mask(drafter, target):
+    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
+    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
+    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
+    M = drafter.cfg.mask_token_id
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
+    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
+    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
+        g = torch.ones_like(u)
+        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
 
 # -----------------------------------------------------------------------------
 # The corrected loss: hard cross-entropy weighted by block offset, normalised over the whole global batch
