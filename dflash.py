@@ -344,7 +344,7 @@ class DFlashDrafter(nn.Module):
         return logits.argmax(-1), {}
 
     def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
-        """sum(w * loss) and its stats (weighted_ce; loss: --loss's, CE); block_ids, progress (step, total): a variant's."""
+        """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss)
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
@@ -529,7 +529,8 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
     tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
                                          chunk or vocab_chunk(lm_head.weight.shape[0]), loss)
     valid = weights > 0
-    w = loss.weights(weights, torch.zeros_like(weights).flatten().index_put((sel,), logq.to(weights.dtype)).view_as(weights), valid)
+    logq = torch.zeros_like(weights).flatten().index_put((sel,), logq.to(weights.dtype)).view_as(weights)
+    w = loss.weights(weights, logq, valid)
     ce_w = (tl * w.flatten()[sel]).sum()
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
     correct[sel] = pred == y
@@ -811,8 +812,9 @@ def build_drafter(args, run, target, world, device, say=print):
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, raw_model=drafter, loss=loss_of(args),
-                   pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, loss=loss_of(args), pad_to=pad_to,
+                   raw_model=drafter)
     return drafter, model, optimizer, loss_kw
 
 def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding
@@ -884,15 +886,12 @@ def train(args):
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "loss": args.loss, "stage": args.stage, **plugin_args(args), "stage_state": stage_state,
-            "wandb_id": trackers.wandb_id},
-            world, say, trained_for)
+            "loss": args.loss, "stage_state": run.stage_state, "wandb_id": trackers.wandb_id}, world, say, trained_for)
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
-    stage_state = (run.state or {}).get("stage_state") or {}  # what a --stage keeps between steps, saved and resumed
-    step_fn = partial(run.stage.train_step, args=args, state=stage_state) if run.stage else train_step
+    step_fn = partial(run.stage.train_step, args=args, state=run.stage_state) if run.stage else train_step
     if step == 0:
         held_out(0)
     stopped, t_last, tokens = False, time.time(), 0
@@ -1124,27 +1123,24 @@ TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
 TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported: named by a flag, or --trust_variant_code
 
 def plugin(spec, why):
-    """A variant, loss or stage module: dflash_tools/<spec>.py, an importable module, or a .py path (outside
-    dflash_tools/ only when TRUSTED). Its DFLASH_MODULE is what config.json records to find it again."""
-    if os.path.isfile(os.path.join(TOOLS, f"{spec}.py")) and "." not in spec and "/" not in spec:
+    """A variant, loss or stage module: dflash_tools/<spec>.py, or (when TRUSTED) an importable module or a .py path,
+    whose DFLASH_MODULE config.json records to find it again."""
+    if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
         return import_tool(spec, why)
     need(spec in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --trust_variant_code to import it")
+    need(not spec.endswith(".py") or os.path.isfile(spec), f"{why}: {spec} does not exist; give a .py file or a module")
     sys.modules.setdefault("dflash", sys.modules[__name__])
+    path, name = os.path.abspath(spec), "dflash_plugin_" + hashlib.sha256(spec.encode()).hexdigest()[:12]
     try:
-        if not spec.endswith(".py"):
-            module = importlib.import_module(spec)
-        else:
-            name = "dflash_plugin_" + hashlib.sha256(os.path.abspath(spec).encode()).hexdigest()[:12]
-            module = sys.modules.get(name)
-            if module is None:
-                loader = importlib.util.spec_from_file_location(name, spec)
-                module = sys.modules[name] = importlib.util.module_from_spec(loader)
-                loader.loader.exec_module(module)
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        sys.modules.pop(locals().get("name", ""), None)
-        raise DFlashError(f"{why}: no module {spec!r} in {TOOLS} nor elsewhere ({first_line(e)}); copy dflash_tools/ "
-                          f"beside {sys.argv[0]}, or give a module or a .py path") from None
-    module.DFLASH_MODULE = os.path.abspath(spec) if spec.endswith(".py") else spec
+        module = importlib.import_module(spec) if not spec.endswith(".py") else sys.modules.get(name)
+    except ModuleNotFoundError as e:
+        raise DFlashError(f"{why}: no module {spec!r} ({first_line(e)}); copy dflash_tools/ beside {sys.argv[0]}, or "
+                          f"give a module or a .py path") from None
+    if module is None:  # a .py path, imported once
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    module.DFLASH_MODULE = path if spec.endswith(".py") else spec
     return module
 
 
@@ -1930,9 +1926,9 @@ def resume_point(args, data_digest, master=True):
     old = dict(state["args"]) if isinstance(state["args"], dict) else {}
     if old.get("eval_fraction", 0) is None:  # None: the default, as this run counts it
         old["eval_fraction"] = EVAL_FRACTION
-    old.update(loss=state.get("loss", "ce"), stage=state.get("stage"), **{k: state.get(k) for k in plugin_args(args)})
+    old.update(loss=state.get("loss", "ce"), stage=old.get("stage"), **{k: old.get(k) for k in plugin_args(args)})
     now = {**vars(args), "eval_fraction": eval_fraction(args)}
-    for k in ("seed", "max_len", "eval_fraction", "loss", "stage", *plugin_args(args)):  # data order and split, objective
+    for k in ("seed", "max_len", "eval_fraction", "loss", "stage", *plugin_args(args)):  # data order, split, objective
         was = old.get(k, now[k])
         need(was == now[k], f"cannot resume {d}: it was made with --{k} {was}, this run has --{k} {now[k]}; use {was}")
     same = not state.get("data") or not data_digest or state["data"] == data_digest
@@ -2022,6 +2018,7 @@ class RunSetup:
     init_from: str | None = None
     variant: object = None  # the variant's module, or None
     stage: object = None    # --stage's module, or None
+    stage_state: dict = field(default_factory=dict)  # what a --stage keeps between steps: saved, and resumed
 
 def check_run(args, world, device, master):
     """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
@@ -2075,7 +2072,8 @@ def check_run(args, world, device, master):
         spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
         variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
         variant = None if variant is sys.modules[__name__] else variant
-        cfg = (variant.configure(cfg, args) if hasattr(variant, "configure") else as_variant(variant, cfg)) if variant else cfg
+        if variant:
+            cfg = variant.configure(cfg, args) if hasattr(variant, "configure") else as_variant(variant, cfg)
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
@@ -2086,7 +2084,8 @@ def check_run(args, world, device, master):
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     if writes and master:  # every input checked: now this run is --out's one writer, before anything is written
         lock_out(args.out)
-    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage)
+    state_of_stage = (state or {}).get("stage_state", {})
+    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
 
 def as_variant(variant, cfg=None, drafter=None):
     """What a variant without configure() or prepare() gets: its Config holding cfg's DFlash fields, or its Drafter
@@ -2107,7 +2106,8 @@ def check_resume(out, run, global_batch, master):
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
         was, v = saved.architecture, sys.modules[type(saved).__module__]
-        fix = f"pass --variant {getattr(v, 'DFLASH_MODULE', v.__name__.split('.')[-1])}" if was != DFlashConfig.architecture else "drop --variant"
+        v = getattr(v, "DFLASH_MODULE", v.__name__.split(".")[-1])
+        fix = "drop --variant" if was == DFlashConfig.architecture else f"pass --variant {v}"
         need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {fix}, or give a new --out")
         for k, v in asdict(run.cfg).items():
             was = getattr(saved, k)
@@ -2166,7 +2166,8 @@ def load_run_target(args, run, world, device):
 
 def run_summary(args, target, total_steps, global_batch, world, device):
     """The line that opens training: the target, the steps, the ranks, and the loss with its parameter."""
-    param = ", ".join(f"{k} {v}" for k, v in ({"gamma": args.gamma} if args.loss == "ce" else plugin_args(args)).items())
+    flags = flag_dests(loss_plugin(args.loss)[0]) if args.loss != "ce" else ["gamma"]
+    param = ", ".join(f"{k} {getattr(args, k)}" for k in flags)
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
@@ -2304,7 +2305,7 @@ class ArgumentParser(argparse.ArgumentParser):
         args, extra = self.parse_known_args(argv, namespace)
         if extra:  # an unknown flag names the plug-in that has it, or the closest one
             bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
-            owner = next((title for title, module in chosen_plugins([], every=True) if bad[2:] in flag_dests(module)), 0)
+            owner = next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0)
             if owner:
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
@@ -2329,10 +2330,8 @@ def chosen_plugins(argv, every=False):
     """[(title, module)] of the plug-ins with flags that argv's --variant (--dflash2), --loss, --stage name (every:
     all of dflash_tools/'); TRUSTED: the modules the flags name, everything with --trust_variant_code."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name in ("--variant", "--loss", "--stage"):
-        p.add_argument(name)
-    for name in ("--dflash2", "--trust_variant_code"):
-        p.add_argument(name, action="store_true")
+    for name in ("--variant", "--loss", "--stage", "--dflash2", "--trust_variant_code"):
+        p.add_argument(name, action="store_true" if name in ("--dflash2", "--trust_variant_code") else "store")
     a = p.parse_known_args(argv)[0]
     need(not (a.dflash2 and a.variant not in (None, "dflash2")), f"--dflash2 is --variant dflash2, not {a.variant}")
     loss = a.loss if a.loss and a.loss != "ce" else None
@@ -2341,8 +2340,8 @@ def chosen_plugins(argv, every=False):
     TRUSTED.clear()
     TRUSTED.update({v for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
     if loss:
-        names = getattr(loss_plugin(loss)[0], "LOSSES", {})
-        need(loss_plugin(loss)[1] in names, f"--loss {loss}: no such loss; give ce or one of {', '.join(names) or 'its LOSSES'}")
+        (module, name), known = loss_plugin(loss), ", ".join(getattr(loss_plugin(loss)[0], "LOSSES", {})) or "none"
+        need(name in getattr(module, "LOSSES", {}), f"--loss {loss}: no such loss; give ce or one of {known}")
     chosen = {(f, m) for f, m, _ in tool_plugins()} if every else {(f, m) for f, m in given.items() if m}
     modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
     return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules
@@ -2357,8 +2356,7 @@ def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[na
     return module.LOSSES[name](args) if module else CE()
 
 def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
-    modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if
-                                                                             args.stage else [])
+    modules = [loss_plugin(args.loss)[0]] * (args.loss != "ce") + [plugin(args.stage, "--stage")] * bool(args.stage)
     return {k: getattr(args, k) for m in modules for k in flag_dests(m)}
 
 def flag_dests(module):  # the flags a plug-in's add_flags declares, by their dest
