@@ -741,45 +741,6 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm, ok
 
-def rank_share(items, rank, world):
-    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
-    every forward is a collective)."""
-    return items[rank::world], -(-len(items) // world)
-
-@torch.no_grad()
-def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
-    """Held-out loss and tau estimate, summed over ranks; anchors keyed by the sample's index in the eval set."""
-    cfg, total = drafter.cfg, None
-    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
-    for s in range(0, per_rank, batch_size):
-        idx = mine[s:s + batch_size]
-        fill = batch_size - len(idx)  # empty rows (no valid anchor): one shape to compile, and a short rank's batches
-        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
-                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
-        anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
-        w = loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, gamma)
-        total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
-                                             **{**loss_kw, "noise_std": 0, "progress": None})[1])
-    return summarize(all_reduce_sum(total, world), drafter)
-
-def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
-    if not eval_samples:
-        return
-    drafter.eval()
-    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
-                 **loss_kw)
-    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
-    drafter.train()
-    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
-    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
-    measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
-                           prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
-    walk = {"eval_walk_acceptance": acceptance, "measured": measured} if walked is not None else {}
-    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
-
 def build_drafter(args, run, target, world, device, say=print):
     """The drafter (new, --init_from's or the checkpoint's), its AdamW (--zero: split over the ranks), the model the
     loop calls (compiled, in DDP under torchrun), and the loss's keyword arguments."""
@@ -2202,6 +2163,48 @@ def append_metrics(out, record):
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
 
 # -----------------------------------------------------------------------------
+# Held-out evaluation at a step: the loss and tau estimate (evaluate) and the walked tau (walk_tau), logged
+
+def rank_share(items, rank, world):
+    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
+    every forward is a collective)."""
+    return items[rank::world], -(-len(items) // world)
+
+@torch.no_grad()
+def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
+    """Held-out loss and tau estimate, summed over ranks; anchors keyed by the sample's index in the eval set."""
+    cfg, total = drafter.cfg, None
+    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
+    for s in range(0, per_rank, batch_size):
+        idx = mine[s:s + batch_size]
+        fill = batch_size - len(idx)  # empty rows (no valid anchor): one shape to compile, and a short rank's batches
+        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
+                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
+        anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
+        w = loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, gamma)
+        total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
+                                             **{**loss_kw, "noise_std": 0, "progress": None})[1])
+    return summarize(all_reduce_sum(total, world), drafter)
+
+def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
+    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
+    if not eval_samples:
+        return
+    drafter.eval()
+    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
+                 **loss_kw)
+    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
+    drafter.train()
+    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
+    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
+    measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
+                           prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
+    walk = {"eval_walk_acceptance": acceptance, "measured": measured} if walked is not None else {}
+    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
+
+# -----------------------------------------------------------------------------
 # How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
 # depends on besides the drafter, so two tau measured differently are never compared unknowingly
 
@@ -2356,7 +2359,8 @@ def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[na
     return module.LOSSES[name](args) if module else CE()
 
 def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
-    modules = [loss_plugin(args.loss)[0]] * (args.loss != "ce") + [plugin(args.stage, "--stage")] * bool(args.stage)
+    modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if
+                                                                             args.stage else [])
     return {k: getattr(args, k) for m in modules for k in flag_dests(m)}
 
 def flag_dests(module):  # the flags a plug-in's add_flags declares, by their dest
