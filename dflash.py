@@ -567,15 +567,6 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     ce_w, stats = (raw_model or model).block_loss(hidden, target.lm_head, y, w, ids, **loss_kw)
     return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
 
-def add_stats(total, stats):
-    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
-
-def all_reduce_sum(stats, world):
-    if world > 1:
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
-    return stats
-
 def summarize(stats, drafter=None):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
     acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
@@ -780,38 +771,6 @@ def build_drafter(args, run, target, world, device, say=print):
 
 def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding
     return min(args.num_anchors, args.max_len - 1)
-
-def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
-    sample for its anchors and noise."""
-    S = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
-    for r, (ids, mask) in enumerate(samples):
-        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    keys = keys if keys is not None else list(range(len(samples)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
-
-class Batches:
-    """Epoch-shuffled global batches of batch_size * grad_accum * world samples, micro-step m of rank r its slice:
-    deterministic for a seed, so the data position is the step number."""
-
-    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
-        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
-        self.seed, self.pad_id = seed, pad_id
-        self.global_batch = batch_size * grad_accum * world
-        self.steps_per_epoch = len(samples) // self.global_batch
-        need(self.steps_per_epoch, f"{len(samples)} samples < one global batch; lower --batch_size or --grad_accum")
-        self._order = (None, None)
-
-    def get(self, step, micro):
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if self._order[0] != epoch:
-            g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
-            self._order = (epoch, torch.randperm(len(self.samples), generator=g).tolist())
-        start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
-        idx = self._order[1][start:start + self.bs]
-        return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -2161,6 +2120,50 @@ def append_metrics(out, record):
             f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
+
+# -----------------------------------------------------------------------------
+# Batches: the same global batch for a step whatever the ranks; stats summed over them
+
+def collate(samples, pad_id, keys=None):
+    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
+    sample for its anchors and noise."""
+    S = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
+    for r, (ids, mask) in enumerate(samples):
+        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
+    keys = keys if keys is not None else list(range(len(samples)))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
+
+class Batches:
+    """Epoch-shuffled global batches of batch_size * grad_accum * world samples, micro-step m of rank r its slice:
+    deterministic for a seed, so the data position is the step number."""
+
+    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
+        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
+        self.seed, self.pad_id = seed, pad_id
+        self.global_batch = batch_size * grad_accum * world
+        self.steps_per_epoch = len(samples) // self.global_batch
+        need(self.steps_per_epoch, f"{len(samples)} samples < one global batch; lower --batch_size or --grad_accum")
+        self._order = (None, None)
+
+    def get(self, step, micro):
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if self._order[0] != epoch:
+            g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+            self._order = (epoch, torch.randperm(len(self.samples), generator=g).tolist())
+        start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
+        idx = self._order[1][start:start + self.bs]
+        return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
+
+def add_stats(total, stats):
+    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
+
+def all_reduce_sum(stats, world):
+    if world > 1:
+        for v in stats.values():
+            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return stats
 
 # -----------------------------------------------------------------------------
 # Held-out evaluation at a step: the loss and tau estimate (evaluate) and the walked tau (walk_tau), logged
