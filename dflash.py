@@ -2301,13 +2301,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
-        if "--variant" in self._option_string_actions:  # dflash.py's parser: the plug-ins' flags join it
+        if getattr(self, "plugins", False):  # dflash.py's: a fresh parser with the flags of the plug-ins argv names
+            fresh = get_parser()
+            fresh.plugins = False
             try:
                 for title, module in chosen_plugins(argv, every="-h" in argv or "--help" in argv):
-                    if title not in [g.title for g in self._action_groups]:  # (parsed before: already there)
-                        module.add_flags(self.add_argument_group(title))
+                    module.add_flags(fresh.add_argument_group(title))
             except DFlashError as e:
                 self.error(first_line(e))
+            return fresh.parse_args(argv, namespace)
         args, extra = self.parse_known_args(argv, namespace)
         if extra:  # an unknown flag names the plug-in that has it, or the closest one
             bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
@@ -2388,6 +2390,7 @@ DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", "block_size": "block_s
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
+    p.plugins = True
     g = p.add_argument_group("run")
     flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
     flag(g, "--data", help="JSONL/JSON/Parquet/save_to_disk of messages|conversations|prompt+response|text|input_ids")

@@ -253,7 +253,7 @@ def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 2] and len(records) == 4
     assert all(r["loss_type"] == "dpace" for r in records)
     state = torch.load(os.path.join(out, "step_2", "train_state.pt"), weights_only=False)
-    assert (state["loss"], state["dpace_alpha"]) == ("dpace", 0.25)
+    assert (state["loss"], state["args"]["dpace_alpha"]) == ("dpace", 0.25)
     for flags, needles in ((["--loss", "ce"], ("--loss dpace", "--loss ce")),  # (run's --dpace_alpha dropped below)
                            (["--loss", "dpace-prefix"], ("--loss dpace", "--loss dpace-prefix")),
                            (["--dpace_alpha", "0.5"], ("--dpace_alpha 0.25", "--dpace_alpha 0.5"))):
@@ -263,7 +263,7 @@ def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys
     dflash.main(run + ["--max_steps", "3", "--resume"])  # the same loss: it continues
     assert "resumed from" in capsys.readouterr().out
     # a checkpoint from before --loss existed (no "loss" in its train_state) was trained with the CE
-    del state["loss"], state["dpace_alpha"]
+    del state["loss"]
     torch.save(state, os.path.join(out, "step_3", "train_state.pt"))
     one_error(capsys, dflash.main, run + ["--max_steps", "4", "--resume"], "cannot resume", "--loss ce",
               "--loss dpace")
