@@ -1097,8 +1097,7 @@ def need(ok, message):
 def first_line(e):  # what a library says went wrong, short enough for one error line
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
-def run_main(fn, args):
-    """fn(args) as a command (dflash.py, eval.py, the tools): a DFlashError is one `error:` line per problem, exit 2."""
+def run_main(fn, args):  # fn(args) as a command (dflash.py, eval.py, tools): one `error:` line per problem, exit 2
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # stderr is for errors and our own progress
     try:
@@ -1109,8 +1108,7 @@ def run_main(fn, args):
         print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
 
-def import_tool(name, why):
-    """dflash_tools/<name>.py (it imports this file as `dflash`), imported where a flag, config or file asks for it."""
+def import_tool(name, why):  # dflash_tools/<name>.py (it imports this file as dflash), where a flag or file asks
     sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
     try:
         return importlib.import_module(f"dflash_tools.{name}")
@@ -1190,8 +1188,7 @@ def config_problems(c):  # every problem at once, one line each
         (c.rope_scaling is None or isinstance(c.rope_scaling, dict) and c.rope_type() == "yarn",
          f"rope_scaling {c.rope_scaling!r} is not supported (plain RoPE or yarn)")] if not ok]
 
-def engine_problems(cfg):
-    """Legal drafters one engine would serve as another drafter, each with the flag that fixes it."""
+def engine_problems(cfg):  # legal drafters one engine would serve as another drafter, each with the flag fixing it
     B, W, L, ids = cfg.block_size, cfg.sliding_window, cfg.num_target_layers, cfg.target_layer_ids
     both = [i for i in range(cfg.num_hidden_layers) if W is not None and cfg.layer_kind(i) == (False, W)]
     return [msg for ok, msg in [
@@ -1200,8 +1197,7 @@ def engine_problems(cfg):
         (ids[-1] != L - 1, f"target_layer_ids {ids} name the target's last layer {L - 1}, which SGLang cannot "
          f"capture; pass --target_layer_ids {','.join(map(str, sorted({min(t, L - 2) for t in ids})))}")] if not ok]
 
-def config_to_json(cfg):
-    """z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read."""
+def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read
     bad = engine_problems(cfg)
     need(not bad, "\n".join(bad))
     d = {k: v for k, v in asdict(cfg).items() if k in {f.name for f in fields(DFlashConfig)} and k != "is_causal"}
@@ -1217,15 +1213,13 @@ def config_to_json(cfg):
           **({"swa_window_size": cfg.sliding_window} if sliding else {}), **cfg.dflash_config_keys()}
     module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
     return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
-            "hidden_act": "silu",
-            "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
-            "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
+            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
+            **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_class(d, where="config.json"):
-    """DFlashConfig, or the variant's that config.json names: its dflash_module (a variant outside dflash_tools/, as
-    transformers' auto_map), else the dflash_tools module whose Config has its architecture."""
+    """DFlashConfig, or the variant's config.json names: its dflash_module, else the tool whose Config has its arch."""
     d, known = d if isinstance(d, dict) else {}, {arch: m for _, m, arch in tool_plugins() if arch}
-    if isinstance(d.get("dflash_module"), str):
+    if isinstance(d.get("dflash_module"), str):  # a variant outside dflash_tools/, as transformers' auto_map
         return plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})").Config
     arch = next((a for a in (d.get("architectures") or []) if a in known), None)
     return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
@@ -1328,12 +1322,10 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
         config = {**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
         for name, obj in {"config.json": config, **(extra_files or {})}.items():
             if name.endswith(".json"):
-                with open(os.path.join(tmp, name), "w") as f:
-                    json.dump(obj, f, indent=2)
+                write_atomic(os.path.join(tmp, name), json.dumps(obj, indent=2))
             else:
                 torch.save(obj, os.path.join(tmp, name))
-        umask = os.umask(0o022)  # read it, then put it back: safetensors writes 0600, open() 0666 less the umask
-        os.umask(umask)
+        os.umask(umask := os.umask(0o022))  # read it, then put it back: safetensors writes 0600, open() 0666 less umask
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     except BaseException:
@@ -1348,8 +1340,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
 def target_record(target):
-    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values, compared within bf16
-    rounding, since fp16 rounds unlike bf16 and no hash survives the load dtype."""
+    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values (a hash varies by dtype)."""
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
@@ -1375,8 +1366,7 @@ def check_trained_against(path, record, what, allow=False):
     need(allow, f"{msg}; pass --allow_other_target to use it anyway")
     print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
-def resolve_drafter(path, flag="--drafter"):
-    """A drafter directory, or a hub id (owner/name), which dflash_tools/engines.py downloads once."""
+def resolve_drafter(path, flag="--drafter"):  # a drafter directory, or a hub id (owner/name) engines.py downloads once
     if os.path.exists(path):
         return path
     hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path
@@ -1487,8 +1477,7 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
 # -----------------------------------------------------------------------------
 # Loading the target (AutoModelForCausalLM)
 
-def find_decoder(model):
-    """The text decoder stack: the module holding `layers` (a ModuleList), a final `norm` and the input embedding."""
+def find_decoder(model):  # the text decoder: the module holding `layers` (a ModuleList), a `norm` and the embedding
     embed = model.get_input_embeddings()
     for _, m in model.named_modules():
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
@@ -1507,8 +1496,7 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
-    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    shard (--shard_target): the decoder layers split over the ranks by dflash_tools/shard.py."""
+    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
@@ -1530,7 +1518,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head; give a causal language model")
     target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
                     load_tokenizer(name, trust_remote_code), name)
-    if shard:
+    if shard:  # --shard_target: the decoder layers split over the ranks
         return import_tool("shard", "--shard_target").shard_target(target, device)
     model.to(device)
     return target
@@ -2264,8 +2252,7 @@ def int_list(s):
 
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
 
-def layer_type_list(s):
-    """--layer_types: comma-separated sliding|full (or their config names) -> the config names."""
+def layer_type_list(s):  # --layer_types: comma-separated sliding|full (or their config names) -> the config names
     types = [LAYER_TYPES.get(t.strip(), t.strip()) for t in s.split(",")]
     if not set(types) <= set(LAYER_TYPES.values()):
         raise argparse.ArgumentTypeError(f"{s!r}: give a comma-separated list of sliding|full, one per drafter layer")
@@ -2373,11 +2360,9 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
-                 "target_layer_ids": "target_layer_ids", "sliding_window": "sliding_window",
-                 "layer_types": "layer_types", "num_heads": "num_attention_heads",
-                 "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-                 "intermediate_size": "intermediate_size"}  # the geometry flags -> their config fields
+DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",  # flag->field
+                 "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads", **{k: k for k in ("head_dim", "intermediate_size")}}
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
@@ -2426,10 +2411,6 @@ def get_parser():
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
-    return add_system_flags(p)
-
-def add_system_flags(p):
-    """get_parser's last groups: how the run executes, logs, evaluates and saves; what saves memory."""
     g = p.add_argument_group("system")
     flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
     flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
