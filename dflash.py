@@ -2360,8 +2360,8 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",
-                 "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",  # flag: field
+DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",  # flag:
+                 "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",  # its field
                  "num_kv_heads": "num_key_value_heads", **{k: k for k in ("head_dim", "intermediate_size")}}
 
 def get_parser():
