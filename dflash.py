@@ -1198,8 +1198,7 @@ def engine_problems(cfg):  # legal drafters one engine would serve as another dr
          f"capture; pass --target_layer_ids {','.join(map(str, sorted({min(t, L - 2) for t in ids})))}")] if not ok]
 
 def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read
-    bad = engine_problems(cfg)
-    need(not bad, "\n".join(bad))
+    need(not (bad := engine_problems(cfg)), "\n".join(bad))
     d = {k: v for k, v in asdict(cfg).items() if k in {f.name for f in fields(DFlashConfig)} and k != "is_causal"}
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
@@ -1773,8 +1772,7 @@ def pick_device(flag, local_rank=0):  # --device, or cuda:LOCAL_RANK when CUDA i
 def restart_count():  # how often torchrun --max_restarts has restarted this worker group (0: a first start)
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
-def setup_distributed(device_flag):
-    """(rank, world, device): one process under `python`, DDP under torchrun (gloo on CPU, nccl on CUDA)."""
+def setup_distributed(device_flag):  # (rank, world, device): one process, or DDP under torchrun (gloo or nccl)
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         ok = env[k] is None or env[k].isdigit() and (k != "WORLD_SIZE" or int(env[k]) >= 1)
@@ -1792,17 +1790,14 @@ def setup_distributed(device_flag):
               f"without torchrun; torch.distributed gives up after 30 min)", file=sys.stderr)
     # torchrun keeps one store across --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with c10d): the dead
     # workers' keys in it make a restart's init fail or hang. On one node all workers share the restart count: new keys
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    shared, restart = get("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count()
-    if shared and restart and get("GROUP_WORLD_SIZE") == "1":
+    shared, nodes, kw = get("TORCHELASTIC_USE_AGENT_STORE") == "True", get("GROUP_WORLD_SIZE"), {}
+    if shared and nodes == "1" and (restart := restart_count()):
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
-                                world_size=world)
-        return rank, world, device
-    if shared and get("GROUP_WORLD_SIZE", "1") != "1" and rank == 0 and int(get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+        kw = dict(store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank, world_size=world)
+    elif shared and nodes not in (None, "1") and rank == 0 and int(get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
         print("note: torchrun --max_restarts over several nodes: start it with --rdzv_backend=c10d and "
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a restart can hang in init_process_group", file=sys.stderr)
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kw)
     return rank, world, device
 
 def peak_memory_mb(device):
@@ -1923,8 +1918,7 @@ def resume_point(args, data_digest, master=True):
     need(same or args.allow_data_change, f"cannot resume {d}: --data {args.data} changed; pass --allow_data_change")
     return d, state
 
-def target_rope(tc):
-    """(rope_theta, note) of the target's full-attention layers (Gemma3: sliding 1e4, full 1e6; note says so)."""
+def target_rope(tc):  # (rope_theta, note) of the target's full-attention layers (Gemma3: sliding 1e4, full 1e6)
     rope = getattr(tc, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
         kind = "full_attention" if "full_attention" in rope else next(iter(rope))
@@ -1937,8 +1931,7 @@ def target_rope(tc):
 YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim", "truncate")  # what yarn reads (never partial_rotary_factor, mrope_*)
 
-def target_window(tc):
-    """(positions the target takes, its yarn or None): max_position_embeddings, or a yarn reach where larger."""
+def target_window(tc):  # (positions the target takes, its yarn or None): max_position_embeddings or a larger yarn reach
     native = getattr(tc, "max_position_embeddings", None) or 32768
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
@@ -1949,8 +1942,7 @@ def target_window(tc):
     reach = int(int(yarn.get("original_max_position_embeddings") or native) * float(yarn.get("factor") or 1))
     return max(native, reach), yarn if yarn.get("rope_type") == "yarn" else None
 
-def check_lengths(samples, tc, where):
-    """Every sample fits in the positions the target takes (target_window), else one line naming the longest."""
+def check_lengths(samples, tc, where):  # every sample within target_window, else one line naming the longest
     (reach, yarn), longest = target_window(tc), max((len(ids) for ids, _ in samples), default=0)
     what, factor = ("yarn reach" if yarn else "max_position_embeddings"), math.ceil(longest / reach)
     fix = f"use --max_len {reach}" + ("" if yarn else f" or a yarn rope_parameters (factor {factor})")
@@ -2240,7 +2232,6 @@ def number(kind, lo, open_lo=False, hi=None):
         if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and (hi is None or v <= hi)):
             raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {text}")
         return v
-
     parse.text = text
     return parse
 
