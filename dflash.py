@@ -1171,8 +1171,7 @@ def config_problems(c):  # every problem at once, one line each
     return [msg for ok, msg in [
         (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
         (c.block_size >= 2, f"block_size must be >= 2 (an anchor plus drafts), got {c.block_size}"),
-        (H % KV == 0, f"num_attention_heads {H} is not a multiple of num_key_value_heads {KV} (--num_heads, "
-         f"--num_kv_heads)"),
+        (H % KV == 0, f"num_attention_heads {H} % num_key_value_heads {KV} != 0; fix --num_heads or --num_kv_heads"),
         (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
         (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
@@ -1223,8 +1222,7 @@ def config_class(d, where="config.json"):
     arch = next((a for a in (d.get("architectures") or []) if a in known), None)
     return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
-def config_from_json(d, where="config.json"):
-    """Our own layout (it must write back to exactly the same JSON) here; any other by dflash_tools/engines.py."""
+def config_from_json(d, where="config.json"):  # ours if it writes back the same JSON, else by dflash_tools/engines.py
     try:
         cls, dc, rope = config_class(d, where), d["dflash_config"], dict(d["rope_parameters"])
         top = {f.name for f in fields(DFlashConfig)} - {"mask_token_id", "target_layer_ids"}
@@ -1485,8 +1483,7 @@ def find_decoder(model):  # the text decoder: the module holding `layers` (a Mod
     family = model.config.model_type
     raise DFlashError(f"target family {family} is not supported; use one with a Llama-kind decoder (Qwen3, Mistral...)")
 
-def load_tokenizer(name, trust_remote_code=False):
-    """The target's tokenizer, or None when it has none (transformers 5 returns an empty stand-in)."""
+def load_tokenizer(name, trust_remote_code=False):  # its tokenizer, or None (transformers 5 gives an empty one)
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -1531,8 +1528,7 @@ def check_compatible(cfg, target, where="drafter"):
 # Data: JSONL (other formats: dflash_tools/formats.py) -> (input_ids, loss_mask) per sample with exact chat loss
 # masks; one sample per row (HF targets do not separate packed samples); the held-out split
 
-def read_jsonl(path, what, hint=""):
-    """Yield ("file:line", record) for each non-blank line of a JSONL file (gzipped too, by its magic bytes)."""
+def read_jsonl(path, what, hint=""):  # ("file:line", record) per non-blank line of a JSONL file, gzipped or not
     need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
     try:
         with open(path, "rb") as f:
@@ -1634,8 +1630,7 @@ def show_data(samples, tokenizer, n, file=None):
               f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
 
 def record_kind(record, where, tokenizer, kinds):
-    """Which of `kinds` ("input_ids", "messages", "prompt+response", "prompt", "text") a record is (the first whose
-    fields are all there, not null), its fields checked; the one parser of training data and eval.py's prompts."""
+    """The first of kinds ("input_ids", "messages", "prompt+response", "prompt", "text") the record has set, checked."""
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
     need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
@@ -1679,8 +1674,7 @@ def chat_record(record, where):  # ShareGPT's {"conversations": [...]} as {"mess
     return record
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
-    """Any record -> (input_ids, loss_mask), 1 on what the drafter learns: chat data's assistant turns (rendered as at
-    inference, each ended by the tokenizer's eos or one of eos_ids), a response, a whole text, or as given."""
+    """A record -> (input_ids, loss_mask), 1 on assistant turns (each to its eos), a response, a text, or as given."""
     record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
@@ -1951,8 +1945,7 @@ def check_lengths(samples, tc, where):  # every sample within target_window, els
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
-    """A new drafter shaped like z-lab's: the target's geometry unless given (past its window: its yarn), n-1 sliding
-    layers + 1 full unless layer_types says otherwise. Every problem is raised at once."""
+    """Like z-lab's: the target's geometry unless given (yarn past its window), n-1 sliding + 1 full; one error."""
     tc = target.model.config.get_text_config()
     (rope_theta, rope_note), (reach, yarn) = target_rope(tc), target_window(tc)
     native = getattr(tc, "max_position_embeddings", None) or 32768
@@ -2196,8 +2189,7 @@ def generation_prompt(tokenizer, kw):
     return full[len(base):] if full.startswith(base) else full
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """The settings a walked tau depends on besides the drafter: thinking, max_new_tokens, greedy or the sampling
-    (temperature, top_p, top_k), hashes of the chat template with its generation prompt and of the prompts."""
+    """What a walked tau depends on besides the drafter: thinking, max_new_tokens, serving, template and prompts."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
     if "enable_thinking" in template and enable_thinking is not None:
         thinking = "on" if enable_thinking else "off"
