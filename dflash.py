@@ -1319,7 +1319,8 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
         config = {**config_to_json(drafter.cfg), "torch_dtype": str(dtype).removeprefix("torch.")}
         for name, obj in {"config.json": config, **(extra_files or {})}.items():
             if name.endswith(".json"):
-                write_atomic(os.path.join(tmp, name), json.dumps(obj, indent=2))
+                with open(os.path.join(tmp, name), "w") as f:
+                    json.dump(obj, f, indent=2)
             else:
                 torch.save(obj, os.path.join(tmp, name))
         os.umask(umask := os.umask(0o022))  # read it, then put it back: safetensors writes 0600, open() 0666 less umask
