@@ -1148,8 +1148,7 @@ def plugin(spec, why):
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
-def valid_target_layer_ids(L, n):
-    """The default spread where valid, else up to n distinct layers evenly from 1 to L-2 (L=4, n=5 -> [1, 2])."""
+def valid_target_layer_ids(L, n):  # the default if valid, else <= n layers evenly over 1..L-2 (L=4, n=5: [1, 2])
     ids, layers = default_target_layer_ids(L, n), list(range(1, L - 1)) or [0]
     if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
         return ids
@@ -1268,8 +1267,7 @@ def read_drafter_config(path):
     need(not os.path.exists(mask), f"{mask}: vLLM would use it as the mask token's embedding, SGLang not; remove it")
     return config_from_json(d, where=cfg_path)
 
-def read_safetensors(path, load=True):
-    """{name: tensor} of model.safetensors or the shards its index names (load=False: only opens each, a check)."""
+def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or its shards (load=False: opens, a check)
     from safetensors import safe_open
     files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
     if not os.path.isfile(files[0]):
@@ -1306,8 +1304,7 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
 
-def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """config.json + model.safetensors + {name: object} extra files (.json as JSON, else torch.save), atomically."""
+def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):  # config.json, weights, extra_files: atomic
     from safetensors.torch import save_file
     final = path.rstrip("/")
     tmp, old = f"{final}.tmp{os.getpid()}", f"{final}.old{os.getpid()}"
@@ -1337,8 +1334,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
 
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
-def target_record(target):
-    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values (a hash varies by dtype)."""
+def target_record(target):  # name, fingerprint (a hash, as older records have it), probe (embeddings, in any dtype)
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
@@ -1555,8 +1551,7 @@ def data_kind(path):  # what a data file that is not JSONL is, by its first byte
         return None
     return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
-def read_records(path, what, hint=""):
-    """Yield (where, record) per record: JSONL here; a JSON array, Parquet or save_to_disk directory by formats.py."""
+def read_records(path, what, hint=""):  # (where, record) each: JSONL here, else formats.py (JSON, Parquet, datasets)
     need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
     need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is a device or a pipe, not a file{hint}")
     kind = "a directory" if os.path.isdir(path) else data_kind(path)  # None: JSONL
@@ -1622,16 +1617,14 @@ def chat_sample(messages, tokenizer, kw, eos, where):
     add(encode(full[pos:]))
     return ids, mask
 
-def show_data(samples, tokenizer, n, file=None):
-    """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
+def show_data(samples, tokenizer, n, file=None):  # --show_data: n samples, loss spans in [[...]], what each gives
     decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
     for i, (ids, mask) in enumerate(samples[:n]):
         runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
         print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {len(anchor_candidates(mask))} usable "
               f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
 
-def record_kind(record, where, tokenizer, kinds):
-    """The first of kinds ("input_ids", "messages", "prompt+response", "prompt", "text") the record has set, checked."""
+def record_kind(record, where, tokenizer, kinds):  # the first of kinds whose fields the record sets, checked
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
     need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
@@ -1655,8 +1648,7 @@ def encodable(text, where, what):  # text, refused if it holds a lone surrogate 
         raise DFlashError(f"{where}: {what} holds {text[e.start:e.end]!r}, a lone surrogate; fix or drop it") from None
     return text
 
-def plain_messages(messages, where):
-    """Messages with text content: a string, null (a tool call's) or one OpenAI-style text part (read as its text)."""
+def plain_messages(messages, where):  # contents as text: a string, null (a tool call's) or one OpenAI text part
     out = []
     for j, m in enumerate(messages):
         c = m.get("content")
@@ -2179,8 +2171,7 @@ def append_metrics(out, record):
 # How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
 # depends on besides the drafter, so two tau measured differently are never compared unknowingly
 
-def generation_prompt(tokenizer, kw):
-    """What the chat template appends to a user turn to start the assistant's, under kwargs kw (None: it cannot)."""
+def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
     turn = [{"role": "user", "content": "hi"}]
     try:
         base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
