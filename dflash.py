@@ -1641,11 +1641,9 @@ def record_kind(record, where, tokenizer, kinds):  # the first of kinds whose fi
         encodable(record[f], where, f)
     return kind
 
-def encodable(text, where, what):  # text, refused if it holds a lone surrogate ("\ud800" is valid JSON)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DFlashError(f"{where}: {what} holds {text[e.start:e.end]!r}, a lone surrogate; fix or drop it") from None
+def encodable(text, where, what):  # text, refused if it holds a lone surrogate ("\ud800" is valid JSON, not UTF-8)
+    bad = re.search("[\ud800-\udfff]+", text)
+    need(not bad, f"{where}: {what} holds {bad and bad.group()!r}, a lone surrogate; fix or drop it")
     return text
 
 def plain_messages(messages, where):  # contents as text: a string, null (a tool call's) or one OpenAI text part
@@ -2168,8 +2166,7 @@ def append_metrics(out, record):
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
 
 # -----------------------------------------------------------------------------
-# How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
-# depends on besides the drafter, so two tau measured differently are never compared unknowingly
+# How a walked tau was measured, in training's records and eval.py's reports: no tau compared with another unknowingly
 
 def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
     turn = [{"role": "user", "content": "hi"}]
@@ -2206,7 +2203,6 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
 def number(kind, lo, open_lo=False, hi=None):
     """An argparse type: a finite int or float >= lo (> lo when open_lo; <= hi when given); `.text` says the rule."""
     name = "an integer" if kind is int else "a number"
-    text = f"{name} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (hi is not None)
 
     def parse(s):
         try:
@@ -2214,9 +2210,9 @@ def number(kind, lo, open_lo=False, hi=None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not {name}") from None
         if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and (hi is None or v <= hi)):
-            raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {text}")
+            raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {parse.text}")
         return v
-    parse.text = text
+    parse.text = f"{name} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (hi is not None)
     return parse
 
 def int_list(s):
