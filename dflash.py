@@ -1108,7 +1108,7 @@ def run_main(fn, args):  # fn(args) as a command (dflash.py, eval.py, tools): on
         print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
 
-def import_tool(name, why):  # dflash_tools/<name>.py (it imports this file as dflash), where a flag or file asks
+def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where a flag, config or file asks for it
     sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
     try:
         return importlib.import_module(f"dflash_tools.{name}")
@@ -1936,7 +1936,7 @@ def check_lengths(samples, tc, where):  # every sample within target_window, els
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
-    """Like z-lab's: the target's geometry unless given (yarn past its window), n-1 sliding + 1 full; one error."""
+    """The target's geometry unless given (yarn past its window), n-1 sliding + 1 full, as z-lab's; problems at once."""
     tc = target.model.config.get_text_config()
     (rope_theta, rope_note), (reach, yarn) = target_rope(tc), target_window(tc)
     native = getattr(tc, "max_position_embeddings", None) or 32768
@@ -2331,9 +2331,9 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",  # flag:
-                 "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",  # its field
-                 "num_kv_heads": "num_key_value_heads", **{k: k for k in ("head_dim", "intermediate_size")}}
+DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",
+                 "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads", **{k: k for k in ("head_dim", "intermediate_size")}}  # -> field
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
