@@ -275,7 +275,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
         anchors = [dflash.batch_anchors(mb, num_anchors) for mb in micro_batches]
         weights = [dflash.loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma)
                    for mb, (a, v) in zip(micro_batches, anchors)]
-        totals["sft"] = sum(dflash.loss_normaliser(w) for w in weights).to(dev)
+        totals["sft"] = sum((loss_kw.get("loss") or dflash.CE()).normaliser(w) for w in weights).to(dev)
     totals = {k: v / world for k, v in dflash.all_reduce_sum(totals, world).items()}  # DDP averages: undo it
     total, op_sum, sft_sum = None, torch.zeros((), device=dev), torch.zeros((), device=dev)
     for m, (mb, rs) in enumerate(zip(micro_batches, state["rollouts"])):
