@@ -5,6 +5,9 @@ one line. Tiny random models on CPU, fp32."""
 
 import copy
 import io
+import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,8 +15,8 @@ import torch.nn.functional as F
 
 import dflash
 import eval as ev
-from conftest import (DENSE_DRAFTER, DENSE_TARGET, reference_greedy, tiny_cfg, tiny_qwen3, torch_threads,
-                      train_on_continuations)
+from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, reference_greedy, tiny_cfg, tiny_qwen3,
+                      torch_threads, train_on_continuations, write_data)
 from dflash_tools import dflash2, onpolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -229,6 +232,59 @@ def test_resume_mid_stage_is_bitwise(tiny, variant, tmp_path):
     sa, sc = a.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sc[k]) for k in sa)
     assert not all(torch.equal(sa[k], tiny[variant].state_dict()[k]) for k in sa)  # it trained
-    import json
     ages = [json.loads(line)["rollout_age"] for line in open(tmp_path / "onpolicy.jsonl")]
     assert ages[:5] == [0, 1, 2, 0, 1]
+
+
+# -----------------------------------------------------------------------------
+# The command line: --stage onpolicy end to end, resumed bitwise from a checkpoint between rollouts; bad flags
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    d = tmp_path_factory.mktemp("opcli")
+    base = ["--target", tiny_qwen3(d / "q3"), "--data", write_data(d / "data.jsonl", 8), "--batch_size", "2",
+            "--grad_accum", "1", *SMALL]
+    with torch_threads(1):
+        dflash.main([*base, "--max_steps", "2", "--out", str(d / "sft")])
+    stage = ["--stage", "onpolicy", "--init_from", str(d / "sft" / "step_2"), "--onpolicy_every", "2",
+             "--onpolicy_tokens", "8", "--onpolicy_temperature", "0.7", "--max_steps", "3"]
+    return {"dir": d, "base": base, "stage": stage}
+
+
+def test_cli_stage_resumes_bitwise(cli):
+    d, argv = cli["dir"], cli["base"] + cli["stage"]
+    with torch_threads(1):
+        dflash.main([*argv, "--save_every", "1", "--out", str(d / "a")])
+        os.makedirs(d / "b")
+        shutil.copytree(d / "a" / "step_1", d / "b" / "step_1")  # after step 1: the rollouts of step 0 are 1 old
+        (d / "b" / "latest").write_text("step_1\n")
+        dflash.main([*argv, "--save_every", "1", "--out", str(d / "b"), "--resume"])
+    a, b = dflash.read_safetensors(str(d / "a" / "step_3")), dflash.read_safetensors(str(d / "b" / "step_3"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    s = dflash.read_safetensors(str(d / "sft" / "step_2"))
+    assert not all(torch.equal(a[k], s[k]) for k in s)
+    records = [json.loads(line) for line in open(d / "a" / "onpolicy.jsonl")]
+    assert [r["rollout_age"] for r in records] == [0, 1, 0] and all(r["target_tokens"] > 0 for r in records)
+
+
+@pytest.mark.parametrize("extra,needles", [
+    (["--onpolicy_rejected", "none", "--onpolicy_decay", "0.5"], ["--onpolicy_decay", "drop one"]),
+    (["--loss", "dpace"], ["--loss dpace", "own objective"]),
+    (["--labels", "data"], ["--labels data"]),
+    (["--onpolicy_tokens", "1"], ["--onpolicy_tokens 1"]),
+    (["--onpolicy_temperature", "0.0001"], ["--onpolicy_temperature"]),
+    (["--onpolicy_every", "0"], ["--onpolicy_every"]),
+    (["--onpolicy_decay", "1.5"], ["--onpolicy_decay"]),
+    (["--onpolicy_accepted", "rkl"], ["--onpolicy_accepted"]),
+])
+def test_bad_flags_are_one_line(cli, capsys, extra, needles):
+    one_error(capsys, dflash.main, [*cli["base"], *cli["stage"], *extra, "--out", str(cli["dir"] / "x")], *needles,
+              progress=True)
+
+
+def test_stage_needs_a_trained_drafter_and_its_flags_need_the_stage(cli, capsys):
+    one_error(capsys, dflash.main, [*cli["base"], "--stage", "onpolicy", "--out", str(cli["dir"] / "y")],
+              "--init_from", progress=True)
+    one_error(capsys, dflash.main, [*cli["base"], "--onpolicy_every", "2", "--out", str(cli["dir"] / "y")],
+              "--onpolicy_every", progress=True)
