@@ -96,8 +96,9 @@ def is_dflash2(drafter):
 @torch.no_grad()
 def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0):
     """The exact walk of drafter on one prompt: eval.py's (greedy, or at temperature T its sampled continuation,
-    drawn with a generator seeded by seed, and acceptance rule, DFlash2's uniforms seeded by accept_seed), recorded. Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the
-    continuation index of each block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
+    drawn with a generator seeded by seed, and acceptance rule, DFlash2's uniforms seeded by accept_seed), recorded.
+    Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the continuation index of each
+    block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
     import eval as tau_eval
     dev, cfg = target.lm_head.weight.device, drafter.cfg
     eos = target.eos_ids()
@@ -140,7 +141,8 @@ def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step):
 
 def pack(rollouts, cfg, device):
     """Rollouts -> padded tensors: ids (b, S), context (b, S, m*D), final (b, S, D), then region_weights' first
-    arguments: lengths (b,), anchors, valid, accepted (b, N), with N the most blocks of a row (padding anchors are invalid)."""
+    arguments: lengths (b,), anchors, valid, accepted (b, N), with N the most blocks of a row (padding anchors are
+    invalid)."""
     b, S = len(rollouts), max(len(r["ids"]) for r in rollouts)
     N = max(1, max(len(r["starts"]) for r in rollouts))
     pad = lambda t, n: F.pad(t, (0, 0) * (t.dim() - 1) + (0, n - t.shape[0]))  # noqa: E731

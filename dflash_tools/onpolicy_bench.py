@@ -211,7 +211,23 @@ def report(work, png):
             lines.append(f"| {variant} | {arm}: {ARMS[arm]} | {len(rs)} | {round(stat([c['step'] for c in last])[0])} "
                          f"| {g[0]:.3f} ± {g[1]:.3f} | {t[0]:.3f} ± {t[1]:.3f} | "
                          + " ".join(f"{x:.3f}" for x in depth) + " |")
-    table = "\n".join(lines)
+    # the README's table: one row per arm, both drafters side by side, P(draft k accepted) at k = 1, 4, 7
+    short = ["| arm | DFlash τ greedy | τ T=1 | P(k acc.) k=1,4,7 | DFlash2 τ greedy | τ T=1 | P(k acc.) k=1,4,7 |",
+             "|---|---|---|---|---|---|---|"]
+    for arm in ("SFT", *ARMS):
+        cells = []
+        for variant in ("dflash", "dflash2"):
+            rs = [r for r in runs if r["variant"] == variant and (arm == "SFT" or r["arm"] == arm)]
+            last = [r["curve"][0] for r in rs[:1]] if arm == "SFT" else [r["curve"][-1] for r in rs]
+            if not last:
+                cells += ["-"] * 3
+                continue
+            g, t = stat([c["tau_greedy"] for c in last]), stat([c["tau_t1"] for c in last])
+            pm = lambda x: f"{x[0]:.3f}" + (f" ± {x[1]:.3f}" if len(last) > 1 else "")  # noqa: E731
+            cells += [pm(g), pm(t), " ".join(f"{stat([c['depth'][k] for c in last])[0]:.2f}" for k in (0, 3, 6))]
+        name = "SFT checkpoint" if arm == "SFT" else f"{arm} {ARMS[arm]}"
+        short.append(f"| {name} | " + " | ".join(cells) + " |")
+    table = "\n".join(lines) + "\n\n" + "\n".join(short)
     print(table)
     with open(os.path.join(work, "table.md"), "w") as f:
         f.write(table + "\n")
@@ -264,7 +280,8 @@ def main():
     target_path = build_target(cache)
     print(f"target {time.time() - t0:.0f}s", flush=True)
     from dflash_tools.tiny_target import make_regenerated_data
-    data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"), num_samples=demo.DEMO_TRAIN_SAMPLES)
+    data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"),
+                                 num_samples=demo.DEMO_TRAIN_SAMPLES)
     print(f"data {time.time() - t0:.0f}s", flush=True)
     procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
                                f"from dflash_tools import onpolicy_bench as b; b.sft({target_path!r}, {data!r}, "
