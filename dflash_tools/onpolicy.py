@@ -314,7 +314,12 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     log(args, step, state, totals, total)
+    if (step + 1) % s["onpolicy_every"] == 0:  # the next step rolls out anew: no checkpoint needs to carry these
+        state.pop("rollouts")
     return total, grad_norm, ok
+
+
+TRIMMED = set()  # the onpolicy.jsonl files this process has trimmed to its first step
 
 
 def log(args, step, state, totals, total):
@@ -328,5 +333,12 @@ def log(args, step, state, totals, total):
               "sft_loss": (total["sft_loss"] / totals["sft"].clamp(min=1e-9)).item() if "sft" in totals else None,
               **{k: int(total[k].item()) for k in ("target_tokens", "drafter_fwd_tokens", "drafter_bwd_tokens")}}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "onpolicy.jsonl"), "a") as f:
+    path = os.path.join(args.out, "onpolicy.jsonl")
+    if path not in TRIMMED and os.path.exists(path):  # a resumed run: drop the records of the steps it redoes
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    TRIMMED.add(path)
+    with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")

@@ -266,6 +266,11 @@ def test_cli_stage_resumes_bitwise(cli):
     assert not all(torch.equal(a[k], s[k]) for k in s)
     records = [json.loads(line) for line in open(d / "a" / "onpolicy.jsonl")]
     assert [r["rollout_age"] for r in records] == [0, 1, 0] and all(r["target_tokens"] > 0 for r in records)
+    resumed = [json.loads(line) for line in open(d / "b" / "onpolicy.jsonl")]
+    assert [r["step"] for r in resumed] == [2, 3] and resumed == records[1:]  # (b: from step_1's copy, no log)
+    kept = torch.load(d / "a" / "step_2" / "train_state.pt", weights_only=True)["stage_state"]
+    assert "rollouts" not in kept and "rollouts" in torch.load(d / "a" / "step_1" / "train_state.pt",
+                                                              weights_only=True)["stage_state"]
 
 
 @pytest.mark.parametrize("extra,needles", [
