@@ -781,7 +781,7 @@ def build_drafter(args, run, target, world, device, say=print):
     else:
         optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        resume_optimizer(optimizer, state, run.resume_dir)
         say(f"resumed from {run.resume_dir} at step {state['step']}")
     drafter.train()
     model = torch.compile(drafter) if compile_ else drafter
@@ -898,13 +898,12 @@ def train(args):
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
                 save(step)
-
-    # --- the end
-    if stopped:
-        say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume with the same command plus --resume")
-    elif step > start:  # (a resumed run that had already finished has nothing left to do)
-        held_out(step)
-        save(step)
+        # --- the end, its eval and save still under StopFlag (a signal there keeps the save)
+        if stopped:
+            say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume: the same command and --resume")
+        elif step > start:  # (a resumed run that had already finished has nothing left to do)
+            held_out(step)
+            save(step)
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
@@ -1077,6 +1076,9 @@ def run_main(fn, args):
             raise
         print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C where no StopFlag saves (a run's start-up, eval.py): one line, 128 + SIGINT
+        print("interrupted (SIGINT)", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 def import_tool(name, why):
     """dflash_tools/<name>.py (it imports this file as `dflash`), imported where a flag, config or file asks for it."""
@@ -1330,7 +1332,27 @@ def read_train_state(d):
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
     ok = isinstance(state, dict) and {"step", "optimizer", "args", "global_batch", "bad_steps"} <= set(state)
     need(ok, f"{path}: not a training state (it lacks step, optimizer, args, ...); the file is corrupt")
+    opt = state["optimizer"] if type(state["optimizer"]) is dict else {}
+    groups = opt.get("param_groups") if type(opt.get("state")) is dict else None
+    ok = {"step": is_int(state["step"]) and state["step"] >= 0, "args": type(state["args"]) is dict,
+          "global_batch": is_int(state["global_batch"]) and state["global_batch"] > 0,
+          "bad_steps": is_int(state["bad_steps"]) and state["bad_steps"] >= 0,
+          "optimizer": type(groups) is list and groups and all(type(g) is dict and type(g.get("params")) is list
+                                                               for g in groups)}
+    bad = next((k for k, v in ok.items() if not v), None)
+    need(not bad, f"{path}: its {bad} ({str(state.get(bad))[:40]}) is not a training state's; the file is corrupt")
     return state
+
+def resume_optimizer(optimizer, state, d):
+    """AdamW's state from checkpoint d, refused in one line where it does not fit the drafter's parameters."""
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            moments = [v.shape for v in (optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()]
+            need(all(s == p.shape for s in moments), f"a moment of shape {moments}, its parameter {tuple(p.shape)}")
+    except (ValueError, KeyError, TypeError, DFlashError) as e:
+        raise DFlashError(f"cannot resume {d}: its optimizer state does not fit the drafter ({first_line(e)}); "
+                          f"the checkpoint is corrupt, resume an earlier one") from None
 
 def checkpoint_problem(d):
     """None if d is a complete step_N checkpoint (each of its files opens), else what is wrong with it."""
@@ -1350,7 +1372,7 @@ def complete_checkpoints(out):
     return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
 def latest_checkpoint(out):
-    """The checkpoint <out>/latest names, checked complete; None if there is no latest."""
+    """The checkpoint <out>/latest names, checked a complete step_N of out; None if there is no latest."""
     latest = os.path.join(out, "latest")
     if not os.path.isfile(latest):
         return None
@@ -1359,10 +1381,9 @@ def latest_checkpoint(out):
             name = f.read(4096).decode().strip()
     except (OSError, UnicodeDecodeError):
         name = ""
-    fix = f"write the name of a complete step_N directory into {latest}"
-    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); {fix}")
+    need(re.fullmatch(r"step_\d+", name), f"{latest} is corrupt ({name[:60]!r} is no step_N directory of {out})")
     why = checkpoint_problem(os.path.join(out, name))
-    need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}; {fix}")
+    need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}")
     return os.path.join(out, name)
 
 def last_complete(out):
@@ -1374,10 +1395,26 @@ def last_complete(out):
     except (OSError, UnicodeDecodeError):
         return f"no complete checkpoint in {out} yet"
 
+def remove_stale(d, names):
+    """Remove what killed writes left in d: <name>.tmp<pid> (save_drafter's, write_atomic's; names: a regex) and
+    <name>.old<pid> once <name> is back, where process pid is gone (POSIX: os.kill(pid, 0) only asks)."""
+    for n in os.listdir(d) if os.name == "posix" else []:
+        m, p = re.fullmatch(rf"({names})\.(tmp|old)(\d+)", n), os.path.join(d, n)
+        other = m and os.path.join(d, m[1] if m[2] == "old" else f"{m[1]}.old{m[3]}")  # a .tmp beside its .old (a
+        if not m or os.path.exists(other) != (m[2] == "old"):  # save killed between its renames): both are kept
+            continue
+        try:
+            os.kill(int(m[3]), 0)
+        except ProcessLookupError:  # gone (alive, another user's: PermissionError)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        except OSError:
+            pass
+
 def write_atomic(path, text):
     """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        remove_stale(os.path.dirname(path) or ".", re.escape(os.path.basename(path)))
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
@@ -1653,17 +1690,22 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """A data file's samples (encode_sample) cut to max_len; those with no usable anchor skipped and counted."""
-    samples, lines, hint = [], 0, "; pass --data with a JSONL or Parquet file or a save_to_disk directory"
+    samples, lines, cut, hint = [], 0, [], "; pass --data with a JSONL or Parquet file or a save_to_disk directory"
     for lines, (where, rec) in enumerate(read_records(path, "data", hint), 1):
         ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)  # checks input_ids
         if "input_ids" not in rec:  # a tokenizer may have more tokens than the target's embedding rows
             check_ids(ids, vocab_size, where)
         if len(anchor_candidates(mask[:max_len])):
             samples.append((ids[:max_len], mask[:max_len]))
+        elif len(anchor_candidates(mask)):  # its response lies past max_len
+            cut.append(len(ids) - max_len)
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
-    need(samples, f"{path}: no usable samples ({lines} skipped: no 2 loss tokens in a row within --max_len {max_len})")
+    short, over = lines - len(samples) - len(cut), max(cut, default=0)
+    why = ", ".join([f"{len(cut)} whose response --max_len {max_len} cut away (up to {over} tokens over it; raise "
+                     f"--max_len)"] * bool(cut) + [f"{short} with fewer than 2 response tokens"] * bool(short))
+    need(samples, f"{path}: no usable samples ({lines} skipped: {why})")
     if lines > len(samples):
-        say(f"{path}: skipped {lines - len(samples)} samples with fewer than 2 response tokens, kept {len(samples)}")
+        say(f"{path}: skipped {lines - len(samples)} samples ({why}), kept {len(samples)}")
     return samples
 
 EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
@@ -1683,15 +1725,19 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
 
+STOP_SIGNALS = [getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, s)]  # no SIGHUP: Windows
+
 class StopFlag:
-    """`with StopFlag(out, say) as stop`: SIGTERM/SIGINT set stop.requested (finish the step, save, exit); a second
-    signal keeps the save; a third abandons it (SystemExit 128+signal; a half-written checkpoint goes, latest stays)."""
+    """`with StopFlag(out, say) as stop`: SIGTERM/SIGINT/SIGHUP set stop.requested (finish the step, save, exit); a
+    second signal keeps the save; a third abandons it (SystemExit 128+signal; a half-written checkpoint goes, latest
+    stays). A signal ignored at the start (nohup's SIGHUP) stays ignored."""
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        kept = [s for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN]
+        self.previous = {s: signal.signal(s, self._handler) for s in kept}
         return self
 
     def __exit__(self, *exc):
@@ -1777,7 +1823,7 @@ def broadcast(obj, world):  # rank 0's object on every rank (e.g. the data's dig
 # -----------------------------------------------------------------------------
 # The run's checks and set-up: outputs, resume, the drafter config, data, the trackers
 
-def check_writable_dir(d, what, subdirs=False):
+def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):
     """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
     try:
         os.makedirs(d, exist_ok=True)
@@ -1787,7 +1833,7 @@ def check_writable_dir(d, what, subdirs=False):
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
-        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); give a writable path") from None
+        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); {fix}") from None
 
 def check_out_dir(out):
     """--out: a writable directory, with nothing but files where latest and metrics.jsonl go."""
@@ -1806,13 +1852,16 @@ def check_out_dir(out):
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
 def lock_out(out):
-    """One writer per --out: an flock on the directory till the process ends (none where flock is refused/missing)."""
+    """One writer per --out from its first check: out made, flocked till the process ends (no lock where flock is
+    refused or missing), then cleared of what killed writes left (remove_stale)."""
     try:
         import fcntl
+        os.makedirs(out, exist_ok=True)
         key = os.path.realpath(out)
         if key not in OUT_LOCKS:
             OUT_LOCKS[key] = os.open(key, os.O_RDONLY)
             fcntl.flock(OUT_LOCKS[key], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            remove_stale(out, r"step_\d+")
     except BlockingIOError:
         os.close(OUT_LOCKS.pop(key))
         raise DFlashError(f"--out {out!r} is locked by another run; wait for it or give another --out") from None
@@ -1838,19 +1887,21 @@ def path_digest(path):
 
 def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue, or (None, None) to start (auto too in a worker torchrun restarted)."""
-    mode, out, left = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
+    mode, out, why = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        left = complete_checkpoints(out)
-        fix = "" if left else "; no complete checkpoint is left: --resume auto starts anew, or give a new --out"
-        need(mode == "auto" and not left, f"--resume: {e}{fix}")
-        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
+        d, why = None, str(e)
+    left = complete_checkpoints(out) if d is None and (mode or earlier_run(out)) else []  # every step_N's files opened
+    if why:  # auto continues the newest complete step_N (or starts, none left); plain --resume names it
+        fix = f"{left[0]} is complete: write {os.path.basename(left[0])} into latest or pass --resume auto" if left \
+            else "no complete checkpoint is left: --resume auto starts anew, or give a new --out"
+        need(mode == "auto", f"--resume: {why}; {fix}")
+        d = left[0] if left else None
         if master:
-            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
-    if d is None and left is None:  # every step_N's files are opened: once, and only where it decides something
-        left = complete_checkpoints(out) if mode or earlier_run(out) else []
-    if d is None and mode and left and not os.path.exists(os.path.join(out, "latest")):
+            print(f"--resume auto: {why}; " + (f"continuing {d}, the newest complete checkpoint" if d else
+                                                f"{out} holds no complete checkpoint: starting anew in it"))
+    elif d is None and mode and left:
         d = left[0]  # latest lost (a crash between a checkpoint and latest, a hand): the newest complete one
         if master:
             print(f"--resume: {out} has no latest; continuing its newest complete checkpoint {d}")
@@ -1982,10 +2033,15 @@ def check_run(args, world, device, master):
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
+    for p, flag in data if writes else []:  # a checkpoint in a save_to_disk --data would change its digest
+        inside = os.path.isdir(p) and os.path.commonpath([os.path.realpath(args.out), os.path.realpath(p)])
+        need(inside != os.path.realpath(p), f"--out {args.out} is inside {flag} {p}; give an --out outside it")
+    if writes and master:  # this run is --out's one writer from the first check that writes, before it
+        lock_out(args.out)
     if writes:
         check_out_dir(args.out)
     if writes and report_to(args):
-        import_tool("trackers", "--report_to").check_trackers(report_to(args))
+        import_tool("trackers", "--report_to").check_trackers(report_to(args), args.out)
     readable = writes and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # never a pipe
     data_digest = broadcast(path_digest(args.data) if master and readable else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
@@ -2020,8 +2076,6 @@ def check_run(args, world, device, master):
         import_tool("plan", "--plan").memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
-    if writes and master:  # every input checked: now this run is --out's one writer, before anything is written
-        lock_out(args.out)
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
 def check_resume(out, run, global_batch, master):
