@@ -900,7 +900,8 @@ def train(args):
                 save(step)
         # --- the end, its eval and save still under StopFlag (a signal there keeps the save)
         if stopped:
-            say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume: the same command and --resume")
+            say(f"interrupted after step {step}: saved {os.path.join(args.out, f'step_{step}')}; resume with the same "
+                "command plus --resume")
         elif step > start:  # (a resumed run that had already finished has nothing left to do)
             held_out(step)
             save(step)
