@@ -898,17 +898,15 @@ def train(args):
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
                 save(step)
-        # --- the end, its eval and save still under StopFlag (a signal there keeps the save)
-        if stopped:
-            say(f"interrupted after step {step}: saved {os.path.join(args.out, f'step_{step}')}; resume with the same "
-                "command plus --resume")
-        elif step > start:  # (a resumed run that had already finished has nothing left to do)
+        # --- the end, under StopFlag: a signal in the final eval or save keeps the save (a resumed run that had
+        if not stopped and step > start:  # already finished has nothing left to do)
             held_out(step)
             save(step)
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
     if stopped:  # not done: a scheduler must not read an interrupted run as finished (the checkpoint resumes it)
+        say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume with the same command plus --resume")
         raise SystemExit(128 + (stop.signum or signal.SIGTERM))
     return drafter, run.cfg, target
 
@@ -1331,29 +1329,26 @@ def read_train_state(d):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # missing, truncated zip, garbage pickle: all one line
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
-    ok = isinstance(state, dict) and {"step", "optimizer", "args", "global_batch", "bad_steps"} <= set(state)
-    need(ok, f"{path}: not a training state (it lacks step, optimizer, args, ...); the file is corrupt")
-    opt = state["optimizer"] if type(state["optimizer"]) is dict else {}
-    groups = opt.get("param_groups") if type(opt.get("state")) is dict else None
-    ok = {"step": is_int(state["step"]) and state["step"] >= 0, "args": type(state["args"]) is dict,
-          "global_batch": is_int(state["global_batch"]) and state["global_batch"] > 0,
-          "bad_steps": is_int(state["bad_steps"]) and state["bad_steps"] >= 0,
-          "optimizer": type(groups) is list and groups and all(type(g) is dict and type(g.get("params")) is list
-                                                               for g in groups)}
+    s = state if isinstance(state, dict) else {}
+    groups = s["optimizer"].get("param_groups") if type(s.get("optimizer")) is dict else None
+    ok = {"step": is_int(s.get("step")) and s["step"] >= 0, "args": type(s.get("args")) is dict,
+          "global_batch": is_int(s.get("global_batch")) and s["global_batch"] > 0,
+          "bad_steps": is_int(s.get("bad_steps")) and s["bad_steps"] >= 0,
+          "optimizer": type(groups) is list and groups and type(s["optimizer"].get("state")) is dict and
+          all(type(g) is dict and type(g.get("params")) is list for g in groups)}
     bad = next((k for k, v in ok.items() if not v), None)
-    need(not bad, f"{path}: its {bad} ({str(state.get(bad))[:40]}) is not a training state's; the file is corrupt")
+    need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
 
 def resume_optimizer(optimizer, state, d):
     """AdamW's state from checkpoint d, refused in one line where it does not fit the drafter's parameters."""
     try:
         optimizer.load_state_dict(state["optimizer"])
-        for p in (p for g in optimizer.param_groups for p in g["params"]):
-            moments = [v.shape for v in (optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()]
-            need(all(s == p.shape for s in moments), f"a moment of shape {moments}, its parameter {tuple(p.shape)}")
+        need(all(v.shape == p.shape for g in optimizer.param_groups for p in g["params"] for v in (
+            optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()), "a moment of another shape")
     except (ValueError, KeyError, TypeError, DFlashError) as e:
         raise DFlashError(f"cannot resume {d}: its optimizer state does not fit the drafter ({first_line(e)}); "
-                          f"the checkpoint is corrupt, resume an earlier one") from None
+                          f"the checkpoint is corrupt") from None
 
 def checkpoint_problem(d):
     """None if d is a complete step_N checkpoint (each of its files opens), else what is wrong with it."""
@@ -1397,19 +1392,12 @@ def last_complete(out):
         return f"no complete checkpoint in {out} yet"
 
 def remove_stale(d, names):
-    """Remove what killed writes left in d: <name>.tmp<pid> (save_drafter's, write_atomic's; names: a regex) and
-    <name>.old<pid> once <name> is back, where process pid is gone (POSIX: os.kill(pid, 0) only asks)."""
-    for n in os.listdir(d) if os.name == "posix" else []:
-        m, p = re.fullmatch(rf"({names})\.(tmp|old)(\d+)", n), os.path.join(d, n)
-        other = m and os.path.join(d, m[1] if m[2] == "old" else f"{m[1]}.old{m[3]}")  # a .tmp beside its .old (a
-        if not m or os.path.exists(other) != (m[2] == "old"):  # save killed between its renames): both are kept
-            continue
-        try:
-            os.kill(int(m[3]), 0)
-        except ProcessLookupError:  # gone (alive, another user's: PermissionError)
+    """Remove what killed writes left in d (names: a regex): <name>.tmp<pid>, and <name>.old<pid> once <name> is back,
+    where process pid is gone (as Linux's /proc tells); a .tmp beside its .old (killed between the renames) stays."""
+    for m in [re.fullmatch(rf"({names})\.(tmp|old)(\d+)", n) for n in os.listdir(d) if os.path.isdir("/proc/self")]:
+        p, other = m and os.path.join(d, m[0]), m and os.path.join(d, m[1] if m[2] == "old" else f"{m[1]}.old{m[3]}")
+        if m and not os.path.exists(f"/proc/{m[3]}") and os.path.exists(other) == (m[2] == "old"):
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        except OSError:
-            pass
 
 def write_atomic(path, text):
     """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one)."""
@@ -1894,18 +1882,13 @@ def resume_point(args, data_digest, master=True):
     except DFlashError as e:
         d, why = None, str(e)
     left = complete_checkpoints(out) if d is None and (mode or earlier_run(out)) else []  # every step_N's files opened
-    if why:  # auto continues the newest complete step_N (or starts, none left); plain --resume names it
-        fix = f"{left[0]} is complete: write {os.path.basename(left[0])} into latest or pass --resume auto" if left \
-            else "no complete checkpoint is left: --resume auto starts anew, or give a new --out"
-        need(mode == "auto", f"--resume: {why}; {fix}")
-        d = left[0] if left else None
-        if master:
-            print(f"--resume auto: {why}; " + (f"continuing {d}, the newest complete checkpoint" if d else
-                                                f"{out} holds no complete checkpoint: starting anew in it"))
-    elif d is None and mode and left:
-        d = left[0]  # latest lost (a crash between a checkpoint and latest, a hand): the newest complete one
-        if master:
-            print(f"--resume: {out} has no latest; continuing its newest complete checkpoint {d}")
+    fix = (f"{left[0]} is complete: write {os.path.basename(left[0])} into latest or pass --resume auto" if left else
+           "no complete checkpoint is left: --resume auto starts anew, or give a new --out")
+    need(not why or mode == "auto", f"--resume: {why}; {fix}")  # auto: the newest complete step_N, or a start
+    d = left[0] if mode and left else d  # latest lost (a crash between a checkpoint and latest, a hand), or bad
+    if master and mode and (why or left):
+        how = f"continuing {d}, the newest complete one" if d else "it holds no complete checkpoint: starting anew"
+        print(f"--resume: {why or f'{out} has no latest'}; {how}")
     if d is None:
         earlier = earlier_run(out)
         fix = "--resume auto starts anew in it, or give a new --out" if earlier else "drop --resume to start"

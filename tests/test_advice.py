@@ -79,7 +79,8 @@ def test_a_corrupt_latest_with_no_complete_checkpoint_resumes_auto(w, trained, c
     base = w["base"] + ["--out", str(tmp_path / "one_left")]
     fails_with(capsys, base + ["--resume"], "corrupt", "step_1 is complete: write step_1 into latest")
     said = runs(base + ["--resume", "auto"], capsys).out
-    assert f"continuing {os.path.join(tmp_path, 'one_left', 'step_1')}" in said and "resumed from" in said, said
+    step1 = os.path.join(tmp_path, "one_left", "step_1")
+    assert f"continuing {step1}, the newest complete one" in said and f"resumed from {step1}" in said, said
 
 
 def test_data_naming_a_directory(w, capsys, tmp_path):

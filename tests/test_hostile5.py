@@ -208,7 +208,7 @@ def test_latest_naming_a_lost_step_continues_the_newest_complete_one(w, trained,
                f"{step1} is complete: write step_1 into latest", "--resume auto")
     dflash.main(w["base"] + ["--out", out, "--resume", "auto"])
     said = capsys.readouterr().out
-    assert f"continuing {step1}, the newest complete checkpoint" in said, said
+    assert f"continuing {step1}, the newest complete one" in said, said
     assert f"resumed from {step1} at step 1" in said, said
     assert metrics_steps(out) == [1, 2] and open(os.path.join(out, "latest")).read().strip() == "step_2"
 
