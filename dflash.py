@@ -1340,8 +1340,7 @@ def read_train_state(d):
     need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
 
-def resume_optimizer(optimizer, state, d):
-    """AdamW's state from checkpoint d, refused in one line where it does not fit the drafter's parameters."""
+def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, refused in one line unless it fits
     try:
         optimizer.load_state_dict(state["optimizer"])
         need(all(v.shape == p.shape for g in optimizer.param_groups for p in g["params"] for v in (
@@ -1554,10 +1553,6 @@ def template_kwargs(tokenizer, enable_thinking):  # enable_thinking when set and
     template = getattr(tokenizer, "chat_template", None) or ""
     return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
 
-def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
-    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
-    return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
-
 def chat_sample(messages, tokenizer, kw, eos, where):
     """(ids, mask) as inference tokenizes it: each assistant turn after the text before it, mask 1 from its generation
     prompt's end through its eos; turns are found in the full rendering (Qwen3 drops earlier turns' think blocks)."""
@@ -1689,9 +1684,9 @@ def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_
         elif len(anchor_candidates(mask)):  # its response lies past max_len
             cut.append(len(ids) - max_len)
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
-    short, over = lines - len(samples) - len(cut), max(cut, default=0)
-    why = ", ".join([f"{len(cut)} whose response --max_len {max_len} cut away (up to {over} tokens over it; raise "
-                     f"--max_len)"] * bool(cut) + [f"{short} with fewer than 2 response tokens"] * bool(short))
+    why = ", ".join(f"{n} {what}" for n, what in ((len(cut), f"whose response --max_len {max_len} cut away (up to "
+                    f"{max(cut or [0])} tokens over it; raise --max_len)"), (lines - len(samples) - len(cut), "with "
+                    "fewer than 2 response tokens")) if n)
     need(samples, f"{path}: no usable samples ({lines} skipped: {why})")
     if lines > len(samples):
         say(f"{path}: skipped {lines - len(samples)} samples ({why}), kept {len(samples)}")
@@ -1714,19 +1709,16 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
 
-STOP_SIGNALS = [getattr(signal, s) for s in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, s)]  # no SIGHUP: Windows
-
 class StopFlag:
-    """`with StopFlag(out, say) as stop`: SIGTERM/SIGINT/SIGHUP set stop.requested (finish the step, save, exit); a
-    second signal keeps the save; a third abandons it (SystemExit 128+signal; a half-written checkpoint goes, latest
-    stays). A signal ignored at the start (nohup's SIGHUP) stays ignored."""
+    """`with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as nohup does) set stop.requested (finish the
+    step, save, exit); a second keeps the save; a third abandons it (SystemExit 128+signal; latest stays)."""
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
-        kept = [s for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN]
-        self.previous = {s: signal.signal(s, self._handler) for s in kept}
+        sigs = {signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGINT)}  # no SIGHUP on Windows
+        self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc):
@@ -1816,9 +1808,7 @@ def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):
     """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
     try:
         os.makedirs(d, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
-        os.close(fd)
-        os.remove(probe)
+        tempfile.NamedTemporaryFile(prefix=".probe", dir=d).close()  # made, then removed
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
@@ -1841,8 +1831,7 @@ def check_out_dir(out):
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
 def lock_out(out):
-    """One writer per --out from its first check: out made, flocked till the process ends (no lock where flock is
-    refused or missing), then cleared of what killed writes left (remove_stale)."""
+    """One writer per --out from its first check: made, flocked till the process ends (if flock works), remove_stale."""
     try:
         import fcntl
         os.makedirs(out, exist_ok=True)
@@ -1861,11 +1850,8 @@ def earlier_run(out):
     """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
     names = os.listdir(out) if os.path.isdir(out) else []
     steps = [step_of(n) for n in names if step_of(n) is not None and os.path.isdir(os.path.join(out, n))]
-    metrics = os.path.join(out, "metrics.jsonl")
-    if steps:
-        return f"checkpoints up to step {max(steps)}"
-    if "latest" in names or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
-        return "a run without a complete checkpoint"
+    if steps or "latest" in names or os.path.isfile(m := os.path.join(out, "metrics.jsonl")) and os.path.getsize(m):
+        return f"checkpoints up to step {max(steps)}" if steps else "a run without a complete checkpoint"
 
 def path_digest(path):
     """{size, sha256} of a data file (a save_to_disk dir: formats.py), kept in checkpoints: a resume sees a change."""
@@ -2005,7 +1991,7 @@ def check_run(args, world, device, master):
             what = "is not a regular file (a pipe?)" if os.path.exists(p) else "does not exist"
             problems.append(f"data file {p!r} {what}; pass {flag} with a JSONL or Parquet file or a save_to_disk dir")
         elif os.path.isdir(p) or data_kind(p):
-            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag)
+            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag, None if args.show_data else args.out)
     if len(data) == 2 and not problems and os.path.samefile(args.data, args.eval_data):
         problems.append(f"--eval_data {args.eval_data} is --data itself; give other data, or drop --eval_data")
     if args.eval_data and args.eval_fraction:
@@ -2017,9 +2003,6 @@ def check_run(args, world, device, master):
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
-    for p, flag in data if writes else []:  # a checkpoint in a save_to_disk --data would change its digest
-        inside = os.path.isdir(p) and os.path.commonpath([os.path.realpath(args.out), os.path.realpath(p)])
-        need(inside != os.path.realpath(p), f"--out {args.out} is inside {flag} {p}; give an --out outside it")
     if writes and master:  # this run is --out's one writer from the first check that writes, before it
         lock_out(args.out)
     if writes:

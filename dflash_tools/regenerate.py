@@ -606,8 +606,8 @@ class Stop:
 
     def __init__(self):
         self.requested, self.fatal = False, None
-        self.previous = {s: signal.signal(s, self._handler) for s in dflash.STOP_SIGNALS
-                         if signal.getsignal(s) != signal.SIG_IGN}
+        sigs = {signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGINT)}  # no SIGHUP on Windows
+        self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
 
     def _handler(self, signum, frame):
         if self.requested:
