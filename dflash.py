@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import zlib
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
@@ -898,8 +898,7 @@ def train(args):
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
                 save(step)
-        # --- the end, under StopFlag: a signal in the final eval or save keeps the save (a resumed run that had
-        if not stopped and step > start:  # already finished has nothing left to do)
+        if not stopped and step > start:  # --- the end (none if resumed done), under StopFlag: a signal keeps its save
             held_out(step)
             save(step)
     trackers.close()
@@ -1149,8 +1148,7 @@ def engine_problems(cfg):
 
 def config_to_json(cfg):
     """z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read."""
-    bad = engine_problems(cfg)
-    need(not bad, "\n".join(bad))
+    need(not (bad := engine_problems(cfg)), "\n".join(bad))
     d = {k: v for k, v in asdict(cfg).items() if k in {f.name for f in fields(DFlashConfig)} and k != "is_causal"}
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
@@ -1288,8 +1286,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
 def target_record(target):
-    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values, compared within bf16
-    rounding, since fp16 rounds unlike bf16 and no hash survives the load dtype."""
+    """Name, fingerprint (a hash: older checkpoints) and probe: embedding values, compared within bf16's rounding."""
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
@@ -1330,12 +1327,11 @@ def read_train_state(d):
     except Exception as e:  # missing, truncated zip, garbage pickle: all one line
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
     s = state if isinstance(state, dict) else {}
-    groups = s["optimizer"].get("param_groups") if type(s.get("optimizer")) is dict else None
-    ok = {"step": is_int(s.get("step")) and s["step"] >= 0, "args": type(s.get("args")) is dict,
-          "global_batch": is_int(s.get("global_batch")) and s["global_batch"] > 0,
-          "bad_steps": is_int(s.get("bad_steps")) and s["bad_steps"] >= 0,
-          "optimizer": type(groups) is list and groups and type(s["optimizer"].get("state")) is dict and
-          all(type(g) is dict and type(g.get("params")) is list for g in groups)}
+    opt = s["optimizer"] if type(s.get("optimizer")) is dict else {}
+    groups, count = opt.get("param_groups"), lambda k, least=0: is_int(s.get(k)) and s[k] >= least
+    ok = {"step": count("step"), "global_batch": count("global_batch", 1), "bad_steps": count("bad_steps"),
+          "args": type(s.get("args")) is dict, "optimizer": type(opt.get("state")) is dict and type(groups) is list
+          and groups and all(type(g) is dict and type(g.get("params")) is list for g in groups)}
     bad = next((k for k, v in ok.items() if not v), None)
     need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
@@ -1371,11 +1367,9 @@ def latest_checkpoint(out):
     latest = os.path.join(out, "latest")
     if not os.path.isfile(latest):
         return None
-    try:
-        with open(latest, "rb") as f:
-            name = f.read(4096).decode().strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
+    name = ""
+    with suppress(OSError, UnicodeDecodeError), open(latest, "rb") as f:
+        name = f.read(4096).decode().strip()
     need(re.fullmatch(r"step_\d+", name), f"{latest} is corrupt ({name[:60]!r} is no step_N directory of {out})")
     why = checkpoint_problem(os.path.join(out, name))
     need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}")
@@ -1383,16 +1377,12 @@ def latest_checkpoint(out):
 
 def last_complete(out):
     """What a run that stops now leaves behind: the checkpoint <out>/latest names (read, not checked)."""
-    try:
-        with open(os.path.join(out, "latest")) as f:
-            name = os.path.join(out, f.read(4096).strip())
-        return f"the last complete checkpoint is {name} (resume from it with --resume)"
-    except (OSError, UnicodeDecodeError):
-        return f"no complete checkpoint in {out} yet"
+    with suppress(OSError, UnicodeDecodeError), open(os.path.join(out, "latest")) as f:
+        return f"the last complete checkpoint is {os.path.join(out, f.read(4096).strip())} (resume it with --resume)"
+    return f"no complete checkpoint in {out} yet"
 
 def remove_stale(d, names):
-    """Remove what killed writes left in d (names: a regex): <name>.tmp<pid>, and <name>.old<pid> once <name> is back,
-    where process pid is gone (as Linux's /proc tells); a .tmp beside its .old (killed between the renames) stays."""
+    """Remove killed writes' <name>.tmp<pid> (not beside its .old) and .old<pid> (<name> back) in d, the pid gone."""
     for m in [re.fullmatch(rf"({names})\.(tmp|old)(\d+)", n) for n in os.listdir(d) if os.path.isdir("/proc/self")]:
         p, other = m and os.path.join(d, m[0]), m and os.path.join(d, m[1] if m[2] == "old" else f"{m[1]}.old{m[3]}")
         if m and not os.path.exists(f"/proc/{m[3]}") and os.path.exists(other) == (m[2] == "old"):
@@ -1471,8 +1461,7 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
-    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    shard (--shard_target): the decoder layers split over the ranks by dflash_tools/shard.py."""
+    """A path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says ("meta": config.json alone; shard.py)."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
@@ -1528,11 +1517,9 @@ def read_jsonl(path, what, hint=""):
         raise DFlashError(f"cannot read {what} file {path!r}: {why}") from None
 
 def data_kind(path):  # what a data file that is not JSONL is, by its first bytes: "Parquet", "a JSON array" or None
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:  # unreadable: read_jsonl says so
-        return None
+    head = b""
+    with suppress(OSError), open(path, "rb") as f:  # unreadable: None, and read_jsonl says so
+        head = f.read(4096)
     return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
 def read_records(path, what, hint=""):
@@ -1607,8 +1594,7 @@ def show_data(samples, tokenizer, n, file=None):
               f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
 
 def record_kind(record, where, tokenizer, kinds):
-    """Which of `kinds` ("input_ids", "messages", "prompt+response", "prompt", "text") a record is (the first whose
-    fields are all there, not null), its fields checked; the one parser of training data and eval.py's prompts."""
+    """Which of `kinds` a record is (the first with all its fields, not null), checked; data's and eval.py's parser."""
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
     need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
@@ -1652,8 +1638,7 @@ def chat_record(record, where):  # ShareGPT's {"conversations": [...]} as {"mess
     return record
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
-    """Any record -> (input_ids, loss_mask), 1 on what the drafter learns: chat data's assistant turns (rendered as at
-    inference, each ended by the tokenizer's eos or one of eos_ids), a response, a whole text, or as given."""
+    """A record -> (ids, loss_mask), 1 on what is learnt: assistant turns (to an eos), a response, a text, as given."""
     record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
@@ -1728,12 +1713,10 @@ class StopFlag:
     def _handler(self, signum, frame):
         self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
         name = signal.Signals(signum).name
-        if self.count == 1:
-            self.say(f"{name}: finishing this step, then saving a checkpoint")
-        elif self.count == 2:
-            self.say(f"second signal ({name}): still saving after this step; a third abandons it")
-        else:
-            self.say(f"third signal ({name}): abandoning the checkpoint; {last_complete(self.out)}")
+        self.say(f"{name}: finishing this step, then saving a checkpoint" if self.count == 1 else
+                 f"second signal ({name}): still saving after this step; a third abandons it" if self.count == 2 else
+                 f"third signal ({name}): abandoning the checkpoint; {last_complete(self.out)}")
+        if self.count > 2:
             raise SystemExit(128 + signum)
 
 def pick_device(flag, local_rank=0):  # --device, or cuda:LOCAL_RANK when CUDA is there, else cpu
@@ -1932,8 +1915,7 @@ def check_lengths(samples, tc, where):
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
-    """A new drafter shaped like z-lab's: the target's geometry unless given (past its window: its yarn), n-1 sliding
-    layers + 1 full unless layer_types says otherwise. Every problem is raised at once."""
+    """A drafter like z-lab's: the target's geometry unless given (past its window: yarn); n-1 sliding, 1 full layer."""
     tc = target.model.config.get_text_config()
     (rope_theta, rope_note), (reach, yarn) = target_rope(tc), target_window(tc)
     native = getattr(tc, "max_position_embeddings", None) or 32768
@@ -2046,8 +2028,7 @@ def check_run(args, world, device, master):
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
 def check_resume(out, run, global_batch, master):
-    """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
-    (all of it on a fresh start)."""
+    """The checkpoint has this run's drafter and global batch; rank 0 cuts metrics.jsonl back to its step (or all)."""
     d, state = run.resume_dir, run.state
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
@@ -2098,8 +2079,7 @@ def progress_bar(total_steps, step, master, args):
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
 
 def load_run_target(args, run, world, device):
-    """The run's target (sharded with --shard_target under torchrun) and its record, which a drafter to go on
-    (--init_from's, the checkpoint's) must have been trained against (unless --allow_other_target)."""
+    """The target (sharded with --shard_target) and its record, which a drafter to go on must have been trained on."""
     shard = args.shard_target and world > 1
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)
@@ -2159,8 +2139,7 @@ def generation_prompt(tokenizer, kw):
     return full[len(base):] if full.startswith(base) else full
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """The settings a walked tau depends on besides the drafter: thinking, max_new_tokens, greedy or the sampling
-    (temperature, top_p, top_k), hashes of the chat template with its generation prompt and of the prompts."""
+    """What a walked tau depends on besides the drafter: thinking, max_new_tokens, sampling, template/prompt hashes."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
     if "enable_thinking" in template and enable_thinking is not None:
         thinking = "on" if enable_thinking else "off"
