@@ -1791,7 +1791,8 @@ def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):
     """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
     try:
         os.makedirs(d, exist_ok=True)
-        tempfile.NamedTemporaryFile(prefix=".probe", dir=d).close()  # made, then removed
+        fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
+        os.close(fd), os.remove(probe)
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
@@ -1814,11 +1815,10 @@ def check_out_dir(out):
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
 def lock_out(out):
-    """One writer per --out from its first check: made, flocked till the process ends (if flock works), remove_stale."""
+    """One writer per --out from its first check: made, flocked till the process ends (if flock works); remove_stale."""
     try:
         import fcntl
-        os.makedirs(out, exist_ok=True)
-        key = os.path.realpath(out)
+        os.makedirs(key := os.path.realpath(out), exist_ok=True)
         if key not in OUT_LOCKS:
             OUT_LOCKS[key] = os.open(key, os.O_RDONLY)
             fcntl.flock(OUT_LOCKS[key], fcntl.LOCK_EX | fcntl.LOCK_NB)
