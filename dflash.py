@@ -1341,7 +1341,7 @@ def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, ref
         optimizer.load_state_dict(state["optimizer"])
         need(all(v.shape == p.shape for g in optimizer.param_groups for p in g["params"] for v in (
             optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()), "a moment of another shape")
-    except (ValueError, KeyError, TypeError, DFlashError) as e:
+    except (ValueError, KeyError, IndexError, TypeError, DFlashError) as e:
         raise DFlashError(f"cannot resume {d}: its optimizer state does not fit the drafter ({first_line(e)}); "
                           f"the checkpoint is corrupt") from None
 
