@@ -502,9 +502,8 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
 class CE:
-    """The method's loss, hard cross-entropy, as --loss objects state it (another: dflash_tools/losses.py): per token
-    from a chunk of fp32 logits (T, V); the weights from the method's w and the drafter's log q of each label (no
-    gradient); the denominator, summed over the global batch."""
+    """The method's loss as a --loss states it: per token of fp32 logits (T, V); the weights from the method's w and
+    the drafter's log q of each label (no gradient); the denominator, summed over the global batch."""
     def token_loss(self, logits, labels):
         return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
@@ -514,17 +513,11 @@ class CE:
     def normaliser(self, w):
         return w.sum()
 
-def token_selection(weights, device):
-    """The flat indices of the tokens that count (w > 0, not padding anchors), found where the weights were built (on
-    the CPU in training: no device sync), and the weights on the device."""
-    return (weights.flatten() > 0).nonzero().squeeze(1).to(device), weights.to(device)
-
 def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
-    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, and the stats of the same
-    pass to all-reduce. hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot)
-    @ W for CE, is formed chunk by chunk in ChunkedLMHead's forward (Part II): [tokens, V] logits never exist."""
-    loss = loss or CE()
-    sel, weights = token_selection(weights, hidden.device)
+    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, its stats to all-reduce;
+    hidden (b, N, B, D), labels/weights (b, N, B). [tokens, V] logits never exist: ChunkedLMHead (Part II)."""
+    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
+    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
     y = labels.flatten()[sel].clamp(min=0)
     tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
                                          chunk or vocab_chunk(lm_head.weight.shape[0]), loss)
@@ -548,9 +541,8 @@ def accuracy_stats(correct, valid):
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
                 labels="target", pad_to=None, raw_model=None, **loss_kw):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
-    model: the drafter or its compiled/DDP wrapper (raw_model: the drafter). labels: "target" (its greedy token at
-    a+i: what verification accepts) or "data". Returns (sum(w * CE) / weight_total, stats); training passes the
-    global batch's weight_total, so the split over ranks and micro-steps cannot dilute or reweight the loss."""
+    model: the drafter or its compiled/DDP wrapper (raw_model: the drafter); labels: "target" (its greedy token at a+i,
+    what verification accepts) or "data". Returns sum(w * CE) / weight_total (the global batch's: undiluted), stats."""
     dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where it was built: token_selection)
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
@@ -860,10 +852,9 @@ def train(args):
 # =============================================================================
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
-    """Each block's queries attend to [context ; own block]: one softmax over both, in two parts that share one max
-    per query row m, so the context keys/values are not copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S,
-    hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees
-    nothing (a padding anchor) gives 0."""
+    """Each block's queries attend to [context ; own block]: one softmax over both in two parts sharing one max per
+    row, the context keys/values never copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk
+    (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees nothing gives 0."""
     b, N, B, h, hd = q.shape
     S, hk = k_ctx.shape[1], k_ctx.shape[2]
     g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
@@ -890,9 +881,8 @@ def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
 CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
 
 def context_spans(ctx_visible):
-    """About S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of context keys its queries
-    see: (n0, n1, lo, hi). Anchors come sorted, so a group's scores need only its span (about half the product for
-    full layers, the window's band for sliding ones); exact in any order. Compiled: one group (static shapes)."""
+    """~S / CONTEXT_TILE groups of consecutive blocks (n0, n1) with the span [lo, hi) of context keys they see: sorted
+    anchors need only their span (~half for full layers, the band for sliding ones). Compiled: one group."""
     b, N, B, S = ctx_visible.shape
     G = min(N, S // CONTEXT_TILE)
     if G <= 1 or torch.compiler.is_compiling():
@@ -923,9 +913,8 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     return max(1, budget // vocab_size)
 
 class ChunkedLMHead(torch.autograd.Function):
-    """A loss's per-token values (CE: lse - logit of the label), log q of the label and the argmax of lm_head(h) in
-    chunks of rows, with the gradient w.r.t. h (d loss / d logits @ W; the lm_head is frozen) formed in the same pass:
-    only (T, D) is kept for backward. CE's gradient softmax - onehot is formed in place; another loss's by autograd."""
+    """A loss per token, log q of the label and the argmax of lm_head(h), in chunks of rows, with the gradient w.r.t.
+    h (d loss/d logits @ W) formed in the same pass (CE's in place, another's by autograd): only (T, D) is kept."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, loss):
