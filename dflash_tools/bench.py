@@ -399,8 +399,9 @@ def drafter_flops(cfg, S, N, weighted_tokens, pairs):
         backward (what a fused kernel must do; masked tiles it still computes are not counted)"""
     D, I, L, B = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.block_size
     h, hk, hd, m = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, len(cfg.target_layer_ids)
-    linear = S * (m * D * D * 4 + L * 2 * D * hk * hd * 6) + N * B * L * (D * (2 * h * hd + 2 * hk * hd) + 3 * D * I) * 6
-    return {"linear": linear, "lm_head_ce": weighted_tokens * D * cfg.vocab_size * 4,
+    context = S * (m * D * D * 4 + L * 2 * D * hk * hd * 6)
+    blocks = N * B * L * (D * (2 * h * hd + 2 * hk * hd) + 3 * D * I) * 6
+    return {"linear": context + blocks, "lm_head_ce": weighted_tokens * D * cfg.vocab_size * 4,
             "attention": pairs * 4 * hd * h * 3}
 
 
@@ -494,7 +495,7 @@ def run_gpu(args):
         return ce_w.detach() / w.sum()
 
     def measure(name, fn, step_flops, reps=5):
-        """The first call (compiles), then `reps` timed calls (1 on the CPU): a row with the median, MFU, peak memory."""
+        """The first call (compiles), then `reps` timed calls (1 on the CPU): a row with the median, MFU, peak."""
         row, reps = {"impl": name}, 1 if cpu else reps
         try:
             if not cpu:
