@@ -160,8 +160,7 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
 
 def dense_masks(mask_mod, b, N, S, B, device):
     """The rule evaluated where the dense path computes scores: every block query against the S context keys,
-    (b, N, B, S), and each block's queries against its own B keys, (b, N, B, B). Keys of other blocks are never
-    visible, so nothing else is needed."""
+    (b, N, B, S), and each block's queries against its own B keys, (b, N, B, B); other blocks are never visible."""
     q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
     ctx_idx = torch.arange(S, device=device)                    # context key j
     own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
@@ -722,8 +721,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     return total, grad_norm, ok
 
 def rank_share(items, rank, world):
-    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
-    every forward is a collective)."""
+    """items[rank::world] and ceil(len / world): a short rank pads to it (every sharded forward is a collective)."""
     return items[rank::world], -(-len(items) // world)
 
 @torch.no_grad()
@@ -785,10 +783,9 @@ def build_drafter(args, run, target, world, device, say=print):
     if state:
         optimizer.load_state_dict(state["optimizer"])
         say(f"resumed from {run.resume_dir} at step {state['step']}")
-    drafter.train()  # compiled around DDP: the gradient all-reduce overlaps the backward (no buffer ever changes)
-    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(
-        drafter, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-        broadcast_buffers=False)
+    drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
+    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
+        drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
     model = torch.compile(model) if compile_ else model
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
@@ -802,8 +799,7 @@ def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anc
     return min(args.num_anchors, args.max_len - 1)
 
 def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
-    sample for its anchors and noise."""
+    """Right-pad to the longest sample (a causal target's real positions stay); keys: each sample's anchor/noise key."""
     S = max(len(ids) for ids, _ in samples)
     input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
@@ -876,15 +872,14 @@ def train(args):
         held_out(0)
     stopped, t_last, tokens, seen = False, time.time(), 0, []
 
-    def settle(step):  # one host sync for the steps since the last: a non-finite one (skipped) is said and counted
-        nonlocal bad_steps
+    def settle(bad, step):  # one host sync for the steps since the last: each non-finite one (skipped) said, counted
         for k, (ok, loss, grad) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
-            bad_steps = 0 if ok else bad_steps + 1
+            bad = 0 if ok else bad + 1
             if not ok:
-                say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad_steps})")
-                need(bad_steps < args.max_bad_steps,
-                     f"{bad_steps} consecutive non-finite steps; lower --lr or check the data")
+                say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad})")
+            need(bad < args.max_bad_steps, f"{bad} consecutive non-finite steps; lower --lr or check the data")
         seen.clear()
+        return bad
     with StopFlag(args.out, say) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
@@ -895,11 +890,10 @@ def train(args):
             bar.update(1)
             tokens += total["tokens"]  # all ranks' tokens, exactly; on the device until a logged step
             seen.append(torch.stack([ok.float(), total["ce_w"] / total["w"].clamp(min=1e-9), grad_norm.float()]))
-            if step == start + 1 or step % args.log_every == 0 or step == total_steps:
-                settle(step)
             if step == start + 1:
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
+                bad_steps = settle(bad_steps, step)
                 line, record = step_record(step, total, lr, grad_norm, tokens.item() / max(time.time() - t_last, 1e-9),
                                            device, drafter, args.loss)
                 say(line)
@@ -910,7 +904,7 @@ def train(args):
                 held_out(step)
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
-                settle(step)
+                bad_steps = settle(bad_steps, step)
                 save(step)
 
     # --- the end
@@ -1777,10 +1771,9 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def any_rank(flag, world, device):  # true on every rank when true on any (a stop signal may reach one rank only)
-    if world == 1:
-        return bool(flag)
-    t = torch.tensor(float(flag), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor(float(flag), device=device if world > 1 else "cpu")  # (one rank: no device round trip)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
 def broadcast(obj, world):  # rank 0's object on every rank (e.g. the data's digest: one rank reads the file)
@@ -2040,8 +2033,7 @@ def check_run(args, world, device, master):
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
 
 def check_resume(out, run, global_batch, master):
-    """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
-    (all of it on a fresh start)."""
+    """A resumed checkpoint has this run's drafter, global batch; rank 0 cuts metrics.jsonl to its step (all if new)."""
     d, state = run.resume_dir, run.state
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
@@ -2292,7 +2284,7 @@ def get_parser():
     flag(g, "--max_steps", 0, "optimizer steps (0: from --epochs)", int)
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
-    flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
+    flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps (seen when logging)", int, lo=1)
     g = p.add_argument_group("DFlash2 (with --dflash2; dflash_tools/dflash2.py)")
     flag(g, "--dflash2", False, "a DFlash2 drafter (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
     flag(g, "--conv_kernel_size", None, "K, the convolution's taps along the block (default 2)", int, lo=1, hi=256)
