@@ -870,16 +870,7 @@ def train(args):
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
     if step == 0:
         held_out(0)
-    stopped, t_last, tokens, seen = False, time.time(), 0, []
-
-    def settle(bad, step):  # one host sync for the steps since the last: each non-finite one (skipped) said, counted
-        for k, (ok, loss, grad) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
-            bad = 0 if ok else bad + 1
-            if not ok:
-                say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad})")
-            need(bad < args.max_bad_steps, f"{bad} consecutive non-finite steps; lower --lr or check the data")
-        seen.clear()
-        return bad
+    stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
     with StopFlag(args.out, say) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
@@ -888,13 +879,12 @@ def train(args):
                                               args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
-            tokens += total["tokens"]  # all ranks' tokens, exactly; on the device until a logged step
-            seen.append(torch.stack([ok.float(), total["ce_w"] / total["w"].clamp(min=1e-9), grad_norm.float()]))
+            seen.append(torch.stack([ok.float(), total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]))
             if step == start + 1:
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
-                bad_steps = settle(bad_steps, step)
-                line, record = step_record(step, total, lr, grad_norm, tokens.item() / max(time.time() - t_last, 1e-9),
+                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
+                line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
                                            device, drafter, args.loss)
                 say(line)
                 log_metrics(record)
@@ -904,7 +894,7 @@ def train(args):
                 held_out(step)
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
-                bad_steps = settle(bad_steps, step)
+                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
                 save(step)
 
     # --- the end
@@ -931,9 +921,8 @@ def train(args):
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
     """Each block's queries attend to [context ; own block]: one softmax over both, in two parts that share one max
-    per query row m, so the context keys/values are not copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S,
-    hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees
-    nothing (a padding anchor) gives 0."""
+    per query row m (the context keys/values are never copied per block). q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk,
+    hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B); all-masked rows: 0."""
     b, N, B, h, hd = q.shape
     S, hk = k_ctx.shape[1], k_ctx.shape[2]
     g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
@@ -2099,6 +2088,17 @@ def run_summary(args, target, total_steps, global_batch, world, device):
     param = f"gamma {args.gamma}" if args.loss == "ce" else f"alpha {args.dpace_alpha}"
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
+
+def settle(seen, bad, tokens, step, args, say):
+    """One host sync reads the steps up to `step` not read yet (seen, emptied): a non-finite one (update skipped) is
+    said and counted (--max_bad_steps in a row end the run), all ranks' tokens added. Returns both counts."""
+    for k, (ok, loss, grad, n) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
+        bad, tokens = 0 if ok else bad + 1, tokens + n
+        if not ok:
+            say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad})")
+        need(bad < args.max_bad_steps, f"{bad} consecutive non-finite steps; lower --lr or check the data")
+    seen.clear()
+    return bad, tokens
 
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
