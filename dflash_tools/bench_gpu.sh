@@ -117,7 +117,7 @@ else
     phase "2. the training step at the Qwen3-8B drafter shape: compiled MFU, target forward, train_step"
     run "bench.py --gpu" 210 python3 -u dflash_tools/bench.py --gpu --json "$OUT/bench_gpu.json"
     phase "3. GPU = CPU: torchrun's compiled loop and its tau"
-    run "GPU = CPU test" 120 python3 -u -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py -k torchrun
+    run "GPU = CPU test" 150 python3 -u -m pytest -q -rs -s -p no:cacheprovider tests/test_gpu.py -k torchrun
     phase "4. flex enable_gqa=True against repeated K/V at the training length"
     run "bench_long.py --flex" 90 python3 -u dflash_tools/bench_long.py --flex --json "$OUT/flex.json"
     phase "5. the other GPU tests"
