@@ -69,8 +69,17 @@ else
     ((mb > MAX_MB)) && { echo "error: $WHEELS is over $MAX_MB MiB"; ((dry)) && exit 1; }
     SITE=$(mktemp -d /tmp/dflash_site.XXXXXX)
     # shellcheck disable=SC2086
-    python3 -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$SITE" $PINS \
-        || echo "warning: pip could not install every wheel into $SITE (the image's versions stay where it failed)"
+    python3 -m pip install -q --no-index --no-deps --find-links "$WHEELS" --target "$SITE" $PINS || {
+        echo "warning: pip could not install the wheels; unpacking them into $SITE instead (a wheel is a zip)"
+        python3 - "$WHEELS" "$SITE" <<'EOF'
+import glob, sys, zipfile
+tag = "cp%d%d" % sys.version_info[:2]
+for w in sorted(glob.glob(sys.argv[1] + "/*.whl")):
+    parts = w.rsplit("/", 1)[1][:-4].split("-")  # name-version-python-abi-platform
+    if parts[2] in ("py3", "py2.py3", tag) or parts[3] == "abi3":
+        zipfile.ZipFile(w).extractall(sys.argv[2])
+EOF
+    }
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 - <<'EOF'
