@@ -45,7 +45,7 @@ dry=0
 OUT=${OUT:-$ROOT/out/bench_gpu}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/bench_gpu.log") 2>&1
-export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 HF_HUB_OFFLINE=1  # no network there: never wait on one
 # any recompile or graph break shows in the log
 export TORCH_LOGS="${TORCH_LOGS:-recompiles,graph_breaks}"
 budget=$(( dry ? 3600 : 530 ))  # seconds for everything; the last phase gets what is left
