@@ -616,10 +616,10 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
     if flex:  # few shapes for the compiled kernel: the context padded by the one rule (padding is never visible:
-        pad = padded_length(S) - S  # j >= S > a), anchors padded to whole chunks (padding anchors see nothing)
-        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
+        pad = padded_length(S) - S  # j >= S > a), anchors padded to whole chunks of at most padded_length(anchors)
+        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))  # (they see nothing)
     S_ctx = context_features.shape[1]
-    chunk = anchors_per_chunk(cfg, S_ctx, drafter.attention, budget)
+    chunk = min(anchors_per_chunk(cfg, S_ctx, drafter.attention, budget), padded_length(len(anchors)) if flex else S)
     kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
     drafts, extra = [], []
     for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
@@ -716,10 +716,12 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     total = all_reduce_sum(total, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    ok = math.isfinite(summarize(total)["loss"]) and math.isfinite(grad_norm.item())
+    ok = torch.isfinite(total["ce_w"]) & torch.isfinite(grad_norm)  # a tensor: no host sync (the loop reads it)
     for g in optimizer.param_groups:
         g["lr"] = lr
-    if ok:
+    if fused := isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]:
+        optimizer.found_inf = (~ok).float()  # the fused kernel skips a non-finite step itself: no host sync
+    if fused or ok:  # (else a host sync: --zero's or a CPU optimizer)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm, ok
@@ -748,11 +750,10 @@ def build_drafter(args, run, target, world, device, say=print):
     if state:
         resume_optimizer(optimizer, state, run.resume_dir)
         say(f"resumed from {run.resume_dir} at step {state['step']}")
-    drafter.train()
-    model = torch.compile(drafter) if compile_ else drafter
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
+    drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
+    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
+        drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
+    model = torch.compile(model) if compile_ else model
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
@@ -806,20 +807,21 @@ def train(args):
     step_fn = partial(run.stage.train_step, args=args, state=run.stage_state) if run.stage else train_step
     if step == 0:
         held_out(0)
-    stopped, t_last, tokens = False, time.time(), 0
+    stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
     with StopFlag(args.out, say) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
             total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
                                            args.grad_clip, world, progress=(step, total_steps), **loss_kw)
-            bad_steps = 0 if ok else count_bad_step(bad_steps, step + 1, total, grad_norm, args, say)
             step += 1
             bar.update(1)
-            tokens += total["tokens"].item()  # all ranks' tokens, exactly
+            seen.append(torch.stack([torch.as_tensor(x, dtype=torch.float32, device=device) for x in (  # (a stage: any)
+                ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"])]))
             if step == start + 1:
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
+                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
                 line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
                                            device, drafter, args.loss)
                 say(line)
@@ -830,6 +832,7 @@ def train(args):
                 held_out(step)
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
+                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
                 save(step)
         if not stopped and step > start:  # --- the end (none if resumed done), under StopFlag: a signal keeps its save
             held_out(step)
@@ -899,7 +902,8 @@ compiled_flex_attention = compiled_create_block_mask = None
 
 def compile_flex():
     global compiled_flex_attention, compiled_create_block_mask
-    if compiled_flex_attention is None:
+    if compiled_flex_attention is None:  # a compile per (padded length, layer kind): past dynamo's 8 flex ran unfused
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
     if compiled_create_block_mask is None:
         compiled_create_block_mask = torch.compile(create_block_mask)
@@ -1076,8 +1080,7 @@ def config_problems(c):  # every problem at once, one line each
     lists = isinstance(types, list)
     known = lists and all(t in LAYER_TYPES.values() for t in types)
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
-    return [msg for ok, msg in [
-        (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
+    return [msg for ok, msg in [(c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
         (c.block_size >= 2, f"block_size must be >= 2 (an anchor plus drafts), got {c.block_size}"),
         (H % KV == 0, f"num_attention_heads {H} % num_key_value_heads {KV} != 0; fix --num_heads or --num_kv_heads"),
         (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
@@ -1716,7 +1719,7 @@ def peak_memory_mb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 def any_rank(flag, world, device):  # true on every rank when true on any (a stop signal may reach one rank only)
-    t = torch.tensor(float(flag), device=device)
+    t = torch.tensor(float(flag), device=device if world > 1 else "cpu")  # (one rank: no device round trip)
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
@@ -2051,12 +2054,16 @@ def run_summary(args, target, total_steps, global_batch, world, device):
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
-def count_bad_step(bad_steps, step, total, grad_norm, args, say):
-    """A step with a non-finite loss or grad norm (update skipped), counted: --max_bad_steps in a row end the run."""
-    bad_steps += 1
-    say(f"step {step}: non-finite loss {summarize(total)['loss']} / grad {grad_norm.item()}; skipped ({bad_steps})")
-    need(bad_steps < args.max_bad_steps, f"{bad_steps} consecutive non-finite steps; lower --lr or check the data")
-    return bad_steps
+def settle(seen, bad, tokens, step, args, say):
+    """One host sync reads the steps up to `step` not read yet (seen, emptied): a non-finite one (update skipped) is
+    said and counted (--max_bad_steps in a row end the run), all ranks' tokens added. Returns both counts."""
+    for k, (ok, loss, grad, n) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
+        bad, tokens = 0 if ok else bad + 1, tokens + n
+        if not ok:
+            say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad})")
+        need(bad < args.max_bad_steps, f"{bad} consecutive non-finite steps; lower --lr or check the data")
+    seen.clear()
+    return bad, tokens
 
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
@@ -2387,7 +2394,7 @@ def get_parser():
     flag(g, "--max_steps", 0, "optimizer steps (0: from --epochs)", int)
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
-    flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
+    flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps (seen when logging)", int, lo=1)
     g = p.add_argument_group("system")
     flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
     flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
