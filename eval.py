@@ -82,6 +82,11 @@ def step_anchors(lengths):
 # Prompts: JSONL -> token-id lists
 
 
+def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
+    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
+
+
 def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     """One JSONL record -> prompt token ids (dflash.record_kind parses it). {"prompt": str} is a single user turn
     through the chat template (raw text when the tokenizer has none); {"messages": [...]} goes through the chat
@@ -98,9 +103,9 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         dflash.need(messages, f"{where}: messages hold no turn before the assistant's")
-        ids = dflash.chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
+        ids = chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
     elif kind == "prompt" and tokenizer.chat_template:
-        ids = dflash.chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
     else:  # a prompt without a chat template, or text: raw text
         ids = tokenizer(rec[kind], add_special_tokens=False)["input_ids"]
     dflash.need(ids, f"{where}: the prompt encodes to no tokens")
@@ -710,7 +715,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     if tok is None or not tok.chat_template:
         raise DFlashError("--bench needs the target tokenizer's chat template, and it has none")
     kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
-    render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
+    render = lambda messages: chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     benchmarks = dflash.import_tool("benchmarks", "--bench")

@@ -3,7 +3,7 @@ Long-context benchmark: peak memory and time of one training step against the se
 
     python -m dflash_tools.bench_long                       # CPU: 1k, 2k, 4k, ... until a step passes the limits
     python -m dflash_tools.bench_long --lengths 1024,4096 --anchors 64 --json long.json
-    python -m dflash_tools.bench_long --flex                # CUDA: the compiled flex attention at 8k and 32k
+    python -m dflash_tools.bench_long --flex                # CUDA: the compiled flex attention at the training length
     python -m dflash_tools.bench_long --write_prompts long.jsonl --target .cache/<tiny target>  # eval.py's depth
 
 CPU (the dense path, two_part_attention over context spans): a tiny random Qwen3.5-hybrid target (3 Gated DeltaNet
@@ -17,9 +17,9 @@ backward (saved_tensors_hooks: exact, allocator-free). The growth of each agains
 
 --flex (one GPU; dflash_tools/bench_gpu.sh runs it): flex_attention forward + backward, compiled, with the DFlash
 block mask at the Qwen3-8B drafter shape (32 query heads, 8 kv heads, head_dim 128, 512 anchors, B = 16, bf16) at
-each --flex_lengths, once with enable_gqa=True and once with K/V repeated to the 32 query heads: which one the
-training path (dflash.Attention, enable_gqa=True today) should keep. Lines print as they finish (a timeout keeps
-what was measured).
+each --flex_lengths (default 4,096: training's 3,072 tokens padded; anchors over the first 3/4, as there), once with
+enable_gqa=True and once with K/V repeated to the 32 query heads: which one the training path (dflash.Attention,
+enable_gqa=True today) should keep. Lines print as they finish (a timeout keeps what was measured).
 """
 import argparse
 import ctypes
@@ -183,7 +183,7 @@ def run_flex(args):
     rows = []
     for S in args.flex_lengths:
         g = torch.Generator().manual_seed(0)
-        anchors, valid = dflash.sample_anchors(torch.ones(S, dtype=torch.long), N, g)
+        anchors, valid = dflash.sample_anchors(torch.ones(S * 3 // 4, dtype=torch.long), N, g)  # real tokens: 3/4
         anchors, valid = anchors[None].to(dev), valid[None].to(dev)
         for window in [None] + ([2048] if args.flex_sliding else []):
             mod = dflash.make_mask_mod(anchors, valid, S, B, window is not None, window)
@@ -259,7 +259,7 @@ def main(argv=None, reexec=False):
     p.add_argument("--max_step_s", type=float, default=120.0, help="CPU: stop after a step longer than this")
     p.add_argument("--max_peak_mb", type=float, default=4096.0, help="CPU: stop after a phase peaking above this")
     p.add_argument("--flex", action="store_true", help="time the compiled flex attention on CUDA instead")
-    p.add_argument("--flex_lengths", type=int_list, default=[8192, 32768])
+    p.add_argument("--flex_lengths", type=int_list, default=[4096], help="--flex: padded lengths, e.g. 4096,32768")
     p.add_argument("--flex_anchors", type=int, default=512)
     p.add_argument("--flex_sliding", action="store_true", help="--flex: also the sliding-2048 mask (more compiles)")
     p.add_argument("--flex_device", default="cuda", help="--flex: cpu runs it eagerly at small sizes (a smoke test)")

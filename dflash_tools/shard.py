@@ -17,6 +17,12 @@ def shard_target(target, device):
     from torch.distributed.fsdp import fully_shard
     layers, kind = target.layers, type(target.layers[0]).__name__
     whole = set(target.backbone.parameters()) - set(layers.parameters())  # embedding, final norm (, tied lm_head)
+    owner = {}  # a weight shared by two layers: torch 2.13's FSDP2 refuses it, 2.11's does not; refused here alike
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if owner.setdefault(p, i) != i:
+                raise DFlashError(f"--shard_target: cannot shard the {kind} layers of {target.name!r} (a weight is "
+                                  f"shared by layers {owner[p]} and {i}); drop --shard_target")
     target.backbone.layers = nn.ModuleList()  # everything but the decoder layers onto the device, whole
     target.model.to(device)
     target.backbone.layers = layers

@@ -150,3 +150,22 @@ def test_target_runs_unpadded_under_compile_on(tmp_path, monkeypatch, one_thread
                         "--max_len", "64", "--grad_accum", "1"])
     assert lengths and set(lengths) == {24}  # write_data: 6 prompt + 18 response tokens
     assert pads and set(pads) == {dflash.padded_length(64)}
+
+
+def test_walk_over_six_lengths_never_falls_back_to_unfused_flex(setup):
+    """The walk pads each prompt to a power of two: 6 lengths in 6 buckets x 2 layer kinds are 12 compiled flex
+    kernels, past dynamo's default recompile limit of 8, beyond which flex runs unfused with full score matrices.
+    compile_flex raises the limit: no walk length hits it (a hit is an error here), none runs unfused."""
+    cfg, target, drafter = setup["cfg"], setup["target"], setup["drafter"]
+    assert len({cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}) == 2
+    torch._dynamo.reset()
+    counters.clear()
+    rng = random.Random(1)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True), warnings.catch_warnings():
+        warnings.filterwarnings("error", message=EAGER_FLEX)
+        for n in (40, 150, 300, 600, 1100, 2100):  # padded to 128, 256, ..., 4096
+            ids = torch.tensor([[rng.randrange(1, VOCAB - 1) for _ in range(n)]])
+            features = dflash.target_features(target, ids, cfg.target_layer_ids)[0]
+            drafts, _ = dflash.draft_every_anchor(drafter, target, features, ids, n - 4)
+            assert drafts.shape == (3, cfg.block_size - 1)
+    assert flex_graphs() == 12

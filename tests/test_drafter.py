@@ -233,7 +233,7 @@ def test_mask_equals_brute_force(is_causal, window):
         assert got.shape == expected.shape
         assert torch.equal(got, expected), f"layer {li} ({lt}, is_causal={is_causal}, W={window}): dense mask wrong"
         assert torch.equal(torch.cat(masks[(causal, win)][:2], -1), expected), "build_masks gave a layer the wrong mask"
-        full = create_mask(mod, b, 1, N * MASK_B, MASK_S + N * MASK_B)[:, 0]
+        full = create_mask(mod, b, 1, N * MASK_B, MASK_S + N * MASK_B, device="cpu")[:, 0]
         assert torch.equal(full, brute_full(MASK_ANCHORS, MASK_VALID, MASK_S, MASK_B, causal, win)), \
             f"layer {li}: flex mask_mod wrong over [context ; all blocks]"
 

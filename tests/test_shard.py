@@ -28,6 +28,8 @@ import contextlib, io, json, os, shutil, sys
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 import dflash
+compile_ = torch.compile  # --compile on: dynamo's eager backend (the CPU cannot afford inductor here)
+torch.compile = lambda m, **k: compile_(m, backend="eager")
 rank = int(os.environ["RANK"])
 dist.init_process_group("gloo")
 dist.destroy_process_group = lambda *a, **k: None
@@ -127,6 +129,9 @@ def runs(tmp_path_factory):
         for name, extra in (("plain", []), ("shard", ["--shard_target"]), ("resumed", ["--shard_target", "--resume"])):
             cases.append({"kind": "resume" if name == "resumed" else "train", "out": str(d / f"{k}_{name}"),
                           "argv": argv + ["--out", str(d / f"{k}_{name}"), *extra], "from": str(d / f"{k}_plain")})
+    cases.append({"kind": "train", "out": str(d / "dense_compiled"),  # compile(DDP(drafter)), as on CUDA
+                  "argv": ["--target", targets["dense"], *common, "--compile", "on", "--out",
+                           str(d / "dense_compiled")]})
     cases.append({"kind": "train", "out": str(d / "dense_rows"),  # 2 rows per rank, no accumulation
                   "argv": ["--target", targets["dense"], *common, "--batch_size", "2", "--grad_accum", "1", "--out",
                            str(d / "dense_rows")]})
@@ -196,9 +201,10 @@ def test_sharded_training_equals_unsharded(runs, kind):
 @pytest.mark.parametrize("loss", ["ce", "dpace"])
 def test_two_ranks_equal_one_process(runs, tmp_path, loss):
     """DDP over 2 gloo ranks, global batch 4: 1 row x grad_accum 2 per rank (no gradient all-reduce on the first
-    micro-step), or 2 rows per rank, equal one process with 2 rows x grad_accum 2: the same training losses,
-    held-out figures and final weights. With --loss dpace too (normalised by the global batch's number of
-    sequences, all-reduced before backward: the split over ranks and micro-steps changes nothing)."""
+    micro-step; also with --compile on, compiled around DDP), or 2 rows per rank, equal one process with 2 rows x
+    grad_accum 2: the same training losses, held-out figures and final weights. With --loss dpace too (normalised
+    by the global batch's number of sequences, all-reduced before backward: the split over ranks and micro-steps
+    changes nothing)."""
     d, _, common = runs
     one = tmp_path / "one"
     with torch_threads(1):
@@ -207,7 +213,7 @@ def test_two_ranks_equal_one_process(runs, tmp_path, loss):
     mine = records(one)
     assert len([r for r in mine if "loss" in r]) == 6 and mine[1]["loss"] != mine[-2]["loss"]  # it trained
     assert {r["loss_type"] for r in mine} == {loss}
-    for ddp in (d / "dense_plain", d / "dense_rows") if loss == "ce" else (d / "dense_dpace",):
+    for ddp in (d / "dense_plain", d / "dense_compiled", d / "dense_rows") if loss == "ce" else (d / "dense_dpace",):
         theirs = records(ddp)
         assert [sorted(r) for r in theirs] == [sorted(r) for r in mine]
         for a, b in zip(theirs, mine):

@@ -57,7 +57,7 @@ def test_window_mask_equals_brute_force(window, is_causal):
         assert causal == (li < 2 if is_causal is None else False)
         expected = table(causal, win)
         mod = dflash.make_mask_mod(ANCHORS, VALID, S, B, causal, win)
-        got = create_mask(mod, 1, 1, N * B, S + N * B)[:, 0]
+        got = create_mask(mod, 1, 1, N * B, S + N * B, device="cpu")[:, 0]
         assert torch.equal(got, expected), f"W={window} layer {li}: mask_mod differs from the table"
         own = torch.stack([expected[0, n * B:(n + 1) * B][:, list(range(S)) + list(range(S + n * B, S + n * B + B))]
                            for n in range(N)])[None]
@@ -133,7 +133,7 @@ def quadratic_attention(q, k, v, block_mask, enable_gqa):
     (a padding anchor) gives 0, as flex does."""
     from torch.nn.attention.flex_attention import create_mask
     b, h, L, hd = q.shape
-    seen = create_mask(block_mask.mask_mod, b, 1, L, k.shape[2])                  # (b, 1, N*B, S + N*B)
+    seen = create_mask(block_mask.mask_mod, b, 1, L, k.shape[2], device=q.device)  # (b, 1, N*B, S + N*B)
     k, v = (t.repeat_interleave(h // t.shape[1], 1) for t in (k, v))
     any_key = seen.any(-1, keepdim=True)
     s = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~seen, float("-inf")).masked_fill(~any_key, 0.0)
