@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dflash
-from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, tau_walk
+from dflash import DFlashError, accepted_prefix, greedy_continuation, tau_walk
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -72,15 +72,12 @@ BUILTIN_PROMPTS = [
     "`flush()` methods, and show how to use it with a search input.",
 ]
 
-
 def step_anchors(lengths):
     """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
     return list(itertools.accumulate(lengths, initial=0))[:-1]
 
-
 # -----------------------------------------------------------------------------
 # Prompts: JSONL -> token-id lists
-
 
 def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     """One JSONL record -> prompt token ids (dflash.record_kind parses it). {"prompt": str} is a single user turn
@@ -106,7 +103,6 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     dflash.need(ids, f"{where}: the prompt encodes to no tokens")
     return dflash.check_ids(ids, vocab_size, where)
 
-
 def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
     """A data file in any format dflash.py reads (read_records; or None: the built-in coding prompts) -> list of
     prompt token-id lists, each id checked against vocab_size when given."""
@@ -122,30 +118,22 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
         raise DFlashError(f"{path}: no prompts")
     return prompts
 
-
 # -----------------------------------------------------------------------------
 # The statistics of acceptance lengths (the walk itself is dflash.tau_walk, shared with training)
-
 
 def acceptance_stats(lengths, block_size):
     """tau = mean(accepted + 1) over steps; histogram[L-1] = steps with accepted + 1 = L (L = 1..B);
     per_offset_acceptance[k-1] = P(draft at offset k accepted) over ALL steps = P(accepted >= k), k = 1..B-1
     (so tau = 1 + sum(per_offset_acceptance))."""
-    steps = len(lengths)
-    histogram = [0] * block_size
-    for n in lengths:
-        histogram[n - 1] += 1
-    per_offset = [sum(n > k for n in lengths) / steps if steps else 0.0 for k in range(1, block_size)]
+    steps, (histogram, accepting) = len(lengths), dflash.acceptance_counts(lengths, block_size)
     return {"tau": sum(lengths) / steps if steps else None, "steps": steps, "histogram": histogram,
-            "per_offset_acceptance": per_offset}
-
+            "per_offset_acceptance": [n / steps if steps else 0.0 for n in accepting]}
 
 # tau by context depth: a step's depth is its anchor's absolute position (prompt + continuation so far), the
 # context the drafter drafts from. Acceptance decays with depth for drafters trained at short length, and a pooled
 # tau hides it: each report also splits every figure by depth bucket, the buckets summing back to the pooled ones.
 DEPTH_EDGES_LONG = (1024, 4096, 16384, 65536)        # < 1k, 1-4k, 4-16k, 16-64k, >= 64k
 DEPTH_EDGES_SHORT = (128, 256, 512, 1024, 2048)     # runs whose deepest anchor is below 4k
-
 
 def depth_edges(max_depth, edges=None):
     """The bucket edges of a run (given ones kept): 1k, 4k, 16k, 64k when an anchor lies at 4k or deeper, else
@@ -154,20 +142,16 @@ def depth_edges(max_depth, edges=None):
         return sorted(set(int(e) for e in edges))
     return list(DEPTH_EDGES_LONG if max_depth >= 4096 else DEPTH_EDGES_SHORT)
 
-
 def depth_label(lo, hi):
     k = lambda n: f"{n // 1024}k" if n % 1024 == 0 else str(n)  # noqa: E731
     return f"< {k(hi)}" if lo == 0 else f">= {k(lo)}" if hi is None else f"{k(lo)}-{k(hi)}"
-
 
 def step_depths(entry):
     """Each verification step's depth: the absolute position of its anchor, prompt_tokens + step_anchors."""
     return [entry["prompt_tokens"] + a for a in step_anchors(entry["acceptance_lengths"])]
 
-
 def max_depth(results):
     return max((d for r in results for e in r.get("prompts", []) for d in step_depths(e)), default=0)
-
 
 def depth_stats(entries, block_size, edges):
     """The steps of entries split by depth bucket [lo, hi): per non-empty bucket acceptance_stats (tau, steps,
@@ -183,7 +167,6 @@ def depth_stats(entries, block_size, edges):
              "accepted_tokens": sum(lengths)}
             for lo, hi, lengths in zip(bounds, bounds[1:], buckets) if lengths]
 
-
 def add_depth(report, edges=None):
     """Every result of the report gets its depth buckets ("depth"), all on the same edges (report["depth_edges"]):
     the run's (depth_edges) unless given."""
@@ -193,15 +176,12 @@ def add_depth(report, edges=None):
     report["depth_edges"] = edges
     return report
 
-
 # -----------------------------------------------------------------------------
 # How a tau was measured (dflash.measurement): two tau are comparable only when all of its settings agree
-
 
 def measured_line(m):
     """The settings as the table's one line."""
     return "measured: " + ", ".join(f"{k} {v}" for k, v in m.items())
-
 
 def check_same_measurement(reports):
     """{name: report} -> the shared settings; refuses (one error line per difference) tau measured differently."""
@@ -219,14 +199,12 @@ def check_same_measurement(reports):
     dflash.need(not problems, "\n".join(problems))
     return m0
 
-
 # -----------------------------------------------------------------------------
 # Drafters as eval sees them. Both kinds answer the same two questions:
-#   walk_drafts(target, prompt, continuation, features, num_drafts) -> drafts[k] for the block anchored at
-#       continuation[k] (the exact walk);
+#   walk(target, prompt, continuation, features, B, **kw) -> dflash.walk_continuation's (walks, drafts, rule tensors)
+#       (the exact walk along the continuation);
 #   start(target, prompt, features) / draft(anchor_token, num_drafts) / accept(tokens, features) (the loop).
 # layer_ids: the target layers whose features the drafter reads ([] for prompt lookup).
-
 
 class PromptLookup:
     """An n-gram index over a growing token list. draft(k): find the most recent earlier occurrence of the last
@@ -259,7 +237,6 @@ class PromptLookup:
                 return out
         return []
 
-
 class LookupDrafts:
     """drafts[k] for tau_walk: prompt-lookup drafts for the block anchored at continuation[k], with the context
     (prompt + continuation[:k+1]) indexed incrementally (the walk asks for increasing k)."""
@@ -278,14 +255,14 @@ class LookupDrafts:
             self.drafted[k] = self.lookup.draft(self.num_drafts)
         return self.drafted[k]
 
-
 class PromptLookupDrafter:
     """The prompt-lookup baseline: copy what followed the most recent earlier match of the last tokens."""
 
     block_size, layer_ids = None, []  # any block size; reads no target features
 
-    def walk_drafts(self, target, prompt, continuation, features, num_drafts):
-        return LookupDrafts(prompt, continuation, num_drafts)
+    def walk(self, target, prompt, continuation, features, B, **kw):
+        drafts = LookupDrafts(prompt, continuation, B - 1)
+        return {"tau": tau_walk(continuation, drafts)}, drafts, {}
 
     def start(self, target, prompt, features):
         self.lookup = PromptLookup(prompt)
@@ -297,7 +274,6 @@ class PromptLookupDrafter:
     def accept(self, tokens, features):
         self.lookup.extend(tokens[1:])  # the anchor is already indexed
 
-
 class NeuralDrafter:
     """A DFlashDrafter: every anchor at once through the training-mode forward (the walk), or one block at a time
     over an incremental cache of per-layer context keys/values (the loop: fc/k_proj/v_proj of each position are
@@ -307,23 +283,8 @@ class NeuralDrafter:
         self.drafter, self.cfg = drafter, drafter.cfg
         self.block_size, self.layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
 
-    def walk_drafts(self, target, prompt, continuation, features, num_drafts, topk=0):
-        """drafts[k] for tau_walk; with topk=K also the (log q, tokens) (n, num_drafts, K) for tree_walk."""
-        ids = torch.tensor([prompt + continuation], device=features.device)
-        rule = dflash.import_tool("tree", "--tree_budget").topk_rule(topk) if topk else None
-        drafts, more = draft_every_anchor(self.drafter, target, features, ids, len(prompt), rule=rule)
-        if not topk:
-            return drafts[:, :num_drafts].tolist()
-        return drafts[:, :num_drafts].tolist(), more["logq"][:, :num_drafts], more["tokens"][:, :num_drafts]
-
-    def walk_dflash2(self, target, prompt, continuation, features, num_drafts, temperature=0.0):
-        """DFlash2: drafts[k] (its selector's greedy path) and draft_every_anchor's details: the unary argmax drafts
-        and the top-k hits of the true tokens (diagnostics), and at temperature > 0 the selector's q of each true
-        token (dflash_tools/dflash2.py's sampled_lengths)."""
-        ids = torch.tensor([prompt + continuation], device=features.device)
-        path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), truth=True,
-                                           temperature=temperature)
-        return path[:, :num_drafts].tolist(), {k: v[:, :num_drafts] for k, v in details.items()}
+    def walk(self, target, prompt, continuation, features, B, **kw):
+        return dflash.walk_continuation(self.drafter, target, prompt, continuation, features, B, **kw)
 
     def start(self, target, prompt, features):
         """features (1, P, m*D) of the prompt's positions: the context of the first block."""
@@ -361,10 +322,8 @@ class NeuralDrafter:
         """(B-1, V) logits of the block anchored at `anchor` (position self.length)."""
         return self.target.lm_head(self.block_hidden(anchor).to(self.target.lm_head.weight.dtype))
 
-
 # -----------------------------------------------------------------------------
 # Exact method: context features of the target, drafts at every anchor of the continuation, then the walk
-
 
 def select_layers(features, union, layer_ids):
     """features (1, S, len(union)*D) captured for the layers `union` -> (1, S, len(layer_ids)*D) for a subset."""
@@ -372,7 +331,6 @@ def select_layers(features, union, layer_ids):
     if idx == list(range(len(union))):
         return features
     return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
-
 
 # -----------------------------------------------------------------------------
 # Sampling at temperature T > 0 (--temperature): the walk along continuations sampled from the target
@@ -382,11 +340,10 @@ def select_layers(features, union, layer_ids):
 # rejection they emit a sample of the residual (p' without d, renormalised). Draw x ~ p' instead and accept when
 # x == d: the acceptance has the same probability p'(d), and a rejected step emits x, distributed as the residual.
 # So the loop's steps are distributed as the greedy walk's rule along a continuation sampled from the target: tau
-# at T is tau_walk over sampled continuations, averaged over several per prompt.
-
+# at T is tau_walk over sampled continuations, averaged over several per prompt. A draft rule that samples its block
+# instead gives its probability of each true token ("q" among its tensors): sampled_lengths verifies that.
 
 MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
-
 
 @dataclass
 class Sampling:
@@ -397,7 +354,6 @@ class Sampling:
     top_k: int = 0
     samples: int = 1
     seed: int = 0
-
 
 def sampling_probs(logits, s):
     """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
@@ -415,7 +371,6 @@ def sampling_probs(logits, s):
         z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
     return z.softmax(-1).float()
 
-
 @torch.no_grad()
 def sampled_continuation(target, prompt, max_new_tokens, eos, s, generator):
     """The target's own sampling with its cache (dense or hybrid): up to max_new_tokens tokens drawn from
@@ -429,7 +384,6 @@ def sampled_continuation(target, prompt, max_new_tokens, eos, s, generator):
         x = torch.tensor([[out[-1]]], device=dev)
     return out
 
-
 def truth_probs(target, final, prompt_len, continuation, s):
     """p'(s[j]) at index j = 1..n-1 (1 at j = 0): the target's sampling probability (sampling_probs) of each
     continuation token given what precedes it, from the hooked pass's final hidden states (position P+j-1 predicts
@@ -441,16 +395,23 @@ def truth_probs(target, final, prompt_len, continuation, s):
         p.append(probs.gather(1, truth[c:c + chunk, None]).squeeze(1))
     return torch.cat(p)
 
+def sampled_lengths(continuation, p_truth, q, generator):
+    """The walk along a sampled continuation (p_truth: truth_probs) of a rule that samples its block, verified by
+    rejection sampling; q (n, B-1): its probability of continuation[k+i] at offset i of the block anchored at
+    continuation[k], the true tokens before it given. The coupling of the same law: the target's x is the draft with
+    probability min(1, q(x) / p'(x)), so u * p'(x) < q(x) accepts it (u uniform from generator), and a rejection
+    emits x, distributed as the residual. While drafts are accepted the rule's path is the continuation."""
+    at = (torch.arange(len(q))[:, None] + torch.arange(1, q.shape[1] + 1)).clamp(max=len(continuation) - 1)
+    accept = (torch.rand(q.shape, generator=generator) * p_truth[at] < q.float().cpu()).tolist()
+    return dflash.walk_steps(continuation, lambda k, truth: accepted_prefix(accept[k], [True] * len(truth)))
 
 # -----------------------------------------------------------------------------
 # Loop mode: a real speculative decoding loop with the target's KV cache
-
 
 def check_loop_target(target):
     from transformers import DynamicCache
     if not DynamicCache(config=target.model.config).is_croppable:
         raise DFlashError(f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
-
 
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos):
@@ -488,10 +449,8 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
         cache.crop(pos + accepted + 1 - cache.get_seq_length())  # the target's own token is the next anchor
     return tokens, lengths, all_drafts
 
-
 # -----------------------------------------------------------------------------
 # Evaluation of several drafters on the same target and prompts
-
 
 def as_eval_drafter(name, d, target, block_size):
     """A DFlashDrafter (wrapped) or an eval drafter object, checked; and the block size it is evaluated at."""
@@ -505,7 +464,6 @@ def as_eval_drafter(name, d, target, block_size):
             raise DFlashError(f"--block_size {block_size} > drafter {name}'s {d.block_size}; give at most that")
     return d, block_size or d.block_size
 
-
 def check_modes(mode, sampled, tree_budgets, given_continuations):
     """The combinations that have no meaning: the loop is greedy chain verification; tree verification and given
     (greedy) continuations do not sample."""
@@ -515,7 +473,6 @@ def check_modes(mode, sampled, tree_budgets, given_continuations):
         raise DFlashError("--tree_budget measures greedy tree verification; drop it or --temperature")
     if sampled and given_continuations:
         raise DFlashError("--temperature samples continuations, and --bench gives greedy ones; drop --temperature")
-
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
                       progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None,
@@ -543,10 +500,10 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
-    dflash2 = [name for name, (d, _) in drafters.items()
-               if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
-    if tree_budgets and dflash2:
-        raise DFlashError(f"--tree_budget: DFlash2 drafter {dflash2[0]} drafts one chain; drop --tree_budget or it")
+    own = next((f"{n} ({d.cfg.architecture})" for n, (d, _) in drafters.items() if isinstance(d, NeuralDrafter)
+                and type(d.drafter).draft is not dflash.DFlashDrafter.draft), None)  # trees branch on the argmax's
+    dflash.need(not (tree_budgets and own), f"--tree_budget: drafter {own} drafts one chain by its own rule; drop "
+                f"--tree_budget or it")
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
@@ -583,7 +540,6 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                                                      prompts),
                       "timing": timing, "results": results}, depth_buckets)
 
-
 def check_prompt_lengths(target, prompts):
     """A prompt the target cannot take (at least as many tokens as its positions: max_position_embeddings, or its
     yarn's reach) is one line naming its length and the limit, before any generation."""
@@ -591,14 +547,13 @@ def check_prompt_lengths(target, prompts):
     i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
     dflash.need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
 
-
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
                     tree_budgets=(), sampling=None, accept_seed=None):
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
-    drafters' context layers in one hooked target pass over prompt + continuation; tree_budgets: each neural
-    drafter's entry also holds the tree walk's acceptance lengths per budget, from the same drafting pass. A DFlash2
-    drafter walks its selector's path (sampled: dflash2.sampled_lengths, its uniforms seeded by accept_seed); its
-    entry also holds the unary argmax's acceptance lengths and the top-k hits of the true tokens."""
+    drafters' context layers in one hooked target pass over prompt + continuation and walks each drafter's drafts
+    (dflash.walk_continuation): its entry holds the chain's acceptance lengths, the tree walks' per budget, its rule's
+    other walks (NAME_acceptance_lengths) and, per boolean tensor of its rule (whether each true token is among its
+    candidates), [hits, true tokens] (NAME_hits). Sampled, a rule's q is walked by sampled_lengths (accept_seed)."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
@@ -613,31 +568,24 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
             entry.update(continuation=tokens, acceptance_lengths=lengths, matches_greedy=tokens == continuation)
         else:
             ctx = select_layers(features, union, d.layer_ids) if d.layer_ids else None
-            if tree_budgets and isinstance(d, NeuralDrafter):  # prompt lookup has no distribution to branch on
-                K = min(max(tree_budgets), target.vocab_size)  # no tree of that many nodes reaches a deeper rank
-                at, logq, tokens = d.walk_drafts(target, prompt, continuation, ctx, B - 1, topk=K)
-                tree_walk = dflash.import_tool("tree", "--tree_budget").tree_walk
-                entry["tree"] = {str(b): tree_walk(continuation, logq, tokens, b) for b in tree_budgets}
-            elif isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
-                at, details = d.walk_dflash2(target, prompt, continuation, ctx, B - 1,
-                                             sampling.temperature if sampling else 0.0)
-                seen = (torch.arange(len(at))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
-                entry["unary_acceptance_lengths"] = tau_walk(continuation, details["unary"].tolist())
-                entry["topk_hits"] = [int((details["covered"].cpu() & seen).sum()), int(seen.sum())]
-            else:
-                at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
-            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
-                p_truth = truth_probs(target, final, len(prompt), continuation, sampling)
-                lengths = dflash.import_tool("dflash2", "a DFlash2 drafter").sampled_lengths(  # its walk at T > 0
-                    continuation, p_truth, details["q"], torch.Generator().manual_seed(accept_seed))
-            else:
-                lengths = tau_walk(continuation, at)
+            walks, at, more = d.walk(target, prompt, continuation, ctx, B, trees=tree_budgets,
+                                     temperature=sampling.temperature if sampling else 0.0)
+            lengths, trees = walks.pop("tau"), walks.pop("tree", {})
+            if sampling and "q" in more:  # a rule that samples its block
+                lengths = sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation, sampling),
+                                          more["q"], torch.Generator().manual_seed(accept_seed))
+            entry.update({f"{k}_acceptance_lengths": v for k, v in walks.items()})
+            for k, v in more.items():  # a boolean tensor: whether each true token is among the rule's candidates
+                if v.dtype == torch.bool:
+                    seen = (torch.arange(len(v))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
+                    entry[f"{k}_hits"] = [int((v.cpu() & seen).sum()), int(seen.sum())]
+            if trees:
+                entry["tree"] = {str(b): v for b, v in trees.items()}
             drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
             entry.update(continuation=continuation, acceptance_lengths=lengths)
         if dump_drafts:
             entry["drafts"] = drafts
         yield name, entry, time.perf_counter() - t0
-
 
 def conventions(runs):
     """Both tau conventions over lists of acceptance lengths (one per continuation): (pooled over all steps, mean
@@ -646,7 +594,6 @@ def conventions(runs):
     means = [sum(r) / len(r) for r in runs if r]
     return (sum(map(sum, runs)) / steps if steps else None), (sum(means) / len(means) if means else None)
 
-
 def stderr(values):
     """Standard error of the mean of independent values (None for fewer than two)."""
     n = len(values)
@@ -654,7 +601,6 @@ def stderr(values):
         return None
     m = sum(values) / n
     return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
-
 
 def summarize_drafter(name, B, per, mode, timing, samples=None):
     """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means),
@@ -674,10 +620,12 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
         for b in entries[0]["tree"]:
             tree_tau, tree_tau_per_prompt = conventions([e["tree"][b] for e in entries])
             r["tree"][b] = {"tau": tree_tau, "tau_per_prompt": tree_tau_per_prompt}
-    if entries and "unary_acceptance_lengths" in entries[0]:  # DFlash2's diagnostics
-        r["unary_tau"] = conventions([e["unary_acceptance_lengths"] for e in entries])[0]
-        hits, count = (sum(e["topk_hits"][c] for e in entries) for c in (0, 1))
-        r["topk_recall"] = hits / count if count else None
+    for k in entries[0] if entries else ():  # a draft rule's diagnostics: its other walks' tau, its recalls
+        if k.endswith("_acceptance_lengths"):
+            r[k.replace("_acceptance_lengths", "_tau")] = conventions([e[k] for e in entries])[0]
+        elif k.endswith("_hits"):
+            hits, count = (sum(e[k][c] for e in entries) for c in (0, 1))
+            r[k.replace("_hits", "_recall")] = hits / count if count else None
     if mode == "loop":
         r["tokens_per_s"] = r["tokens"] / max(per["time_s"], 1e-9)
         r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if timing else None
@@ -685,10 +633,8 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
     r["prompts"] = entries
     return r
 
-
 # -----------------------------------------------------------------------------
 # z-lab's benchmarks (--bench): prompts built as z-lab's benchmark.py builds them (dflash_tools/benchmarks.py)
-
 
 def load_bench(spec, bench_dir, max_samples):
     """--bench -> {name: samples (lists of user turns)}, every dataset loaded and checked before any generation."""
@@ -699,7 +645,6 @@ def load_bench(spec, bench_dir, max_samples):
                 for name, path in benchmarks.parse_bench(spec)}
     except benchmarks.BenchmarkError as e:
         raise DFlashError(str(e)) from None
-
 
 def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True):
     """(prompts, continuations) of every assistant turn of the samples: each user turn through the target's chat
@@ -717,7 +662,6 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)
              for t in benchmarks.run_conversation(s, render, generate, decode)]
     return [p for p, _ in turns], [c for _, c in turns]
-
 
 def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True,
                    tree_budgets=(), depth_buckets=None):
@@ -737,7 +681,6 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     measured = dflash.measurement(target.tokenizer, bool(enable_thinking), max_new_tokens)
     return {"measured": {**measured, "benchmarks": ",".join(bench)}, "benchmarks": reports, "average": average}
 
-
 def print_bench(result, file=None):
     """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
     file = file or sys.stdout
@@ -756,10 +699,8 @@ def print_bench(result, file=None):
             print(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells),
                   file=file)
 
-
 # -----------------------------------------------------------------------------
 # Report
-
 
 def print_report(report, file=None):
     """The side-by-side table: tau, steps, tokens and time per drafter, then per acceptance length L = 1..B the
@@ -797,10 +738,9 @@ def print_report(report, file=None):
                                    for k in ("tau", "tau_stderr", "tau_per_prompt", "tau_per_prompt_stderr"))
             out(f"  {r['drafter']:<{w}}  tau {tau} +- {se}  tau/prompt {tpp} +- {se_pp}")
     for r in results:
-        if "unary_tau" in r:
-            out(f"  {r['drafter']:<{w}}  DFlash2: tau walks its selector's path; the unary argmax's tau "
-                f"{r['unary_tau']:.3f}" + (f", top-k recall {r['topk_recall']:.3f}" if r["topk_recall"] is not None
-                                           else "") + " (diagnostics)")
+        diagnostics = [f"{k} {v:.3f}" for k, v in r.items() if k.endswith(("_tau", "_recall")) and v is not None]
+        if diagnostics:
+            out(f"  {r['drafter']:<{w}}  its draft rule's diagnostics: {', '.join(diagnostics)}")
     if report.get("tree_budgets"):
         print_trees(results, report["tree_budgets"], w, out)
     out()
@@ -818,7 +758,6 @@ def print_report(report, file=None):
         out(f"{L:>3}  " + "  ".join(cells))
     print_depth(results, w, out)
 
-
 def print_depth(results, w, out):
     """tau, steps and P(draft at offset k accepted) per depth bucket (the anchor's position), each drafter's rows."""
     if not any(r.get("depth") for r in results):
@@ -831,7 +770,6 @@ def print_depth(results, w, out):
             tau = f"{d['tau']:.3f}" if d["tau"] is not None else "-"
             out(f"{r['drafter']:<{w}}  {d['depth']:>9}  {tau:>6}  {d['steps']:>7}  "
                 + " ".join(f"{p:.3f}"[1:] if p < 1 else "1.00" for p in d["per_offset_acceptance"]))
-
 
 def print_trees(results, budgets, w, out):
     """Tree verification's tau (pooled | per prompt) at each budget, after the chain's."""
@@ -847,14 +785,12 @@ def print_trees(results, budgets, w, out):
         out(f"{r['drafter']:<{w}}" + "".join(f"  {a:>7.3f} | {p:>5.3f}" if a is not None else f"  {'-':>15}"
                                              for a, p in cells))
 
-
 def check_output_file(path, flag):
     """A file written at the end (write_json: a temp file beside it, renamed over it): refuse a directory in its
     place, and prove the location by creating its directories and a temp file there, before anything is loaded."""
     if os.path.isdir(path) or path.endswith(os.sep):
         raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
-
 
 def compare_reports(paths, depth_buckets=None):
     """--compare: saved --json reports -> one report holding all their drafters (named FILE:drafter when two share
@@ -878,7 +814,6 @@ def compare_reports(paths, depth_buckets=None):
     return add_depth({**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
                       "compared": list(paths)}, edges)
 
-
 def write_json(report, path):
     """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
     the table printed before it stays the result."""
@@ -889,10 +824,8 @@ def write_json(report, path):
         raise DFlashError(f"cannot write {path} ({e.strerror}); the report above is the result") from None
     return path
 
-
 # -----------------------------------------------------------------------------
 # Command line
-
 
 def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", allow_other_target=False):
     """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
@@ -912,7 +845,6 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", a
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
     return drafters
 
-
 def budget_list(s):
     """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
     budgets = tuple(dflash.int_list(s))
@@ -920,14 +852,12 @@ def budget_list(s):
         raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most {dflash.TREE_BUDGET_MAX}")
     return budgets
 
-
 def depth_list(s):
     """--depth_buckets: comma-separated positive anchor positions."""
     edges = sorted(set(dflash.int_list(s)))
     if edges[0] < 1:
         raise argparse.ArgumentTypeError(f"{s}: every edge must be a position of at least 1")
     return edges
-
 
 def sampling_args(args):
     """--temperature and its flags -> a Sampling, or None for greedy (where they have no meaning)."""
@@ -938,7 +868,6 @@ def sampling_args(args):
         return None
     return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.top_k or 0, args.samples or 5,
                     args.seed)
-
 
 def get_parser():
     p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
@@ -969,8 +898,8 @@ def get_parser():
          "decoding loop with the KV cache (dense targets), reports tokens/s and checks the output equals plain "
          "greedy decoding", choices=["exact", "loop"])
     flag(p, "--temperature", 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
-         "default and SGLang's DFlash; a DFlash2 drafter's path drawn from its selector's q and rejection-sampled): "
-         "the walk along continuations sampled from the target (0: greedy)", float)
+         "default and SGLang's DFlash; a rule that samples its block, rejection-sampled): the walk along "
+         "continuations sampled from the target (0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
     flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
@@ -978,8 +907,8 @@ def get_parser():
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int,
          hi=2 ** 32 - 1)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
-         "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
-         "chain)", type=budget_list)
+         "comma-separated N side by side with the chain (drafters drafting the argmax; one with its own draft "
+         "rule drafts one chain)", type=budget_list)
     flag(p, "--depth_buckets", None, "edges of the context-depth buckets every report splits tau by, comma-separated "
          "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else "
          "128,256,512,1024,2048)", type=depth_list)
@@ -1004,7 +933,6 @@ def get_parser():
          action="store_true")
     flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
-
 
 def run(args):
     if args.plot:
@@ -1057,7 +985,6 @@ def run(args):
         print_report(report)
     return finish(report, args)
 
-
 def finish(report, args):
     """The report to --json and its histograms to --plot, as asked."""
     if args.json:
@@ -1066,10 +993,8 @@ def finish(report, args):
         print(f"wrote {dflash.import_tool('plot', '--plot').plot_histograms(report, args.plot)}")
     return report
 
-
 def main(argv=None):
     return dflash.run_main(run, get_parser().parse_args(argv))
-
 
 if __name__ == "__main__":
     main()

@@ -166,8 +166,8 @@ def test_zlab_directory_drafts_match_inference_forward(dense, tmp_path):
             assert drafts == expected, f"anchor {a}"
             steps += 1
         # drafting in chunks of one anchor (a tiny memory budget) gives the same drafts as one big batch
-        every = ev.draft_every_anchor(drafter, target, features, ids, len(prompt))[0]
-        assert torch.equal(ev.draft_every_anchor(drafter, target, features, ids, len(prompt), budget=1)[0], every)
+        every = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt))[0]
+        assert torch.equal(dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), budget=1)[0], every)
     assert steps > len(prompts) and steps == report["results"][0]["steps"]
 
 
