@@ -1,13 +1,13 @@
 """
 eval.py: measure tau, the mean number of tokens per verification step, of DFlash drafters against their target.
 
-Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
-tau is computed exactly without a decode loop: the target generates s once per prompt (its normal
-cached generation), one hooked pass over prompt + s gives every context feature, and each drafter's blocks are
-walked along s: draft the block anchored at s[k] from the context < its position, accept the longest prefix
-that equals s, move the anchor past the accepted tokens and the target's own token, repeat. Nothing is ever
-rolled back, so hybrid targets (Qwen3.5/3.6: Gated DeltaNet state) work too. `--mode loop` runs a real
-speculative decoding loop instead (KV-cache targets only) and checks it reproduces plain greedy decoding.
+Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
+is computed exactly without a decode loop: the target generates s once per prompt (its normal cached generation),
+one hooked pass over prompt + s gives every context feature, and each drafter's blocks are walked along s by the walk
+training's walked tau uses (dflash.walk_continuation): draft the block anchored at s[k] from the context < its
+position, accept the longest prefix that equals s, move the anchor past the accepted tokens and the target's own
+token, repeat. Nothing is ever rolled back, so hybrid targets (Qwen3.5/3.6: Gated DeltaNet state) work too.
+`--mode loop` runs a real speculative decoding loop instead (KV-cache targets) and checks it reproduces greedy.
 
     # ours vs z-lab's drafter vs the prompt-lookup baseline, on the built-in coding prompts
     huggingface-cli download z-lab/Qwen3-8B-DFlash-b16 --local-dir drafters/zlab-q3-8b
@@ -24,14 +24,13 @@ speculative decoding loop instead (KV-cache targets only) and checks it reproduc
     python eval.py --compare a.json --compare b.json --plot hist.png
 
 As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
-PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json`
-saves.
+PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json` saves.
 
-Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is
-pooled (all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each
-prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length"). Every report
-also says how its tau was measured ("measured": thinking mode, max_new_tokens, serving mode, a hash of the chat
-template with its generation prompt, a hash of the prompts): tau measured differently are never put in one table.
+Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is pooled
+(all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each prompt's mean
+acceptance length (what z-lab's benchmark prints as "Average Acceptance length"). Every report also says how its tau
+was measured ("measured": thinking mode, max_new_tokens, serving mode, a hash of the chat template with its generation
+prompt, a hash of the prompts): tau measured differently are never put in one table.
 """
 
 import argparse
@@ -46,7 +45,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dflash
-from dflash import DFlashError, accepted_prefix, greedy_continuation, tau_walk
+from dflash import DFlashError, accepted_prefix, greedy_continuation, need
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -87,20 +86,20 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     rec = dflash.chat_record(rec, where)  # ShareGPT's conversations: messages
     kind = dflash.record_kind(rec, where, tokenizer, ("input_ids", "messages", "prompt", "text"))
     if kind == "input_ids":
-        dflash.need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
+        need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
         return dflash.check_ids(rec["input_ids"], vocab_size, where)
     kw = template_kwargs or {}
     if kind == "messages":
         messages = dflash.plain_messages(rec["messages"], where)  # content parts: their one text
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        dflash.need(messages, f"{where}: messages hold no turn before the assistant's")
+        need(messages, f"{where}: messages hold no turn before the assistant's")
         ids = dflash.chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
     elif kind == "prompt" and tokenizer.chat_template:
         ids = dflash.chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
     else:  # a prompt without a chat template, or text: raw text
         ids = tokenizer(rec[kind], add_special_tokens=False)["input_ids"]
-    dflash.need(ids, f"{where}: the prompt encodes to no tokens")
+    need(ids, f"{where}: the prompt encodes to no tokens")
     return dflash.check_ids(ids, vocab_size, where)
 
 def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
@@ -108,18 +107,15 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
     prompt token-id lists, each id checked against vocab_size when given."""
     kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
-        if tokenizer is None:
-            raise DFlashError("the target has no tokenizer for the built-in prompts; pass --prompts of input_ids")
+        need(tokenizer is not None, "the target has no tokenizer for the built-in prompts; pass --prompts of input_ids")
         return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw, vocab_size)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
-    prompts = [encode_prompt(rec, tokenizer, where, kw, vocab_size)
-               for where, rec in dflash.read_records(path, "prompts")]
-    if not prompts:
-        raise DFlashError(f"{path}: no prompts")
+    prompts = [encode_prompt(r, tokenizer, where, kw, vocab_size) for where, r in dflash.read_records(path, "prompts")]
+    need(prompts, f"{path}: no prompts")
     return prompts
 
 # -----------------------------------------------------------------------------
-# The statistics of acceptance lengths (the walk itself is dflash.tau_walk, shared with training)
+# The statistics of acceptance lengths (counted by dflash.acceptance_counts, as training's walked tau counts them)
 
 def acceptance_stats(lengths, block_size):
     """tau = mean(accepted + 1) over steps; histogram[L-1] = steps with accepted + 1 = L (L = 1..B);
@@ -150,30 +146,25 @@ def step_depths(entry):
     """Each verification step's depth: the absolute position of its anchor, prompt_tokens + step_anchors."""
     return [entry["prompt_tokens"] + a for a in step_anchors(entry["acceptance_lengths"])]
 
-def max_depth(results):
-    return max((d for r in results for e in r.get("prompts", []) for d in step_depths(e)), default=0)
-
 def depth_stats(entries, block_size, edges):
     """The steps of entries split by depth bucket [lo, hi): per non-empty bucket acceptance_stats (tau, steps,
     histogram, P(draft at offset k accepted)) and its accepted tokens (sum of acceptance lengths). Every step falls in
     exactly one bucket, so steps, tokens and histograms sum to the pooled ones, and tau and each P(offset k) are the
     step-weighted mean of the buckets'."""
-    bounds = [0, *edges, None]
-    buckets = [[] for _ in edges + [None]]
+    bounds, buckets = [0, *edges, None], [[] for _ in edges + [None]]
     for e in entries:
         for depth, n in zip(step_depths(e), e["acceptance_lengths"]):
             buckets[sum(depth >= x for x in edges)].append(n)
     return [{"depth": depth_label(lo, hi), "lo": lo, "hi": hi, **acceptance_stats(lengths, block_size),
-             "accepted_tokens": sum(lengths)}
-            for lo, hi, lengths in zip(bounds, bounds[1:], buckets) if lengths]
+             "accepted_tokens": sum(lengths)} for lo, hi, lengths in zip(bounds, bounds[1:], buckets) if lengths]
 
 def add_depth(report, edges=None):
     """Every result of the report gets its depth buckets ("depth"), all on the same edges (report["depth_edges"]):
-    the run's (depth_edges) unless given."""
-    edges = depth_edges(max_depth(report["results"]), edges)
+    the run's (depth_edges of its deepest anchor) unless given."""
+    deepest = max((d for r in report["results"] for e in r.get("prompts", []) for d in step_depths(e)), default=0)
+    report["depth_edges"] = edges = depth_edges(deepest, edges)
     for r in report["results"]:
         r["depth"] = depth_stats(r.get("prompts", []), r["block_size"], edges)
-    report["depth_edges"] = edges
     return report
 
 # -----------------------------------------------------------------------------
@@ -192,17 +183,16 @@ def check_same_measurement(reports):
             problems.append(f"{first if m0 is None else name} has no measurement settings (made by an older eval.py); "
                             f"measure both again")
             continue
-        for k in sorted(set(m0) | set(m)):
-            if m0.get(k) != m.get(k):
-                problems.append(f"{name} was measured with {k} {m.get(k)}, {first} with {m0.get(k)}: their tau are not "
-                                f"comparable; measure them under the same settings (one eval.py call)")
-    dflash.need(not problems, "\n".join(problems))
+        problems += [f"{name} was measured with {k} {m.get(k)}, {first} with {m0.get(k)}: their tau are not "
+                     f"comparable; measure them under the same settings (one eval.py call)"
+                     for k in sorted(set(m0) | set(m)) if m0.get(k) != m.get(k)]
+    need(not problems, "\n".join(problems))
     return m0
 
 # -----------------------------------------------------------------------------
 # Drafters as eval sees them. Both kinds answer the same two questions:
-#   walk(target, prompt, continuation, features, B, **kw) -> dflash.walk_continuation's (walks, drafts, rule tensors)
-#       (the exact walk along the continuation);
+#   walk(target, prompt, continuation, features, B, **kw) -> (walks, drafts, the rule's tensors), as
+#       dflash.walk_continuation (the exact walk along the continuation);
 #   start(target, prompt, features) / draft(anchor_token, num_drafts) / accept(tokens, features) (the loop).
 # layer_ids: the target layers whose features the drafter reads ([] for prompt lookup).
 
@@ -211,10 +201,8 @@ class PromptLookup:
     n tokens (n = max_ngram down to 1, longest first) and copy the k tokens that followed it; a copy that runs into
     the end of the context continues into its own output (LZ77-style), so a repeating pattern drafts a full block.
     No match: no drafts."""
-
     def __init__(self, tokens=(), max_ngram=PROMPT_LOOKUP_MAX_NGRAM):
-        self.max_ngram = max_ngram
-        self.tokens = []
+        self.max_ngram, self.tokens = max_ngram, []
         self.last_end = {}  # n-gram tuple -> end (exclusive) of its most recent occurrence before the current suffix
         self.extend(tokens)
 
@@ -231,38 +219,25 @@ class PromptLookup:
             end = self.last_end.get(tuple(self.tokens[L - n:]))
             if end is not None:
                 out = []
-                for i in range(k):
-                    j = end + i
+                for j in range(end, end + k):
                     out.append(self.tokens[j] if j < L else out[j - L])
                 return out
         return []
 
-class LookupDrafts:
-    """drafts[k] for tau_walk: prompt-lookup drafts for the block anchored at continuation[k], with the context
-    (prompt + continuation[:k+1]) indexed incrementally (the walk asks for increasing k)."""
-
-    def __init__(self, prompt, continuation, num_drafts):
-        self.lookup = PromptLookup(prompt)
-        self.continuation, self.num_drafts, self.upto = continuation, num_drafts, 0
-        self.drafted = {}  # k -> drafts, so the walk's steps can be read again (--dump_drafts)
-
-    def __getitem__(self, k):
-        if k not in self.drafted:
-            if k + 1 < self.upto:
-                raise ValueError("LookupDrafts must be read at increasing anchors")
-            self.lookup.extend(self.continuation[self.upto:k + 1])
-            self.upto = k + 1
-            self.drafted[k] = self.lookup.draft(self.num_drafts)
-        return self.drafted[k]
-
 class PromptLookupDrafter:
     """The prompt-lookup baseline: copy what followed the most recent earlier match of the last tokens."""
-
     block_size, layer_ids = None, []  # any block size; reads no target features
 
     def walk(self, target, prompt, continuation, features, B, **kw):
-        drafts = LookupDrafts(prompt, continuation, B - 1)
-        return {"tau": tau_walk(continuation, drafts)}, drafts, {}
+        """The chain along the continuation, the context indexed as the walk moves on; drafts: {anchor index: block}."""
+        self.start(target, prompt, features)
+        drafts = {}
+
+        def accept(k, truth):
+            self.lookup.extend(continuation[len(self.lookup.tokens) - len(prompt):k + 1])
+            drafts[k] = self.lookup.draft(B - 1)
+            return accepted_prefix(drafts[k], truth)
+        return {"tau": dflash.walk_steps(continuation, accept)}, drafts, {}
 
     def start(self, target, prompt, features):
         self.lookup = PromptLookup(prompt)
@@ -275,10 +250,9 @@ class PromptLookupDrafter:
         self.lookup.extend(tokens[1:])  # the anchor is already indexed
 
 class NeuralDrafter:
-    """A DFlashDrafter: every anchor at once through the training-mode forward (the walk), or one block at a time
-    over an incremental cache of per-layer context keys/values (the loop: fc/k_proj/v_proj of each position are
-    computed once, and the features of rejected drafts never enter)."""
-
+    """A DFlashDrafter (any variant): every anchor at once through the training-mode forward and its draft rule (the
+    walk), or one block at a time over an incremental cache of per-layer context keys/values (the loop: fc/k_proj/
+    v_proj of each position are computed once, and the features of rejected drafts never enter)."""
     def __init__(self, drafter):
         self.drafter, self.cfg = drafter, drafter.cfg
         self.block_size, self.layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
@@ -310,20 +284,16 @@ class NeuralDrafter:
     def block_hidden(self, anchor):
         """(B-1, D) final-normed hidden states of the drafted offsets of the block anchored at `anchor` (position
         self.length)."""
-        cfg, dev, t = self.cfg, self.drafter.fc.weight.device, self.target
+        cfg, dev = self.cfg, self.drafter.fc.weight.device
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
-        anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
-        x = dflash.embed_blocks(t, ids).to(self.drafter.fc.weight.dtype)
-        return self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv,
-                                   self.length)[0, 0, 1:]
+        x = dflash.embed_blocks(self.target, ids).to(self.drafter.fc.weight.dtype)
+        anchors, valid = torch.full((1, 1), self.length, device=dev), torch.ones(1, 1, dtype=torch.bool, device=dev)
+        return self.drafter.blocks(x, anchors, valid, self.kv, self.length)[0, 0, 1:]
 
     def block_logits(self, anchor):
         """(B-1, V) logits of the block anchored at `anchor` (position self.length)."""
         return self.target.lm_head(self.block_hidden(anchor).to(self.target.lm_head.weight.dtype))
-
-# -----------------------------------------------------------------------------
-# Exact method: context features of the target, drafts at every anchor of the continuation, then the walk
 
 def select_layers(features, union, layer_ids):
     """features (1, S, len(union)*D) captured for the layers `union` -> (1, S, len(layer_ids)*D) for a subset."""
@@ -397,10 +367,10 @@ def truth_probs(target, final, prompt_len, continuation, s):
 
 def sampled_lengths(continuation, p_truth, q, generator):
     """The walk along a sampled continuation (p_truth: truth_probs) of a rule that samples its block, verified by
-    rejection sampling; q (n, B-1): its probability of continuation[k+i] at offset i of the block anchored at
-    continuation[k], the true tokens before it given. The coupling of the same law: the target's x is the draft with
-    probability min(1, q(x) / p'(x)), so u * p'(x) < q(x) accepts it (u uniform from generator), and a rejection
-    emits x, distributed as the residual. While drafts are accepted the rule's path is the continuation."""
+    rejection sampling (z-lab's reference); q (n, B-1): its probability of continuation[k+i] at offset i of the block
+    anchored at continuation[k], the true tokens before it given (while its drafts are accepted its path is the
+    continuation). The coupling of the same law: the target's x is the draft with probability min(1, q(x) / p'(x)),
+    so u * p'(x) < q(x) accepts it (u uniform, from generator); a rejection emits x, distributed as the residual."""
     at = (torch.arange(len(q))[:, None] + torch.arange(1, q.shape[1] + 1)).clamp(max=len(continuation) - 1)
     accept = (torch.rand(q.shape, generator=generator) * p_truth[at] < q.float().cpu()).tolist()
     return dflash.walk_steps(continuation, lambda k, truth: accepted_prefix(accept[k], [True] * len(truth)))
@@ -410,8 +380,8 @@ def sampled_lengths(continuation, p_truth, q, generator):
 
 def check_loop_target(target):
     from transformers import DynamicCache
-    if not DynamicCache(config=target.model.config).is_croppable:
-        raise DFlashError(f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
+    need(DynamicCache(config=target.model.config).is_croppable,
+         f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
 
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos):
@@ -424,7 +394,6 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what a crop may need
     features = lambda store: torch.cat([store[t] for t in layer_ids], -1) if layer_ids else None  # noqa: E731
-
     with dflash.capture_hidden(target, layer_ids) as store:
         out = model(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
     drafter.start(target, prompt, features(store))
@@ -438,10 +407,7 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
         choice = out.logits[0].argmax(-1).tolist()  # choice[i]: the target's token at pos+1+i
         accepted = accepted_prefix(drafts, choice)
         new = choice[:accepted + 1][:max_new_tokens - len(tokens)]  # accepted drafts + the target's own token
-        for i, t in enumerate(new):
-            if t in eos:
-                new = new[:i + 1]
-                break
+        new = new[:next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]  # up to an eos token
         lengths.append(min(accepted, len(new)) + 1)  # as tau_walk counts it: drafts match up to where tokens end
         all_drafts.append(drafts)
         drafter.accept([tokens[-1]] + drafts[:accepted], features(store)[:, :accepted + 1] if layer_ids else None)
@@ -454,25 +420,23 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
 
 def as_eval_drafter(name, d, target, block_size):
     """A DFlashDrafter (wrapped) or an eval drafter object, checked; and the block size it is evaluated at."""
-    if isinstance(d, dflash.DFlashDrafter):
-        d = NeuralDrafter(d)
-    if not isinstance(d, (NeuralDrafter, PromptLookupDrafter)):
-        raise DFlashError(f"drafter {name}: {d!r} is neither a DFlashDrafter nor a PromptLookupDrafter")
+    d = NeuralDrafter(d) if isinstance(d, dflash.DFlashDrafter) else d
+    need(isinstance(d, (NeuralDrafter, PromptLookupDrafter)),
+         f"drafter {name}: {d!r} is neither a DFlashDrafter nor a PromptLookupDrafter")
     if d.block_size is not None:
         dflash.check_compatible(d.cfg, target, where=f"drafter {name}")
-        if block_size and block_size > d.block_size:
-            raise DFlashError(f"--block_size {block_size} > drafter {name}'s {d.block_size}; give at most that")
+        need(not block_size or block_size <= d.block_size,
+             f"--block_size {block_size} > drafter {name}'s {d.block_size}; give at most that")
     return d, block_size or d.block_size
 
 def check_modes(mode, sampled, tree_budgets, given_continuations):
     """The combinations that have no meaning: the loop is greedy chain verification; tree verification and given
     (greedy) continuations do not sample."""
-    if (sampled or tree_budgets) and mode == "loop":
-        raise DFlashError("--mode loop is greedy chains only; drop it for --temperature or --tree_budget")
-    if sampled and tree_budgets:
-        raise DFlashError("--tree_budget measures greedy tree verification; drop it or --temperature")
-    if sampled and given_continuations:
-        raise DFlashError("--temperature samples continuations, and --bench gives greedy ones; drop --temperature")
+    need(mode != "loop" or not (sampled or tree_budgets),
+         "--mode loop is greedy chains only; drop it for --temperature or --tree_budget")
+    need(not (sampled and tree_budgets), "--tree_budget measures greedy tree verification; drop it or --temperature")
+    need(not (sampled and given_continuations),
+         "--temperature samples continuations, and --bench gives greedy ones; drop --temperature")
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
                       progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None,
@@ -488,28 +452,24 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     were rendered with (recorded in the report's "measured" settings, see dflash.measurement). depth_buckets: the
     edges of the depth buckets (default: depth_edges). Returns the JSON-shaped report."""
     from tqdm import tqdm
-    if not drafters:
-        raise DFlashError("no drafters to evaluate")
-    if mode not in ("exact", "loop"):
-        raise DFlashError(f"unknown mode {mode!r}; use exact or loop")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise DFlashError("every prompt needs at least one token")
-    if continuations is not None and len(continuations) != len(prompts):
-        raise DFlashError(f"{len(continuations)} continuations for {len(prompts)} prompts")
+    need(drafters, "no drafters to evaluate")
+    need(mode in ("exact", "loop"), f"unknown mode {mode!r}; use exact or loop")
+    need(prompts and all(len(p) for p in prompts), "every prompt needs at least one token")
+    need(continuations is None or len(continuations) == len(prompts),
+         f"{len(continuations or ())} continuations for {len(prompts)} prompts")
     check_prompt_lengths(target, prompts)
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
     own = next((f"{n} ({d.cfg.architecture})" for n, (d, _) in drafters.items() if isinstance(d, NeuralDrafter)
-                and type(d.drafter).draft is not dflash.DFlashDrafter.draft), None)  # trees branch on the argmax's
-    dflash.need(not (tree_budgets and own), f"--tree_budget: drafter {own} drafts one chain by its own rule; drop "
-                f"--tree_budget or it")
+                and type(d.drafter).draft is not dflash.DFlashDrafter.draft), None)  # a tree branches on the argmax
+    need(not (tree_budgets and own), f"--tree_budget: drafter {own} drafts one chain by its own rule; drop "
+         f"--tree_budget or that drafter")
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
         check_loop_target(target)
-    eos = target.eos_ids()
-    per = {name: {"prompts": [], "time_s": 0.0} for name in drafters}
+    eos, per = target.eos_ids(), {name: {"prompts": [], "time_s": 0.0} for name in drafters}
     timing = {"generate_s": 0.0, "features_s": 0.0}
     if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
         greedy_continuation(target, prompts[0], 2, eos)
@@ -537,23 +497,22 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                       "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
                       **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
                       "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling,
-                                                     prompts),
-                      "timing": timing, "results": results}, depth_buckets)
+                                                     prompts), "timing": timing, "results": results}, depth_buckets)
 
 def check_prompt_lengths(target, prompts):
     """A prompt the target cannot take (at least as many tokens as its positions: max_position_embeddings, or its
     yarn's reach) is one line naming its length and the limit, before any generation."""
     limit, _ = dflash.target_window(target.model.config.get_text_config())
     i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
-    dflash.need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
+    need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
                     tree_budgets=(), sampling=None, accept_seed=None):
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
-    drafters' context layers in one hooked target pass over prompt + continuation and walks each drafter's drafts
-    (dflash.walk_continuation): its entry holds the chain's acceptance lengths, the tree walks' per budget, its rule's
-    other walks (NAME_acceptance_lengths) and, per boolean tensor of its rule (whether each true token is among its
-    candidates), [hits, true tokens] (NAME_hits). Sampled, a rule's q is walked by sampled_lengths (accept_seed)."""
+    drafters' context layers in one hooked target pass over prompt + continuation, then walks each drafter (its
+    walk: dflash.walk_continuation's): the entry holds the chain's acceptance lengths, the tree walks' per budget,
+    its rule's other walks (NAME_acceptance_lengths) and per boolean tensor of its rule (whether each true token is
+    among its candidates) [hits, true tokens] (NAME_hits). Sampled, a rule's q goes to sampled_lengths (accept_seed)."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
@@ -561,37 +520,33 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
         features, final = dflash.target_features(target, ids, union)  # (1, S, len(union)*D), (1, S, D)
         timing["features_s"] += time.perf_counter() - t0
     for name, (d, B) in drafters.items():
-        t0 = time.perf_counter()
-        entry = {"prompt_tokens": len(prompt)}
+        t0, entry = time.perf_counter(), {"prompt_tokens": len(prompt)}
         if mode == "loop":
             tokens, lengths, drafts = speculative_decode(target, d, prompt, max_new_tokens, B, eos)
             entry.update(continuation=tokens, acceptance_lengths=lengths, matches_greedy=tokens == continuation)
         else:
             ctx = select_layers(features, union, d.layer_ids) if d.layer_ids else None
-            walks, at, more = d.walk(target, prompt, continuation, ctx, B, trees=tree_budgets,
-                                     temperature=sampling.temperature if sampling else 0.0)
+            walks, drafts, more = d.walk(target, prompt, continuation, ctx, B, trees=tree_budgets,
+                                         temperature=sampling.temperature if sampling else 0.0)
             lengths, trees = walks.pop("tau"), walks.pop("tree", {})
             if sampling and "q" in more:  # a rule that samples its block
                 lengths = sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation, sampling),
                                           more["q"], torch.Generator().manual_seed(accept_seed))
             entry.update({f"{k}_acceptance_lengths": v for k, v in walks.items()})
-            for k, v in more.items():  # a boolean tensor: whether each true token is among the rule's candidates
+            for k, v in more.items():
                 if v.dtype == torch.bool:
                     seen = (torch.arange(len(v))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
                     entry[f"{k}_hits"] = [int((v.cpu() & seen).sum()), int(seen.sum())]
-            if trees:
-                entry["tree"] = {str(b): v for b, v in trees.items()}
-            drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
+            entry.update({"tree": {str(b): v for b, v in trees.items()}} if trees else {})
+            drafts = [drafts[k] for k in step_anchors(lengths)]
             entry.update(continuation=continuation, acceptance_lengths=lengths)
-        if dump_drafts:
-            entry["drafts"] = drafts
+        entry.update({"drafts": drafts} if dump_drafts else {})
         yield name, entry, time.perf_counter() - t0
 
 def conventions(runs):
     """Both tau conventions over lists of acceptance lengths (one per continuation): (pooled over all steps, mean
     over continuations of each one's mean); None where there are no steps."""
-    steps = sum(len(r) for r in runs)
-    means = [sum(r) / len(r) for r in runs if r]
+    steps, means = sum(len(r) for r in runs), [sum(r) / len(r) for r in runs if r]
     return (sum(map(sum, runs)) / steps if steps else None), (sum(means) / len(means) if means else None)
 
 def stderr(values):
@@ -606,7 +561,7 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
     """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means),
     each over every continuation (samples per prompt when sampled). Sampled: the standard error of each over the
     samples (given when sampled), sample j of every prompt being one run of the prompt set. Trees: both conventions
-    per budget."""
+    per budget. Its draft rule's diagnostics: NAME_tau of its other walks, NAME_recall of its hits."""
     entries = per["prompts"]
     lengths = [n for e in entries for n in e["acceptance_lengths"]]
     tau, tau_per_prompt = conventions([e["acceptance_lengths"] for e in entries])
@@ -616,11 +571,9 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
         runs = [conventions([e["acceptance_lengths"] for e in entries if e["sample"] == j]) for j in range(samples)]
         r["tau_stderr"], r["tau_per_prompt_stderr"] = (stderr([run[c] for run in runs]) for c in (0, 1))
     if entries and "tree" in entries[0]:
-        r["tree"] = {}
-        for b in entries[0]["tree"]:
-            tree_tau, tree_tau_per_prompt = conventions([e["tree"][b] for e in entries])
-            r["tree"][b] = {"tau": tree_tau, "tau_per_prompt": tree_tau_per_prompt}
-    for k in entries[0] if entries else ():  # a draft rule's diagnostics: its other walks' tau, its recalls
+        r["tree"] = {b: dict(zip(("tau", "tau_per_prompt"), conventions([e["tree"][b] for e in entries])))
+                     for b in entries[0]["tree"]}
+    for k in entries[0] if entries else ():
         if k.endswith("_acceptance_lengths"):
             r[k.replace("_acceptance_lengths", "_tau")] = conventions([e[k] for e in entries])[0]
         elif k.endswith("_hits"):
@@ -638,12 +591,11 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
 
 def load_bench(spec, bench_dir, max_samples):
     """--bench -> {name: samples (lists of user turns)}, every dataset loaded and checked before any generation."""
-    benchmarks = dflash.import_tool("benchmarks", "--bench")
+    b = dflash.import_tool("benchmarks", "--bench")
     try:
-        return {name: benchmarks.subset(benchmarks.conversations(name, benchmarks.load_rows(name, path, bench_dir),
-                                                                 path), max_samples)
-                for name, path in benchmarks.parse_bench(spec)}
-    except benchmarks.BenchmarkError as e:
+        return {name: b.subset(b.conversations(name, b.load_rows(name, path, bench_dir), path), max_samples)
+                for name, path in b.parse_bench(spec)}
+    except b.BenchmarkError as e:
         raise DFlashError(str(e)) from None
 
 def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True):
@@ -652,8 +604,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     following that answer (mt-bench)."""
     from tqdm import tqdm
     tok = target.tokenizer
-    if tok is None or not tok.chat_template:
-        raise DFlashError("--bench needs the target tokenizer's chat template, and it has none")
+    need(tok is not None and tok.chat_template, "--bench needs the target tokenizer's chat template, and it has none")
     kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
     render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
@@ -670,10 +621,9 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     reports = {}
     for name, samples in bench.items():
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
-        r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
-                              continuations=continuations, tree_budgets=tree_budgets,
-                              enable_thinking=bool(enable_thinking), depth_buckets=depth_buckets)
-        reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
+        reports[name] = {"benchmark": name, "num_samples": len(samples), **evaluate_drafters(
+            target, drafters, prompts, max_new_tokens, block_size, progress=progress, continuations=continuations,
+            tree_budgets=tree_budgets, enable_thinking=bool(enable_thinking), depth_buckets=depth_buckets)}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
     average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
@@ -683,46 +633,41 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
 
 def print_bench(result, file=None):
     """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
-    file = file or sys.stdout
-    reports = result["benchmarks"]
-    print(measured_line(result["measured"]), file=file)
+    out, reports = lambda s="": print(s, file=file or sys.stdout), result["benchmarks"]
+    out(measured_line(result["measured"]))
     for name, rep in reports.items():
-        print(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns", file=file)
+        out(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns")
         print_report(rep, file)
-        print(file=file)
+        out()
     w = max(16, *(len(d) for d in result["average"]))
     for k, what in (("tau_per_prompt", "tau/prompt (z-lab's convention)"), ("tau", "tau pooled")):
-        print(f"== {what} per benchmark, and their mean", file=file)
-        print(f"{'drafter':<{w}}" + "".join(f"  {n:>10}" for n in reports) + f"  {'average':>10}", file=file)
+        out(f"== {what} per benchmark, and their mean")
+        out(f"{'drafter':<{w}}" + "".join(f"  {n:>10}" for n in reports) + f"  {'average':>10}")
         for d, avg in result["average"].items():
             cells = [next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()] + [avg[k]]
-            print(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells),
-                  file=file)
+            out(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells))
 
 # -----------------------------------------------------------------------------
 # Report
 
 def print_report(report, file=None):
     """The side-by-side table: tau, steps, tokens and time per drafter, then per acceptance length L = 1..B the
-    histogram count and P(draft at offset L accepted) over all steps."""
-    file = file or sys.stdout
-    out = lambda s="": print(s, file=file)  # noqa: E731
-    results = report["results"]
-    t = report["timing"]
+    histogram count and P(draft at offset L accepted) over all steps, then the depth buckets."""
+    out = lambda s="": print(s, file=file or sys.stdout)  # noqa: E731
+    results, t, loop = report["results"], report["timing"], report["mode"] == "loop"
     sampled = report.get("temperature", 0) > 0
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
         f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
-        + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
+        + (")" if loop else f", context features {t['features_s']:.1f}s)"))
     if report.get("measured"):
         out(measured_line(report["measured"]))
     w = max(16, *(len(r["drafter"]) for r in results))
-    loop = report["mode"] == "loop"
+    f3 = lambda r, k: f"{r[k]:.3f}" if r.get(k) is not None else "-"  # noqa: E731
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
-        tau, tpp = (f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("tau", "tau_per_prompt"))
-        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {tpp:>10}  {r['steps']:>7}  {r['tokens']:>7}  "
-                f"{r['time_s']:>7.1f}")
+        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {f3(r, 'tau'):>6}  {f3(r, 'tau_per_prompt'):>10}  "
+                f"{r['steps']:>7}  {r['tokens']:>7}  {r['time_s']:>7.1f}")
         if loop:
             greedy = r["greedy_tokens_per_s"]
             vs = f"{greedy:>8.1f}  {r['tokens_per_s'] / greedy:>6.2f}x" if greedy else f"{'-':>8}  {'-':>7}"
@@ -734,10 +679,9 @@ def print_report(report, file=None):
             f"(0: off), {report['samples']} continuations per prompt (seed {report['seed']}); each tau over all of "
             f"them, +- its standard error over the samples:")
         for r in results:
-            tau, se, tpp, se_pp = (f"{r[k]:.3f}" if r.get(k) is not None else "-"
-                                   for k in ("tau", "tau_stderr", "tau_per_prompt", "tau_per_prompt_stderr"))
-            out(f"  {r['drafter']:<{w}}  tau {tau} +- {se}  tau/prompt {tpp} +- {se_pp}")
-    for r in results:
+            out(f"  {r['drafter']:<{w}}  tau {f3(r, 'tau')} +- {f3(r, 'tau_stderr')}  tau/prompt "
+                f"{f3(r, 'tau_per_prompt')} +- {f3(r, 'tau_per_prompt_stderr')}")
+    for r in results:  # a draft rule's diagnostics (summarize_drafter)
         diagnostics = [f"{k} {v:.3f}" for k, v in r.items() if k.endswith(("_tau", "_recall")) and v is not None]
         if diagnostics:
             out(f"  {r['drafter']:<{w}}  its draft rule's diagnostics: {', '.join(diagnostics)}")
@@ -748,14 +692,9 @@ def print_report(report, file=None):
     cws = [max(18, len(r["drafter"])) for r in results]  # a column as wide as its drafter's whole name
     out(f"{'L':>3}  " + "  ".join(f"{r['drafter']:>{cw}}" for r, cw in zip(results, cws)))
     for L in range(1, max(r["block_size"] for r in results) + 1):
-        cells = []
-        for r, cw in zip(results, cws):
-            if L > r["block_size"]:
-                cells.append(" " * cw)
-                continue
-            p = f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"
-            cells.append(f"{r['histogram'][L - 1]:>9} | {p:>6}".rjust(cw))
-        out(f"{L:>3}  " + "  ".join(cells))
+        p = lambda r: f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"  # noqa: E731
+        out(f"{L:>3}  " + "  ".join(f"{r['histogram'][L - 1]:>9} | {p(r):>6}".rjust(cw) if L <= r["block_size"]
+                                    else " " * cw for r, cw in zip(results, cws)))
     print_depth(results, w, out)
 
 def print_depth(results, w, out):
@@ -780,16 +719,14 @@ def print_trees(results, budgets, w, out):
         if "tree" not in r:
             out(f"{r['drafter']:<{w}}  (no tree: it drafts one chain without a distribution to branch on)")
             continue
-        cells = [(r["tau"], r["tau_per_prompt"])] + [(r["tree"][str(b)]["tau"], r["tree"][str(b)]["tau_per_prompt"])
-                                                     for b in budgets]
-        out(f"{r['drafter']:<{w}}" + "".join(f"  {a:>7.3f} | {p:>5.3f}" if a is not None else f"  {'-':>15}"
-                                             for a, p in cells))
+        cells = [r] + [r["tree"][str(b)] for b in budgets]
+        out(f"{r['drafter']:<{w}}" + "".join(f"  {c['tau']:>7.3f} | {c['tau_per_prompt']:>5.3f}" if c["tau"] is not None
+                                             else f"  {'-':>15}" for c in cells))
 
 def check_output_file(path, flag):
     """A file written at the end (write_json: a temp file beside it, renamed over it): refuse a directory in its
     place, and prove the location by creating its directories and a temp file there, before anything is loaded."""
-    if os.path.isdir(path) or path.endswith(os.sep):
-        raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
+    need(not os.path.isdir(path) and not path.endswith(os.sep), f"{flag} {path!r} is a directory; give a file path")
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
 
 def compare_reports(paths, depth_buckets=None):
@@ -797,14 +734,13 @@ def compare_reports(paths, depth_buckets=None):
     a name), refused unless every report was measured on the same target under the same settings."""
     reports = {}
     for path in paths:
-        r = dflash.read_json(path, "eval.py report")
-        ok = isinstance(r, dict) and isinstance(r.get("results"), list)
-        dflash.need(ok, f"{path}: not an eval.py --json report of drafters (--bench: measure them in one run)")
-        reports[path] = r
+        reports[path] = r = dflash.read_json(path, "eval.py report")
+        need(isinstance(r, dict) and isinstance(r.get("results"), list),
+             f"{path}: not an eval.py --json report of drafters (--bench: measure them in one run)")
     measured = check_same_measurement(reports)
     for key in ("target", "mode", "tree_budgets"):  # the table's columns, or what was measured, would differ
         seen = {json.dumps(r.get(key)) for r in reports.values()}
-        dflash.need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); give alike")
+        need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); give alike")
     names = [res["drafter"] for r in reports.values() for res in r["results"]]
     results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
                for path, r in reports.items() for res in r["results"]]
@@ -862,9 +798,8 @@ def depth_list(s):
 def sampling_args(args):
     """--temperature and its flags -> a Sampling, or None for greedy (where they have no meaning)."""
     if args.temperature == 0:
-        given = [f for f in ("top_p", "top_k", "samples") if getattr(args, f) is not None]
-        if given:
-            raise DFlashError(f"--{given[0]} shapes the target's sampling; give --temperature > 0 with it")
+        given = next((f"--{f}" for f in ("top_p", "top_k", "samples") if getattr(args, f) is not None), None)
+        need(not given, f"{given} shapes the target's sampling; give --temperature > 0 with it")
         return None
     return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.top_k or 0, args.samples or 5,
                     args.seed)
@@ -907,8 +842,8 @@ def get_parser():
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int,
          hi=2 ** 32 - 1)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
-         "comma-separated N side by side with the chain (drafters drafting the argmax; one with its own draft "
-         "rule drafts one chain)", type=budget_list)
+         "comma-separated N side by side with the chain (drafters drafting the argmax; one with its own draft rule "
+         "drafts one chain)", type=budget_list)
     flag(p, "--depth_buckets", None, "edges of the context-depth buckets every report splits tau by, comma-separated "
          "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else "
          "128,256,512,1024,2048)", type=depth_list)
@@ -940,29 +875,25 @@ def run(args):
         dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads
     if args.compare:
         given = next((f"--{k}" for k in ("target", "drafter", "prompts", "bench") if getattr(args, k)), None)
-        dflash.need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
+        need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
         report = compare_reports(args.compare, args.depth_buckets)
         print_report(report)
         return finish(report, args)
-    dflash.need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
-    device = dflash.pick_device(args.device)
-    sampling = sampling_args(args)
-    if args.tree_budget and PROMPT_LOOKUP in args.drafter:
-        raise DFlashError("--tree_budget: prompt-lookup has no distribution to grow a tree; drop its --drafter")
+    need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
+    device, sampling = dflash.pick_device(args.device), sampling_args(args)
+    need(not (args.tree_budget and PROMPT_LOOKUP in args.drafter),
+         "--tree_budget: prompt-lookup has no distribution to grow a tree; drop its --drafter")
     check_modes(args.mode, sampling is not None, args.tree_budget, args.bench is not None)
-    if args.dump_drafts and not args.json:
-        raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")
+    need(args.json or not args.dump_drafts, "--dump_drafts writes into the --json report; pass --json OUT too")
     if args.json:
         check_output_file(args.json, "--json")
     bench = None
     if args.bench is not None:
         for flag, bad in (("--prompts", args.prompts), ("--mode loop", args.mode == "loop"), ("--limit", args.limit),
                           ("--dump_drafts", args.dump_drafts)):
-            if bad:
-                raise DFlashError(f"--bench measures its own prompts with the exact method; drop {flag}")
+            need(not bad, f"--bench measures its own prompts with the exact method; drop {flag}")
         bench = load_bench(args.bench, args.bench_dir, args.max_samples)  # bad datasets fail before the target loads
-    elif args.bench_dir or args.max_samples:
-        raise DFlashError("--bench_dir and --max_samples go with --bench")
+    need(bench is not None or not (args.bench_dir or args.max_samples), "--bench_dir and --max_samples go with --bench")
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
@@ -976,10 +907,8 @@ def run(args):
         print_bench(report)
     else:
         prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
-        if args.limit:
-            prompts = prompts[:args.limit]
-        report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
-                                   args.dump_drafts, progress=progress, sampling=sampling,
+        report = evaluate_drafters(target, drafters, prompts[:args.limit or None], args.max_new_tokens or 256,
+                                   args.block_size, args.mode, args.dump_drafts, progress=progress, sampling=sampling,
                                    tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking,
                                    depth_buckets=args.depth_buckets)
         print_report(report)
