@@ -2,11 +2,10 @@
 eval.py: measure tau, the mean number of tokens per verification step, of DFlash drafters against their target.
 
 Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
-is computed exactly without a decode loop: the target generates s once per prompt (its normal cached generation),
-one hooked pass over prompt + s gives every context feature, and each drafter's blocks are walked along s by the walk
-training's walked tau uses (dflash.walk_continuation): draft the block anchored at s[k] from the context < its
-position, accept the longest prefix that equals s, move the anchor past the accepted tokens and the target's own
-token, repeat. Nothing is ever rolled back, so hybrid targets (Qwen3.5/3.6: Gated DeltaNet state) work too.
+is exact without a decode loop: the target generates s once per prompt, one hooked pass over prompt + s gives every
+context feature, and each drafter's blocks are walked along s as training walks them (dflash.walk_continuation):
+the block anchored at s[k] drafted from the context before it, its longest prefix equal to s accepted, the anchor
+moved past it and the target's own token. Nothing is rolled back, so hybrid targets (Qwen3.5/3.6) work too.
 `--mode loop` runs a real speculative decoding loop instead (KV-cache targets) and checks it reproduces greedy.
 
     # ours vs z-lab's drafter vs the prompt-lookup baseline, on the built-in coding prompts
@@ -26,11 +25,10 @@ token, repeat. Nothing is ever rolled back, so hybrid targets (Qwen3.5/3.6: Gate
 As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
 PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json` saves.
 
-Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is pooled
-(all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each prompt's mean
-acceptance length (what z-lab's benchmark prints as "Average Acceptance length"). Every report also says how its tau
-was measured ("measured": thinking mode, max_new_tokens, serving mode, a hash of the chat template with its generation
-prompt, a hash of the prompts): tau measured differently are never put in one table.
+The report carries both averaging conventions: `tau` pooled over all verification steps, `tau_per_prompt` the mean
+over prompts of each one's mean (z-lab's "Average Acceptance length"). It says how its tau was measured ("measured":
+thinking mode, max_new_tokens, serving mode, hashes of the chat template and prompts): tau measured differently are
+never put in one table.
 """
 
 import argparse
@@ -79,10 +77,9 @@ def step_anchors(lengths):
 # Prompts: JSONL -> token-id lists
 
 def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
-    """One JSONL record -> prompt token ids (dflash.record_kind parses it). {"prompt": str} is a single user turn
-    through the chat template (raw text when the tokenizer has none); {"messages": [...]} goes through the chat
-    template, trailing assistant turns dropped (the target writes its own); {"text": str} is raw text;
-    {"input_ids": [...]} is used as is. Every id is checked against vocab_size when given (the target's vocabulary)."""
+    """One record -> prompt token ids, each checked against vocab_size when given: {"prompt": str} a user turn through
+    the chat template (raw text without one); {"messages": [...]} through the chat template, trailing assistant turns
+    dropped (the target writes its own); {"text": str} raw text; {"input_ids": [...]} as is."""
     rec = dflash.chat_record(rec, where)  # ShareGPT's conversations: messages
     kind = dflash.record_kind(rec, where, tokenizer, ("input_ids", "messages", "prompt", "text"))
     if kind == "input_ids":
@@ -118,16 +115,14 @@ def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
 # The statistics of acceptance lengths (counted by dflash.acceptance_counts, as training's walked tau counts them)
 
 def acceptance_stats(lengths, block_size):
-    """tau = mean(accepted + 1) over steps; histogram[L-1] = steps with accepted + 1 = L (L = 1..B);
-    per_offset_acceptance[k-1] = P(draft at offset k accepted) over ALL steps = P(accepted >= k), k = 1..B-1
-    (so tau = 1 + sum(per_offset_acceptance))."""
+    """tau = mean(accepted + 1) over steps; histogram[L-1]: steps with accepted + 1 = L (L = 1..B);
+    per_offset_acceptance[k-1] = P(draft at offset k accepted) = P(accepted >= k) over ALL steps, so tau = 1 + sum."""
     steps, (histogram, accepting) = len(lengths), dflash.acceptance_counts(lengths, block_size)
     return {"tau": sum(lengths) / steps if steps else None, "steps": steps, "histogram": histogram,
             "per_offset_acceptance": [n / steps if steps else 0.0 for n in accepting]}
 
-# tau by context depth: a step's depth is its anchor's absolute position (prompt + continuation so far), the
-# context the drafter drafts from. Acceptance decays with depth for drafters trained at short length, and a pooled
-# tau hides it: each report also splits every figure by depth bucket, the buckets summing back to the pooled ones.
+# tau by context depth: a step's depth is its anchor's position (prompt + continuation so far). Acceptance decays with
+# depth for drafters trained at short length and a pooled tau hides it: reports split every figure by depth bucket.
 DEPTH_EDGES_LONG = (1024, 4096, 16384, 65536)        # < 1k, 1-4k, 4-16k, 16-64k, >= 64k
 DEPTH_EDGES_SHORT = (128, 256, 512, 1024, 2048)     # runs whose deepest anchor is below 4k
 
@@ -147,10 +142,8 @@ def step_depths(entry):
     return [entry["prompt_tokens"] + a for a in step_anchors(entry["acceptance_lengths"])]
 
 def depth_stats(entries, block_size, edges):
-    """The steps of entries split by depth bucket [lo, hi): per non-empty bucket acceptance_stats (tau, steps,
-    histogram, P(draft at offset k accepted)) and its accepted tokens (sum of acceptance lengths). Every step falls in
-    exactly one bucket, so steps, tokens and histograms sum to the pooled ones, and tau and each P(offset k) are the
-    step-weighted mean of the buckets'."""
+    """The steps of entries split by depth bucket [lo, hi): acceptance_stats and accepted tokens per non-empty bucket.
+    Each step falls in one bucket: steps, tokens and histograms sum to the pooled ones, tau is their weighted mean."""
     bounds, buckets = [0, *edges, None], [[] for _ in edges + [None]]
     for e in entries:
         for depth, n in zip(step_depths(e), e["acceptance_lengths"]):
