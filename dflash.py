@@ -17,28 +17,37 @@ Part III the operations a run needs.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
-    [tok[a], M, M, ..., M] (the anchor token a, then B-1 mask tokens) embedded with the target's embedding, and
-    its output at block offset i goes through the target's lm_head to predict the token at position a+i.
-    It conditions on context features: the outputs h[t] of a few target layers t in target_layer_ids,
-    concatenated and projected by fc + hidden_norm into one hidden vector per position, which every drafter
-    layer sees as extra keys/values. Visibility: a block token sees the context positions j < a (the target has
-    not yet computed the anchor's hidden state when drafting) and tokens of its own block (all of them, or
-    only earlier ones in a causal layer); sliding layers also drop keys more than W positions away.
-    Training draws many anchors per sequence and runs every block in one call. The loss is hard cross-entropy
-    against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i (early offsets matter
-    most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the whole global batch.
+    [tok[a], M, M, ..., M] (the anchor token a, then B-1 mask tokens) embedded with the target's embedding, and its
+    output at block offset i goes through the target's lm_head to predict the token at position a+i. It conditions on
+    context features: the outputs h[t] of a few target layers t in target_layer_ids, concatenated and projected by
+    fc+hidden_norm into one hidden vector per position, which every drafter layer sees as extra keys/values. Visibility
+    (pictured above make_mask_mod): a block token sees the context positions j < a (when drafting, the target has no
+    hidden state for the anchor yet) and its own block (only offsets up to its own in a causal layer); sliding layers
+    drop keys W or more positions away. Training draws many anchors per sequence and runs every block in one call. The
+    loss is hard cross-entropy against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i
+    (early offsets matter most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the global batch.
 
-Extras plug in from dflash_tools/, each imported only where a flag, config.json or file kind asks (import_tool).
-A variant is one file there: a Config(DFlashConfig) (its fields, architecture, problems(), dflash_config_keys())
-and a Drafter(DFlashDrafter) overriding the hooks it changes (Layer, draft, block_loss, summary); name it in
-VARIANTS and declare its flags.
+Extending it: a variant, a loss or a training stage is one module, and nothing here is edited. Each is named by
+its flag as a dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags
+with flag(g, ...), accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
+- A variant (--variant NAME; --dflash2 is --variant dflash2): `class Config(DFlashConfig)` with its fields, problems()
+  and dflash_config_keys(), its `architecture: ClassVar[str] = "XDraftModel"` on one line (how config.json's
+  architectures find a dflash_tools/ module); `class Drafter(DFlashDrafter)` overriding the hooks it changes: Layer,
+  draft (the draft rule), block_loss, summary; `Config.Drafter = Drafter`. Optional configure(cfg, args) -> cfg and
+  prepare(drafter, cfg, args) -> drafter (default: the DFlash fields and weights carried over). A checkpoint of a
+  variant outside dflash_tools/ names its module in config.json (dflash_module); loading it takes
+  --trust_variant_code unless --variant names it.
+- A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
+  f(args) -> an object with CE's token_loss, weights, normaliser. It keeps the DFlash architecture: engines serve it.
+- A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved
+  in each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
 """
 
 import argparse
 import difflib
 import gzip
 import hashlib
-import importlib
+import importlib.util
 import itertools
 import json
 import math
@@ -51,6 +60,7 @@ import tempfile
 import time
 import zlib
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
@@ -128,40 +138,41 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 # -----------------------------------------------------------------------------
-# Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function.
-# Queries are N blocks of B tokens (query q_idx is offset i = q_idx % B of block n = q_idx // B, at position a+i);
-# keys are [S context positions ; the N blocks of B tokens].
+# Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function. Keys:
+# [S context positions ; N blocks of B]; query n*B + i is offset i of block n, at position a+i. S=8, B=4, anchors 2, 5:
+#   x: visible      | bidirectional full layer    | causal sliding layer, W=3
+#                   | context   block 0  block 1  | context   block 0  block 1
+#   key position    | 01234567  2345     5678     | 01234567  2345     5678
+#   block 0 i=0 @2  | xx......  xxxx     ....     | xx......  x...     ....
+#           i=1 @3  | xx......  xxxx     ....     | .x......  xx..     ....
+#           i=2 @4  | xx......  xxxx     ....     | ........  xxx.     ....
+#           i=3 @5  | xx......  xxxx     ....     | ........  .xxx     ....
+#   block 1 i=0 @5  | xxxxx...  ....     xxxx     | ...xx...  ....     x...
+#           i=1 @6  | xxxxx...  ....     xxxx     | ....x...  ....     xx..
+#           i=2 @7  | xxxxx...  ....     xxxx     | ........  ....     xxx.
+#           i=3 @8  | xxxxx...  ....     xxxx     | ........  ....     .xxx
 
 def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
-    """anchors, anchor_valid (b, N). A key is visible to block token i of the block anchored at a iff
-    - it is a context position j < a (the target has no hidden state for the anchor itself yet at inference), or
-      a token i' of the same block (any i' in a bidirectional layer, i' <= i in a causal one);
-    - and, in a sliding layer, it lies within the window by position: q_pos - k_pos < W for every key (context and
-      block alike, as vLLM and SGLang serve it), and also k_pos - q_pos < W when the sliding layer is bidirectional;
-    - and the anchor is real (padding anchors see nothing)."""
-
+    """anchors, anchor_valid (b, N) -> mask_mod, pictured above (python -m dflash_tools.plot --mask): query i of anchor
+    a sees context j < a and its own block (offsets i' <= i when causal); a sliding window counts positions for every
+    key, context and block alike, as vLLM and SGLang serve it: |q_pos - k_pos| < W. Padding anchors see nothing."""
     def mask_mod(b, h, q_idx, kv_idx):
         n, i = q_idx // B, q_idx % B
-        a = anchors[b, n]
-        is_ctx = kv_idx < S
-        k_off = (kv_idx - S) % B                       # a block key's offset i': its position is a + i'
-        ctx_ok = is_ctx & (kv_idx < a)
-        blk_ok = ~is_ctx & ((kv_idx - S) // B == n)
+        a, k_off = anchors[b, n], (kv_idx - S) % B     # a block key's offset i': its position is a + i'
+        ctx_ok = (kv_idx < S) & (kv_idx < a)
+        blk_ok = (kv_idx >= S) & ((kv_idx - S) // B == n)
         if causal:
             blk_ok = blk_ok & (k_off <= i)
-        if window is not None:                         # q_pos - k_pos < W; for block keys that is i - i' < W
+        if window is not None:                         # for block keys |q_pos - k_pos| = |i - i'|
             ctx_ok = ctx_ok & (a + i - kv_idx < window)
-            blk_ok = blk_ok & (i - k_off < window)
-            if not causal:
-                blk_ok = blk_ok & (k_off - i < window)
+            blk_ok = blk_ok & ((i - k_off).abs() < window)
         return anchor_valid[b, n] & (ctx_ok | blk_ok)
 
     return mask_mod
 
 def dense_masks(mask_mod, b, N, S, B, device):
-    """The rule evaluated where the dense path computes scores: every block query against the S context keys,
-    (b, N, B, S), and each block's queries against its own B keys, (b, N, B, B). Keys of other blocks are never
-    visible, so nothing else is needed."""
+    """The rule where the dense path computes scores: block queries against the S context keys, (b, N, B, S), and
+    against their own block's B keys, (b, N, B, B); other blocks' keys are never visible."""
     q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
     ctx_idx = torch.arange(S, device=device)                    # context key j
     own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
@@ -286,7 +297,6 @@ class DFlashDrafter(nn.Module):
     """No embedding and no lm_head: both are the target's. attention: "flex" (block-sparse, CUDA) or "dense"
     (two_part_attention; anywhere, also backward on CPU). A variant overrides Layer, draft, block_loss, summary."""
     Layer = DecoderLayer
-    STATS = {"w": (), "ce_w": (), "correct": "B", "count": "B", "accepted": (), "blocks": ()}  # "B": per offset
 
     def __init__(self, cfg, attention="dense"):
         super().__init__()
@@ -333,9 +343,9 @@ class DFlashDrafter(nn.Module):
         diagnostics {name: (n, B-1)} (h: their hidden states; truth (n, B): the true tokens)."""
         return logits.argmax(-1), {}
 
-    def block_loss(self, hidden, lm_head, labels, weights, block_ids, reweight=None, progress=None):
-        """sum(w * CE) and its stats (weighted_ce); block_ids and progress (step, total) are for a variant."""
-        return weighted_ce(hidden, lm_head, labels, weights, reweight=reweight)
+    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
+        """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
+        return weighted_ce(hidden, lm_head, labels, weights, loss=loss)
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
         return {}
@@ -345,18 +355,6 @@ DFlashConfig.Drafter = DFlashDrafter  # the model a config builds: cfg.Drafter(c
 def tied(target):
     """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
     return target.lm_head.weight is target.embed.weight
-
-@torch.no_grad()
-def start_off_mask(drafter, target):
-    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
-    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
-    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
-    M = drafter.cfg.mask_token_id
-    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
-    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
-    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
-        g = torch.ones_like(u)
-        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
 
 # -----------------------------------------------------------------------------
 # The target: frozen; forward hooks capture the context features h[t] and the final hidden state f, whose greedy
@@ -476,6 +474,18 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
         mix_seed(k, 7))) for k in keys])
     return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
 
+@torch.no_grad()
+def start_off_mask(drafter, target):
+    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
+    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
+    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
+    M = drafter.cfg.mask_token_id
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
+    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
+    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
+        g = torch.ones_like(u)
+        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
+
 # -----------------------------------------------------------------------------
 # The corrected loss: hard cross-entropy weighted by block offset, normalised over the whole global batch
 
@@ -491,28 +501,40 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-def loss_normaliser(weights, reweight=None):
-    """The loss's denominator (train_step sums it over the global batch): sum(w), or with a reweighting loss the
-    number of sequences with a real anchor, as SpecForge normalises it."""
-    return weights.sum() if reweight is None else (weights > 0).flatten(1).any(1).sum().float()
+class CE:
+    """The method's loss, hard cross-entropy, as --loss objects state it (another: dflash_tools/losses.py): per token
+    from a chunk of fp32 logits (T, V); the weights from the method's w and the drafter's log q of each label (no
+    gradient); the denominator, summed over the global batch."""
+    def token_loss(self, logits, labels):
+        return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None, reweight=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head, and the stats of the same pass to all-reduce.
-    hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot) @ W, is formed
-    chunk by chunk in ChunkedLMHeadCE's forward (Part II), so [tokens, V] logits never exist. reweight (another
-    --loss): w = reweight(q, valid) from the drafter's probability q of each label, without gradient."""
-    w = weights.flatten()
-    sel = (w > 0).nonzero().squeeze(1)  # only the tokens that count, not padding anchors
-    ce, pred = ChunkedLMHeadCE.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias,
-                                     labels.flatten()[sel].clamp(min=0), chunk or vocab_chunk(lm_head.weight.shape[0]))
+    def weights(self, w, logq, valid):
+        return w
+
+    def normaliser(self, w):
+        return w.sum()
+
+def token_selection(weights, device):
+    """The flat indices of the tokens that count (w > 0, not padding anchors), found where the weights were built (on
+    the CPU in training: no device sync), and the weights on the device."""
+    return (weights.flatten() > 0).nonzero().squeeze(1).to(device), weights.to(device)
+
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
+    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, and the stats of the same
+    pass to all-reduce. hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot)
+    @ W for CE, is formed chunk by chunk in ChunkedLMHead's forward (Part II): [tokens, V] logits never exist."""
+    loss = loss or CE()
+    sel, weights = token_selection(weights, hidden.device)
+    y = labels.flatten()[sel].clamp(min=0)
+    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
+                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss)
     valid = weights > 0
-    if reweight is not None:  # q = exp(-CE), the drafter's probability of the label; the weights get no gradient
-        q = torch.zeros_like(w).index_put((sel,), ce.detach().neg().exp()).view_as(weights)
-        w = reweight(q, valid).flatten()
-    ce_w = (ce * w[sel]).sum()
+    logq = torch.zeros_like(weights).flatten().index_put((sel,), logq.to(weights.dtype)).view_as(weights)
+    w = loss.weights(weights, logq, valid)
+    ce_w = (tl * w.flatten()[sel]).sum()
     correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
-    correct[sel] = pred == labels.flatten()[sel]
-    return ce_w, {"w": loss_normaliser(weights, reweight).detach(), "ce_w": ce_w.detach(),
+    correct[sel] = pred == y
+    return ce_w, {"w": loss.normaliser(weights).detach(), "ce_w": ce_w.detach(),
                   **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
 def accuracy_stats(correct, valid):
@@ -529,9 +551,9 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     model: the drafter or its compiled/DDP wrapper (raw_model: the drafter). labels: "target" (its greedy token at
     a+i: what verification accepts) or "data". Returns (sum(w * CE) / weight_total, stats); training passes the
     global batch's weight_total, so the split over ranks and micro-steps cannot dilute or reweight the loss."""
-    dev, B = target.lm_head.weight.device, cfg.block_size
+    dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where it was built: token_selection)
     input_ids = batch["input_ids"].to(dev)
-    anchors, anchor_valid, w = anchors.to(dev), anchor_valid.to(dev), weights.to(dev)
+    anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
@@ -544,15 +566,6 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
         hidden = model(context, x, anchors, anchor_valid)                      # (b, N, B, D)
     ce_w, stats = (raw_model or model).block_loss(hidden, target.lm_head, y, w, ids, **loss_kw)
     return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
-
-def add_stats(total, stats):
-    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
-
-def all_reduce_sum(stats, world):
-    if world > 1:
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
-    return stats
 
 def summarize(stats, drafter=None):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
@@ -695,11 +708,11 @@ def lr_at(step, total_steps, lr, warmup_ratio):
 def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
     """One optimizer step over the micro-batches: returns the stats summed over ranks, the grad norm, and whether the
     update was taken (a non-finite loss or grad norm skips it on every rank alike). The anchors are drawn before any
-    forward, so every micro-step's loss is normalised by the whole global batch's loss_normaliser."""
+    forward, so every micro-step's loss is normalised by the whole global batch's (the loss's normaliser)."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
-    w_total = sum(loss_normaliser(w, loss_kw.get("reweight")) for w in weights).to(device)
+    w_total = sum((loss_kw.get("loss") or CE()).normaliser(w) for w in weights).to(device)
     w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
     total = None
     for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
@@ -719,47 +732,6 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm, ok
 
-def rank_share(items, rank, world):
-    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
-    every forward is a collective)."""
-    return items[rank::world], -(-len(items) // world)
-
-@torch.no_grad()
-def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
-    """Held-out loss and tau estimate, summed over ranks; anchors keyed by the sample's index in the eval set."""
-    cfg = drafter.cfg
-    z = torch.zeros((), device=target.lm_head.weight.device)
-    total = {k: z.new_zeros(cfg.block_size if per == "B" else ()) for k, per in drafter.STATS.items()}  # (none here)
-    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
-    for s in range(0, per_rank, batch_size):
-        idx = mine[s:s + batch_size]
-        fill = batch_size - len(idx)  # empty rows (no valid anchor): one shape to compile, and a short rank's batches
-        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
-                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
-        anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
-        w = loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, gamma)
-        total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
-                                             **{**loss_kw, "noise_std": 0, "progress": None})[1])
-    return summarize(all_reduce_sum(total, world), drafter)
-
-def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
-    if not eval_samples:
-        return
-    drafter.eval()
-    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
-                 **loss_kw)
-    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
-    drafter.train()
-    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
-    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
-    measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
-                           prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
-    walk = {"eval_walk_acceptance": acceptance, "measured": measured} if walked is not None else {}
-    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
-
 def build_drafter(args, run, target, world, device, say=print):
     """The drafter (new, --init_from's or the checkpoint's), its AdamW (--zero: split over the ranks), the model the
     loop calls (compiled, in DDP under torchrun), and the loss's keyword arguments."""
@@ -769,7 +741,8 @@ def build_drafter(args, run, target, world, device, say=print):
     cfg, state, source = run.cfg, run.state, run.resume_dir or run.init_from
     drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
     if run.variant:  # the variant's own set-up from its flags
-        drafter = run.variant.prepare(drafter, cfg, args)
+        v = run.variant
+        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
     if not source and tied(target):
         start_off_mask(drafter, target)
         say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
@@ -791,45 +764,13 @@ def build_drafter(args, run, target, world, device, say=print):
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
-    reweight = None if args.loss == "ce" else import_tool("losses", f"--loss {args.loss}").reweight_of(args)
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, raw_model=drafter, reweight=reweight,
-                   pad_to=padded_length(args.max_len) if attention == "flex" or compile_ else None)
+    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, loss=loss_of(args), pad_to=pad_to,
+                   raw_model=drafter)
     return drafter, model, optimizer, loss_kw
 
 def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding
     return min(args.num_anchors, args.max_len - 1)
-
-def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
-    sample for its anchors and noise."""
-    S = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
-    for r, (ids, mask) in enumerate(samples):
-        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    keys = keys if keys is not None else list(range(len(samples)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
-
-class Batches:
-    """Epoch-shuffled global batches of batch_size * grad_accum * world samples, micro-step m of rank r its slice:
-    deterministic for a seed, so the data position is the step number."""
-
-    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
-        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
-        self.seed, self.pad_id = seed, pad_id
-        self.global_batch = batch_size * grad_accum * world
-        self.steps_per_epoch = len(samples) // self.global_batch
-        need(self.steps_per_epoch, f"{len(samples)} samples < one global batch; lower --batch_size or --grad_accum")
-        self._order = (None, None)
-
-    def get(self, step, micro):
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if self._order[0] != epoch:
-            g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
-            self._order = (epoch, torch.randperm(len(self.samples), generator=g).tolist())
-        start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
-        idx = self._order[1][start:start + self.bs]
-        return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
 
 def train(args):
     """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
@@ -865,12 +806,12 @@ def train(args):
     def save(step):
         save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "loss": args.loss, "dpace_alpha": args.dpace_alpha, "wandb_id": trackers.wandb_id},
-            world, say, trained_for)
+            "loss": args.loss, "stage_state": run.stage_state, "wandb_id": trackers.wandb_id}, world, say, trained_for)
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
+    step_fn = partial(run.stage.train_step, args=args, state=run.stage_state) if run.stage else train_step
     if step == 0:
         held_out(0)
     stopped, t_last, tokens = False, time.time(), 0
@@ -878,8 +819,8 @@ def train(args):
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
-                                              args.grad_clip, world, progress=(step, total_steps), **loss_kw)
+            total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
+                                           args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             bad_steps = 0 if ok else count_bad_step(bad_steps, step + 1, total, grad_norm, args, say)
             step += 1
             bar.update(1)
@@ -984,36 +925,46 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
-class ChunkedLMHeadCE(torch.autograd.Function):
-    """Per-token CE and argmax of lm_head(h) in chunks of rows, with the gradient w.r.t. h ((softmax - onehot) @ W;
-    the lm_head is frozen) formed in the same pass: only (T, D) is kept for backward."""
+class ChunkedLMHead(torch.autograd.Function):
+    """A loss's per-token values (CE: lse - logit of the label), log q of the label and the argmax of lm_head(h) in
+    chunks of rows, with the gradient w.r.t. h (d loss / d logits @ W; the lm_head is frozen) formed in the same pass:
+    only (T, D) is kept for backward. CE's gradient softmax - onehot is formed in place; another loss's by autograd."""
 
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk):
+    def forward(ctx, h, weight, bias, labels, chunk, loss):
         T = h.shape[0]
-        ce = torch.empty(T, dtype=torch.float32, device=h.device)
+        out, logq = torch.empty(T, device=h.device), torch.empty(T, device=h.device)  # fp32
         pred = torch.empty(T, dtype=torch.long, device=h.device)
         grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         for s in range(0, T, chunk):
             hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
             logits = F.linear(hs, weight, bias).float()                          # (chunk, V)
             lse = logits.logsumexp(-1)
-            ce[s:s + chunk] = lse - logits.gather(1, ys[:, None]).squeeze(1)
+            logq[s:s + chunk] = logits.gather(1, ys[:, None]).squeeze(1) - lse
             pred[s:s + chunk] = logits.argmax(-1)
+            if type(loss).token_loss is CE.token_loss:  # the method's CE: -log q, its gradient in place
+                out[s:s + chunk], p = -logq[s:s + chunk], None
+                if grad is not None:
+                    p = logits.sub_(lse[:, None]).exp_()  # one (chunk, V) buffer, not three
+                    p[torch.arange(len(ys), device=h.device), ys] -= 1.0
+            else:
+                with torch.enable_grad():
+                    z = logits.requires_grad_(grad is not None)
+                    tl = loss.token_loss(z, ys)
+                    p = torch.autograd.grad(tl.sum(), z)[0] if grad is not None else None
+                out[s:s + chunk] = tl.detach()
+                del z, tl
             if grad is not None:
-                p = logits.sub_(lse[:, None]).exp_()  # in place: one (chunk, V) buffer, not three
-                p[torch.arange(len(ys), device=h.device), ys] -= 1.0
                 grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
-                del p
-            del logits  # free this chunk's (chunk, V) buffer before the next one is allocated
+            del logits, p  # free this chunk's (chunk, V) buffers before the next ones are allocated
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(pred)
-        return ce, pred
+        ctx.mark_non_differentiable(logq, pred)
+        return out, logq, pred
 
     @staticmethod
-    def backward(ctx, grad_ce, grad_pred):
+    def backward(ctx, grad_out, grad_logq, grad_pred):
         (grad,) = ctx.saved_tensors
-        return grad * grad_ce[:, None].to(grad.dtype), None, None, None, None
+        return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     """Blocks to draft at once so the largest intermediates stay near `budget` elements: the MLP and the logits,
@@ -1088,10 +1039,33 @@ def import_tool(name, why):
             raise
         raise DFlashError(f"{why} needs dflash_tools/{name}.py; copy dflash_tools/ beside {sys.argv[0]}") from None
 
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
+TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported: named by a flag, or --trust_variant_code
+
+def plugin(spec, why):
+    """A variant, loss or stage module: dflash_tools/<spec>.py, or (when TRUSTED) an importable module or a .py path,
+    whose DFLASH_MODULE config.json records to find it again."""
+    if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
+        return import_tool(spec, why)
+    need(spec in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --trust_variant_code to import it")
+    need(not spec.endswith(".py") or os.path.isfile(spec), f"{why}: {spec} does not exist; give a .py file or a module")
+    sys.modules.setdefault("dflash", sys.modules[__name__])
+    path, name = os.path.abspath(spec), "dflash_plugin_" + hashlib.sha256(spec.encode()).hexdigest()[:12]
+    try:
+        module = importlib.import_module(spec) if not spec.endswith(".py") else sys.modules.get(name)
+    except ModuleNotFoundError as e:
+        raise DFlashError(f"{why}: no module {spec!r} ({first_line(e)}); copy dflash_tools/ beside {sys.argv[0]}, or "
+                          f"give a module or a .py path") from None
+    if module is None:  # a .py path, imported once
+        loader = importlib.util.spec_from_file_location(name, path)
+        module = sys.modules[name] = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    module.DFLASH_MODULE = path if spec.endswith(".py") else spec
+    return module
+
+
 # -----------------------------------------------------------------------------
 # Drafter configs: their rules, and config.json in z-lab's layout as vLLM and SGLang read it
-
-VARIANTS = {"DFlash2DraftModel": "dflash2"}  # config.json's architectures -> the dflash_tools module defining it
 
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
@@ -1161,13 +1135,20 @@ def config_to_json(cfg):
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
           **({"swa_window_size": cfg.sliding_window} if sliding else {}), **cfg.dflash_config_keys()}
-    return {"architectures": [cfg.architecture], "model_type": "qwen3", "hidden_act": "silu",
+    module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
+    return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
+            "hidden_act": "silu",
             "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
             "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
-def config_class(d, where="config.json"):  # DFlashConfig, or the variant's that config.json's architectures name
-    arch = next((a for a in (d.get("architectures") or []) if a in VARIANTS), None) if isinstance(d, dict) else None
-    return import_tool(VARIANTS[arch], f"{where} ({arch})").Config if arch else DFlashConfig
+def config_class(d, where="config.json"):
+    """DFlashConfig, or the variant's that config.json names: its dflash_module (a variant outside dflash_tools/, as
+    transformers' auto_map), else the dflash_tools module whose Config has its architecture."""
+    d, known = d if isinstance(d, dict) else {}, {arch: m for _, m, arch in tool_plugins() if arch}
+    if isinstance(d.get("dflash_module"), str):
+        return plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})").Config
+    arch = next((a for a in (d.get("architectures") or []) if a in known), None)
+    return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
 def config_from_json(d, where="config.json"):
     """Our own layout (it must write back to exactly the same JSON) here; any other by dflash_tools/engines.py."""
@@ -1865,10 +1846,9 @@ def resume_point(args, data_digest, master=True):
     old = dict(state["args"]) if isinstance(state["args"], dict) else {}
     if old.get("eval_fraction", 0) is None:  # None: the default, as this run counts it
         old["eval_fraction"] = EVAL_FRACTION
-    old["loss"] = state.get("loss", "ce")  # the objective (none recorded: the CE), and D-PACE's alpha
-    old["dpace_alpha"] = state.get("dpace_alpha") if old["loss"] != "ce" else args.dpace_alpha
+    old.update(loss=state.get("loss", "ce"), stage=old.get("stage"), **{k: old.get(k) for k in plugin_args(args)})
     now = {**vars(args), "eval_fraction": eval_fraction(args)}
-    for k in ("seed", "max_len", "eval_fraction", "loss", "dpace_alpha"):  # the data order and split, the objective
+    for k in ("seed", "max_len", "eval_fraction", "loss", "stage", *plugin_args(args)):  # data order, split, objective
         was = old.get(k, now[k])
         need(was == now[k], f"cannot resume {d}: it was made with --{k} {was}, this run has --{k} {now[k]}; use {was}")
     same = not state.get("data") or not data_digest or state["data"] == data_digest
@@ -1950,13 +1930,15 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
 
 @dataclass
 class RunSetup:
-    """What check_run found (cfg None for --show_data; variant: the variant's module or None)."""
+    """What check_run found (cfg None for --show_data)."""
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
     data_digest: dict | None = None
     init_from: str | None = None
-    variant: object = None
+    variant: object = None  # the variant's module, or None
+    stage: object = None    # --stage's module, or None
+    stage_state: dict = field(default_factory=dict)  # what a --stage keeps between steps: saved, and resumed
 
 def check_run(args, world, device, master):
     """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
@@ -1991,8 +1973,8 @@ def check_run(args, world, device, master):
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: these flags need one
-    if args.loss != "ce":
-        import_tool("losses", f"--loss {args.loss}")
+    stage = plugin(args.stage, f"--stage {args.stage}") if args.stage else None
+    getattr(stage, "check", lambda a: None)(args)
     if args.eval_walk_tree_budget:
         import_tool("tree", "--eval_walk_tree_budget")
     if args.show_data:
@@ -2007,11 +1989,11 @@ def check_run(args, world, device, master):
         for k, v in given.items():  # --init_from's drafter keeps its own geometry
             same = not init_from or v == (getattr(cfg, DRAFTER_FLAGS[k]) or (0 if k == "sliding_window" else None))
             need(same, f"--{k} {v}: --init_from {args.init_from} has its own; drop --{k} or --init_from")
-        arch = "DFlash2DraftModel" if args.dflash2 else cfg.architecture
-        variant = import_tool(VARIANTS[arch], f"--dflash2 ({arch})") if arch in VARIANTS else None
-        stray = [k for k in VARIANT_FLAGS if getattr(args, k) not in (None, False)]
-        need(variant or not stray, f"--{stray and stray[0]} is DFlash2's; add --dflash2 (or drop it)")
-        cfg = variant.configure(cfg, args) if variant else cfg
+        spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
+        variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
+        variant = None if variant is sys.modules[__name__] else variant
+        if variant:
+            cfg = variant.configure(cfg, args) if hasattr(variant, "configure") else as_variant(variant, cfg)
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
@@ -2022,7 +2004,20 @@ def check_run(args, world, device, master):
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     if writes and master:  # every input checked: now this run is --out's one writer, before anything is written
         lock_out(args.out)
-    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant)
+    state_of_stage = (state or {}).get("stage_state", {})
+    return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
+
+def as_variant(variant, cfg=None, drafter=None):
+    """What a variant without configure() or prepare() gets: its Config holding cfg's DFlash fields, or its Drafter
+    holding the drafter's weights (its own new ones as initialised)."""
+    if drafter is None:
+        return cfg if isinstance(cfg, variant.Config) else variant.Config(**{
+            f.name: getattr(cfg, f.name) for f in fields(DFlashConfig)})
+    if isinstance(drafter, variant.Drafter):
+        return drafter
+    new = variant.Drafter(cfg, drafter.attention).to(drafter.fc.weight.device)
+    new.load_state_dict(drafter.state_dict(), strict=False)
+    return new
 
 def check_resume(out, run, global_batch, master):
     """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
@@ -2030,8 +2025,10 @@ def check_resume(out, run, global_batch, master):
     d, state = run.resume_dir, run.state
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
-        was, how = saved.architecture, "drop" if arch == "DFlash2DraftModel" else "add"
-        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {how} --dflash2, or give a new --out")
+        was, v = saved.architecture, sys.modules[type(saved).__module__]
+        v = getattr(v, "DFLASH_MODULE", v.__name__.split(".")[-1])
+        fix = "drop --variant" if was == DFlashConfig.architecture else f"pass --variant {v}"
+        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {fix}, or give a new --out")
         for k, v in asdict(run.cfg).items():
             was = getattr(saved, k)
             need(was == v, f"cannot resume {d}: it has {k}={was}, this run {v}; use its flags or a new --out")
@@ -2089,7 +2086,8 @@ def load_run_target(args, run, world, device):
 
 def run_summary(args, target, total_steps, global_batch, world, device):
     """The line that opens training: the target, the steps, the ranks, and the loss with its parameter."""
-    param = f"gamma {args.gamma}" if args.loss == "ce" else f"alpha {args.dpace_alpha}"
+    flags = flag_dests(loss_plugin(args.loss)[0]) if args.loss != "ce" else ["gamma"]
+    param = ", ".join(f"{k} {getattr(args, k)}" for k in flags)
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
@@ -2122,6 +2120,92 @@ def append_metrics(out, record):
             f.write(json.dumps(record) + "\n")
     except OSError as e:
         raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
+
+# -----------------------------------------------------------------------------
+# Batches: the same global batch for a step whatever the ranks; stats summed over them
+
+def collate(samples, pad_id, keys=None):
+    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
+    sample for its anchors and noise."""
+    S = max(len(ids) for ids, _ in samples)
+    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
+    for r, (ids, mask) in enumerate(samples):
+        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
+    keys = keys if keys is not None else list(range(len(samples)))
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
+
+class Batches:
+    """Epoch-shuffled global batches of batch_size * grad_accum * world samples, micro-step m of rank r its slice:
+    deterministic for a seed, so the data position is the step number."""
+
+    def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
+        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
+        self.seed, self.pad_id = seed, pad_id
+        self.global_batch = batch_size * grad_accum * world
+        self.steps_per_epoch = len(samples) // self.global_batch
+        need(self.steps_per_epoch, f"{len(samples)} samples < one global batch; lower --batch_size or --grad_accum")
+        self._order = (None, None)
+
+    def get(self, step, micro):
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if self._order[0] != epoch:
+            g = torch.Generator().manual_seed(mix_seed(self.seed, epoch))
+            self._order = (epoch, torch.randperm(len(self.samples), generator=g).tolist())
+        start = k * self.global_batch + (micro * self.world + self.rank) * self.bs
+        idx = self._order[1][start:start + self.bs]
+        return collate([self.samples[i] for i in idx], self.pad_id, [mix_seed(self.seed, epoch, i) for i in idx])
+
+def add_stats(total, stats):
+    return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
+
+def all_reduce_sum(stats, world):
+    if world > 1:
+        for v in stats.values():
+            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    return stats
+
+# -----------------------------------------------------------------------------
+# Held-out evaluation at a step: the loss and tau estimate (evaluate) and the walked tau (walk_tau), logged
+
+def rank_share(items, rank, world):
+    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
+    every forward is a collective)."""
+    return items[rank::world], -(-len(items) // world)
+
+@torch.no_grad()
+def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
+    """Held-out loss and tau estimate, summed over ranks; anchors keyed by the sample's index in the eval set."""
+    cfg, total = drafter.cfg, None
+    mine, per_rank = rank_share(list(range(len(samples))), rank, world)
+    for s in range(0, per_rank, batch_size):
+        idx = mine[s:s + batch_size]
+        fill = batch_size - len(idx)  # empty rows (no valid anchor): one shape to compile, and a short rank's batches
+        batch = collate([samples[i] for i in idx] + [([pad_id] * 2, [0] * 2)] * fill, pad_id,
+                        keys=[mix_seed(seed, i) for i in idx] + [0] * fill)
+        anchors, valid = batch_anchors(batch, num_anchors, salt=12345)
+        w = loss_weights(anchors, valid, batch["loss_mask"], cfg.block_size, gamma)
+        total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
+                                             **{**loss_kw, "noise_std": 0, "progress": None})[1])
+    return summarize(all_reduce_sum(total, world), drafter)
+
+def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
+    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
+    if not eval_samples:
+        return
+    drafter.eval()
+    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
+                 **loss_kw)
+    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
+    drafter.train()
+    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
+    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
+    measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
+                           prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
+    walk = {"eval_walk_acceptance": acceptance, "measured": measured} if walked is not None else {}
+    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
+                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
 # -----------------------------------------------------------------------------
 # How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
@@ -2216,13 +2300,78 @@ class ArgumentParser(argparse.ArgumentParser):
         sys.exit(2)
 
     def parse_args(self, args=None, namespace=None):
-        args, extra = self.parse_known_args(args, namespace)
-        if extra:  # an unknown flag names the closest one
+        argv = sys.argv[1:] if args is None else list(args)
+        if getattr(self, "plugins", False):  # dflash.py's: a fresh parser with the flags of the plug-ins argv names
+            fresh = get_parser()
+            fresh.plugins = False
+            try:
+                for title, module in chosen_plugins(argv, every="-h" in argv or "--help" in argv):
+                    module.add_flags(fresh.add_argument_group(title))
+            except DFlashError as e:
+                self.error(first_line(e))
+            return fresh.parse_args(argv, namespace)
+        args, extra = self.parse_known_args(argv, namespace)
+        if extra:  # an unknown flag names the plug-in that has it, or the closest one
             bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
+            owner = next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0)
+            if owner:
+                self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
             self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
+
+def tool_plugins():
+    """dflash_tools/' plug-ins (flag, module, architecture), read off their files: a variant's Config has an
+    `architecture: ClassVar[str]` line, a loss module LOSSES, a training stage a train_step."""
+    found = []
+    for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
+        with open(os.path.join(TOOLS, f), errors="replace") as file:
+            text = file.read() if f.endswith(".py") else ""
+        arch = re.search(r'^ +architecture: ClassVar\[str\] = "(\w+)"', text, re.M)
+        kind = "--variant" if arch else "--loss" if re.search(r"^LOSSES = ", text, re.M) else "--stage" if re.search(
+            r"^def train_step\(", text, re.M) else None
+        found += [(kind, f[:-3], arch and arch[1])] if kind else []
+    return found
+
+def chosen_plugins(argv, every=False):
+    """[(title, module)] of the plug-ins with flags that argv's --variant (--dflash2), --loss, --stage name (every:
+    all of dflash_tools/'); TRUSTED: the modules the flags name, everything with --trust_variant_code."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for name in ("--variant", "--loss", "--stage", "--dflash2", "--trust_variant_code"):
+        p.add_argument(name, action="store_true" if name in ("--dflash2", "--trust_variant_code") else "store")
+    a = p.parse_known_args(argv)[0]
+    need(not (a.dflash2 and a.variant not in (None, "dflash2")), f"--dflash2 is --variant dflash2, not {a.variant}")
+    loss = a.loss if a.loss and a.loss != "ce" else None
+    given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage,
+             "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
+    TRUSTED.clear()
+    TRUSTED.update({v for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
+    if loss:
+        (module, name), known = loss_plugin(loss), ", ".join(getattr(loss_plugin(loss)[0], "LOSSES", {})) or "none"
+        need(name in getattr(module, "LOSSES", {}), f"--loss {loss}: no such loss; give ce or one of {known}")
+    chosen = {(f, m) for f, m, _ in tool_plugins()} if every else {(f, m) for f, m in given.items() if m}
+    modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
+    return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules
+            if hasattr(mod, "add_flags")]
+
+def loss_plugin(spec):  # (module, name) of --loss spec: a name in dflash_tools/losses.py, or MODULE_OR_PATH:name
+    module, _, name = spec.rpartition(":")
+    return plugin(module or "losses", f"--loss {spec}"), name
+
+def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[name](args)
+    module, name = loss_plugin(args.loss) if args.loss != "ce" else (None, None)
+    return module.LOSSES[name](args) if module else CE()
+
+def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
+    modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if
+                                                                             args.stage else [])
+    return {k: getattr(args, k) for m in modules for k in flag_dests(m)}
+
+def flag_dests(module):  # the flags a plug-in's add_flags declares, by their dest
+    p = argparse.ArgumentParser(add_help=False)
+    getattr(module, "add_flags", lambda g: None)(p)
+    return [a.dest for a in p._actions]
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
     """A flag, one line each: kind int or float gets number()'s range-checked type; the rest goes to add_argument."""
@@ -2238,11 +2387,10 @@ DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", "block_size": "block_s
                  "layer_types": "layer_types", "num_heads": "num_attention_heads",
                  "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
                  "intermediate_size": "intermediate_size"}  # the geometry flags -> their config fields
-VARIANT_FLAGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_alpha",
-                 "selector_warmup_ratio", "selector_ramp_ratio", "selector_stop_gradient")  # what --dflash2 reads
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
+    p.plugins = True
     g = p.add_argument_group("run")
     flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
     flag(g, "--data", help="JSONL/JSON/Parquet/save_to_disk of messages|conversations|prompt+response|text|input_ids")
@@ -2252,6 +2400,10 @@ def get_parser():
     flag(g, "--allow_data_change", False, "with --resume: continue although --data changed", action="store_true")
     flag(g, "--allow_other_target", False, "use a drafter trained against another target", action="store_true")
     flag(g, "--demo", False, "the CPU demo (what runs with no arguments; needs dflash_tools/)", action="store_true")
+    flag(g, "--variant", help="a drafter variant: a dflash_tools/ module (dflash2), a module or a .py path")
+    flag(g, "--dflash2", False, "--variant dflash2 (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
+    flag(g, "--stage", help="a training stage replacing the SFT step: a dflash_tools/ module, a module or a .py path")
+    flag(g, "--trust_variant_code", False, "import the variant code a drafter's config.json names", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)
     flag(g, "--block_size", None, "B: one anchor token + B-1 drafted tokens (default: 16)", int, lo=2, hi=256)
@@ -2270,9 +2422,8 @@ def get_parser():
     flag(g, "--eval_fraction", None, f"held-out part of --data, >= 16 rows (default: {EVAL_FRACTION})", float, hi=.5)
     flag(g, "--eval_data", help="held-out data, in any --data format (instead of --eval_fraction)")
     flag(g, "--num_anchors", 512, "anchors (blocks) per sequence", int, lo=1)
-    flag(g, "--loss", "ce", "the loss (dpace*: D-PACE)", choices=["ce", "dpace", "dpace-prefix", "dpace-continuation"])
+    flag(g, "--loss", "ce", "ce, a name in dflash_tools/losses.py (dpace*: D-PACE) or MODULE_OR_PATH.py:NAME")
     flag(g, "--gamma", 4.0, "--loss ce's decay: weight exp(-(i-1)/gamma) at block offset i", float, open_lo=True)
-    flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing of the drafter's confidence q: (1-alpha) q + alpha", float, hi=1)
     flag(g, "--labels", "target", "target: the target's greedy token; data: the data token", choices=["target", "data"])
     flag(g, "--noise_std", 0.02, "Gaussian noise on the context features, relative to their RMS (0: off)", float)
     g = p.add_argument_group("optimisation")
@@ -2285,16 +2436,6 @@ def get_parser():
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
-    g = p.add_argument_group("DFlash2 (with --dflash2; dflash_tools/dflash2.py)")
-    flag(g, "--dflash2", False, "a DFlash2 drafter (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
-    flag(g, "--conv_kernel_size", None, "K, the convolution's taps along the block (default 2)", int, lo=1, hi=256)
-    flag(g, "--conv_group_size", None, "channels sharing one dynamic tap (default 16)", int, lo=1, hi=65536)
-    flag(g, "--selector_rank", None, "rank of the selector's codebooks (default 256)", int, lo=1, hi=8192)
-    flag(g, "--selector_top_k", None, "candidates per drafted offset (default 16)", int, lo=1, hi=1024)
-    flag(g, "--selector_alpha", None, "weight of the selector's CE (default 1; 0: not trained)", float)
-    flag(g, "--selector_warmup_ratio", None, "fraction of the steps with the selector at 0 (default 0)", float, hi=1)
-    flag(g, "--selector_ramp_ratio", None, "fraction of the steps of its linear ramp to alpha (default 0)", float, hi=1)
-    flag(g, "--selector_stop_gradient", False, "the selector's CE trains the selector alone", action="store_true")
     return add_system_flags(p)
 
 def add_system_flags(p):

@@ -805,6 +805,8 @@ def get_parser():
          "--compare")
     flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
+    flag(p, "--trust_variant_code", False, "import the variant code a drafter's config.json names (dflash_module)",
+         action="store_true")
     flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
          "the one it was trained against (refused otherwise)", action="store_true")
     flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
@@ -863,6 +865,8 @@ def get_parser():
     return p
 
 def run(args):
+    dflash.TRUSTED.clear()  # a drafter's own variant code (config.json's dflash_module) runs only when asked to
+    dflash.TRUSTED.update({"*"} if args.trust_variant_code else set())
     if args.plot:
         check_output_file(args.plot, "--plot")
         dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads

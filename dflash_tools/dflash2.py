@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash import (DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accepted_prefix, accuracy_stats, is_int,
-                    need, vocab_chunk, walk_steps)
+from dflash import (CE, DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accepted_prefix, accuracy_stats, flag,
+                    is_int, need, token_selection, vocab_chunk, walk_steps)
 
 INTS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # all four, always
 UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
@@ -175,8 +175,6 @@ class Drafter(DFlashDrafter):
     """DFlash's drafter with DFlash2DecoderLayer layers and a CandidateSelector (initialised after DFlash's weights:
     a seed gives the same backbone). Drafts its selector's greedy path; its loss adds the selector's CE."""
     Layer = DFlash2DecoderLayer
-    STATS = {**DFlashDrafter.STATS, "unary_correct": "B", "unary_accepted": (), "covered": "B", "sel_ce_w": (),
-             "sel_w": ()}
     WALKS = ("unary",)  # walk_tau also walks the unary argmax's drafts (a diagnostic)
     schedule = (1.0, 0.0, 0.0)  # the selector term's (alpha, warmup_ratio, ramp_ratio): prepare() sets --selector_*
     stop_gradient = False
@@ -208,8 +206,8 @@ class Drafter(DFlashDrafter):
             out["q"] = torch.where(hit, (s / temperature).softmax(-1), 0.0).sum(-1)
         return drafts, out
 
-    def block_loss(self, hidden, lm_head, labels, weights, block_ids, reweight=None, progress=None):
-        need(reweight is None, "another --loss with a DFlash2 drafter is not implemented; drop --loss")
+    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
+        need(loss is None or type(loss) is CE, "another --loss with a DFlash2 drafter is not implemented")
         if progress is not None:
             self.alpha = selector_alpha(*progress, *self.schedule)
         return dflash2_weighted_ce(hidden, lm_head, labels, weights, self.cfg, self.candidate_selector,
@@ -268,8 +266,8 @@ def dflash2_weighted_ce(hidden, lm_head, labels, weights, cfg, selector, pred, a
     predecessor ids. Stats: the tau estimate and acc walk the selector's teacher-forced picks (while they are right
     they are the greedy walk's picks too), the unary argmax's and the top-k recall beside them, and the selector's
     CE over the covered tokens (sel_ce_w / sel_w)."""
+    sel, weights = token_selection(weights, hidden.device)
     w = weights.flatten()
-    sel = (w > 0).nonzero().squeeze(1)
     h, y = hidden.reshape(-1, hidden.shape[-1])[sel], labels.flatten()[sel].clamp(min=0)
     ce, unary_pred, vals, idx = ChunkedLMHeadTopK.apply(h, lm_head.weight, lm_head.bias, y,
                                                         chunk or vocab_chunk(lm_head.weight.shape[0]),
@@ -344,23 +342,31 @@ def unary_slope(z, multiplier, softcap):
 # -----------------------------------------------------------------------------
 # Set-up from the flags (dflash.check_run, dflash.build_drafter)
 
+def add_flags(g):
+    flag(g, "--conv_kernel_size", None, "K, the convolution's taps along the block (default 2)", int, lo=1, hi=256)
+    flag(g, "--conv_group_size", None, "channels sharing one dynamic tap (default 16)", int, lo=1, hi=65536)
+    flag(g, "--selector_rank", None, "rank of the selector's codebooks (default 256)", int, lo=1, hi=8192)
+    flag(g, "--selector_top_k", None, "candidates per drafted offset (default 16)", int, lo=1, hi=1024)
+    flag(g, "--selector_alpha", None, "weight of the selector's CE (default 1; 0: not trained)", float)
+    flag(g, "--selector_warmup_ratio", None, "fraction of the steps with the selector at 0 (default 0)", float, hi=1)
+    flag(g, "--selector_ramp_ratio", None, "fraction of the steps of its linear ramp to alpha (default 0)", float, hi=1)
+    flag(g, "--selector_stop_gradient", False, "the selector's CE trains the selector alone", action="store_true")
+
 DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 def configure(cfg, args):
-    """--dflash2: the drafter config with DFlash2's fields from the flags (released geometry by default: K 2, group
-    16, rank 256, top-k 16); a drafter that already is DFlash2 (--init_from one) keeps its own. Refused: geometry
-    flags without --dflash2, a tree budget (no source defines tree verification for DFlash2: its selector drafts one
-    chain) and another --loss (its selector's term is defined beside the CE)."""
-    geometry = {k: getattr(args, k) for k in INTS}
-    given = [k for k, v in geometry.items() if v is not None]
-    need(args.dflash2 or not given, f"--{given and given[0]} is DFlash2's; add --dflash2 (or drop it)")
+    """--variant dflash2: the drafter config with DFlash2's fields from the flags (released geometry by default: K 2,
+    group 16, rank 256, top-k 16); a drafter that already is DFlash2 (--init_from one) keeps its own. Refused: a tree
+    budget (no source defines tree verification for DFlash2: its selector drafts one chain) and another --loss (its
+    selector's term is defined beside the CE)."""
+    geometry = {k: getattr(args, k, None) for k in INTS}  # (none: --init_from's DFlash2)
     if not isinstance(cfg, Config):
         base = {f.name for f in fields(DFlashConfig)}
         try:
             cfg = Config(**{k: v for k, v in asdict(cfg).items() if k in base},
                          **{k: DEFAULTS[k] if v is None else v for k, v in geometry.items()})
         except DFlashError as e:
-            raise DFlashError("\n".join(f"--dflash2: {p}" for p in str(e).splitlines())) from None
+            raise DFlashError("\n".join(f"--variant dflash2: {p}" for p in str(e).splitlines())) from None
     need(not args.eval_walk_tree_budget, "--eval_walk_tree_budget: a DFlash2 drafter's selector drafts one chain, and "
          "no tree verification is defined for it; drop --eval_walk_tree_budget")
     need(args.loss == "ce", f"--loss {args.loss} with a DFlash2 drafter is not implemented (its selector's term is "
@@ -377,9 +383,10 @@ def prepare(drafter, cfg, args):
         missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("candidate_selector.") or "_conv." in k for k in missing)
         drafter = new
-    alpha = 1.0 if args.selector_alpha is None else args.selector_alpha
-    drafter.schedule = (alpha, args.selector_warmup_ratio or 0.0, args.selector_ramp_ratio or 0.0)
-    drafter.alpha, drafter.stop_gradient = alpha, args.selector_stop_gradient
+    get = lambda k: getattr(args, f"selector_{k}", None)  # noqa: E731 (none: --init_from's DFlash2, no --variant)
+    alpha = 1.0 if get("alpha") is None else get("alpha")
+    drafter.schedule = (alpha, get("warmup_ratio") or 0.0, get("ramp_ratio") or 0.0)
+    drafter.alpha, drafter.stop_gradient = alpha, bool(get("stop_gradient"))
     if alpha == 0:
         drafter.candidate_selector.requires_grad_(False)
     return drafter

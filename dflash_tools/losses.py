@@ -1,11 +1,13 @@
-"""Losses beyond the paper's CE (--loss): D-PACE reweights the same hard cross-entropy by what each block offset
-moves in the expected number of accepted drafts, computed from the drafter's own confidence without gradient.
-dflash.weighted_ce calls reweight(q, valid) -> weights; a reweighted loss is normalised per sequence of the global
-batch (dflash.loss_normaliser), as SpecForge does; NVIDIA Model-Optimizer divides by the sum of the D-PACE weights
-and speculators by the number of tokens: the objective is shared, the normaliser is not."""
+"""Losses beyond the paper's CE (--loss NAME, a name in LOSSES): D-PACE reweights the same hard cross-entropy by
+what each block offset moves in the expected number of accepted drafts, computed from the drafter's own confidence
+without gradient. A loss is an object with dflash.CE's three methods (token_loss, weights, normaliser); LOSSES maps
+its name to a function of the parsed flags that builds it, and add_flags declares this module's flags (accepted only
+with one of its losses). A reweighted loss is normalised per sequence of the global batch, as SpecForge does; NVIDIA
+Model-Optimizer divides by the sum of the D-PACE weights and speculators by the number of tokens: the objective is
+shared, the normaliser is not."""
 import torch
 
-LOSSES = ("dpace", "dpace-prefix", "dpace-continuation")  # D-PACE, and its two factors alone
+import dflash
 
 
 def dpace_weights(q, valid, alpha, loss="dpace"):
@@ -23,11 +25,25 @@ def dpace_weights(q, valid, alpha, loss="dpace"):
         return suffix * valid
     return suffix / prefix.clamp(min=torch.finfo(prefix.dtype).tiny) * valid     # dpace-continuation
 
-def reweight(loss, alpha):
-    """The weights function of --loss (one of LOSSES) with smoothing alpha, for dflash.weighted_ce."""
-    assert loss in LOSSES, loss
-    return lambda q, valid: dpace_weights(q, valid, alpha, loss)
 
-def reweight_of(args):
-    """--loss and --dpace_alpha's weights function (dflash.build_drafter)."""
-    return reweight(args.loss, args.dpace_alpha)
+class DPACE(dflash.CE):
+    """The CE per token, reweighted by dpace_weights from q = exp(log q); normalised by the number of sequences of
+    the global batch with a real anchor."""
+
+    def __init__(self, loss="dpace", alpha=0.5):
+        self.loss, self.alpha = loss, alpha
+
+    def weights(self, w, logq, valid):
+        return dpace_weights(logq.exp(), valid, self.alpha, self.loss)
+
+    def normaliser(self, w):
+        return (w > 0).flatten(1).any(1).sum().float()
+
+
+LOSSES = {name: (lambda args, name=name: DPACE(name, args.dpace_alpha))
+          for name in ("dpace", "dpace-prefix", "dpace-continuation")}  # D-PACE, and its two factors alone
+
+
+def add_flags(g):
+    dflash.flag(g, "--dpace_alpha", 0.5, "D-PACE's smoothing of the drafter's confidence q: (1-alpha) q + alpha",
+                float, hi=1)

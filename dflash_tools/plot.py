@@ -3,12 +3,15 @@ Pictures of a training run and of a tau measurement (matplotlib, optional: `pip 
 
     python -m dflash_tools.plot runs/q3-8b                  # -> runs/q3-8b/metrics.png
     python -m dflash_tools.plot runs/q3-8b --out run.png
+    python -m dflash_tools.plot --mask mask.png             # the attention visibility rule, drawn and printed
 
 A run's picture is drawn from <out>/metrics.jsonl alone (what dflash.py logs at every --log_every step and every
 held-out evaluation): training and held-out loss; the tau estimate (training and held out) beside the walked tau
 (the exact walk eval.py does) and the tree's; acceptance by block offset at the last held-out evaluation (the
 walk's P(draft k accepted), beside the estimate's accuracy at each offset); the learning rate. eval.py --plot FILE.png draws each drafter's
-acceptance-length histogram side by side (plot_histograms).
+acceptance-length histogram side by side (plot_histograms). --mask draws dflash.make_mask_mod itself, evaluated
+over every (block query, key) for two anchors, a bidirectional full layer beside a causal sliding one, and prints the
+same as the text picture above make_mask_mod in dflash.py (mask_picture).
 """
 import json
 import os
@@ -17,9 +20,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script too: dflash.py is in the repository root
 
+import torch  # noqa: E402
+
 import dflash  # noqa: E402
 from dflash import DFlashError  # noqa: E402
 
+# The visibility example: S context positions, blocks of B tokens at these anchors, the sliding layer's window W;
+# the two layers drawn: (title, causal, window)
+MASK_S, MASK_B, MASK_ANCHORS, MASK_W = 8, 4, (2, 5), 3
+MASK_LAYERS = (("bidirectional full layer", False, None), (f"causal sliding layer, W={MASK_W}", True, MASK_W))
 # (record key, label) of the curves on each panel
 LOSS_CURVES = (("loss", "training loss"), ("eval_loss", "held-out loss"))
 TAU_CURVES = (("tau", "training tau estimate"), ("eval_tau", "held-out tau estimate"),
@@ -195,6 +204,76 @@ def report_results(report):
     return list(pooled.values())
 
 
+def mask_matrix(causal, window, S=MASK_S, B=MASK_B, anchors=MASK_ANCHORS):
+    """dflash.make_mask_mod evaluated at every block query (n*B + i: offset i of block n) and every key of
+    [S context positions ; the N blocks of B tokens], as flex_attention sees it: (N*B, S + N*B) bool."""
+    from torch.nn.attention.flex_attention import create_mask
+    a = torch.tensor([anchors])
+    mod = dflash.make_mask_mod(a, torch.ones_like(a, dtype=torch.bool), S, B, causal, window)
+    return create_mask(mod, 1, 1, len(anchors) * B, S + len(anchors) * B)[0, 0]
+
+
+def key_groups(S=MASK_S, B=MASK_B, anchors=MASK_ANCHORS):
+    """(name, key positions) of the key groups: the context 0..S-1, then block n's a_n..a_n+B-1."""
+    return [("context", list(range(S)))] + [(f"block {n}", list(range(a, a + B))) for n, a in enumerate(anchors)]
+
+
+def mask_picture(S=MASK_S, B=MASK_B, anchors=MASK_ANCHORS):
+    """The text picture of MASK_LAYERS' masks (x: visible), one row per block query, keys grouped as key_groups."""
+    groups, mats = key_groups(S, B, anchors), [mask_matrix(c, w, S, B, anchors) for _, c, w in MASK_LAYERS]
+    widths = [max(len(name), len(pos)) + 2 for name, pos in groups]
+
+    def cells(texts):  # one layer's columns: the groups' texts, each padded to its width
+        return "| " + "".join(t.ljust(w) for t, w in zip(texts, widths))
+    split = [sum(len(p) for _, p in groups[:g]) for g in range(len(groups) + 1)]
+    lines = ["x: visible".ljust(16) + "".join(cells([title]).ljust(sum(widths) + 2) for title, _, _ in MASK_LAYERS),
+             " " * 16 + cells([name for name, _ in groups]) * len(mats),
+             "key position".ljust(16) + cells(["".join(str(p % 10) for p in pos) for _, pos in groups]) * len(mats)]
+    for q in range(len(anchors) * B):
+        n, i = divmod(q, B)
+        label = (f"block {n}" if i == 0 else "").ljust(8) + f"i={i} @{anchors[n] + i}".ljust(8)
+        row = ["".join("x" if v else "." for v in m[q].tolist()) for m in mats]
+        lines.append(label + "".join(cells([r[lo:hi] for lo, hi in zip(split, split[1:])]) for r in row))
+    return [line.rstrip() for line in lines]
+
+
+def plot_mask(path):
+    """Draw MASK_LAYERS' masks side by side into path; returns the path written."""
+    fig = draw_mask()
+    save(fig, path)
+    pyplot().close(fig)
+    return path
+
+
+def draw_mask(S=MASK_S, B=MASK_B, anchors=MASK_ANCHORS):
+    """Each layer's dense mask, queries (rows) x [context ; blocks] (columns), the key groups split and named."""
+    plt = pyplot()
+    groups, nq = key_groups(S, B, anchors), len(anchors) * B
+    fig, axes = plt.subplots(1, len(MASK_LAYERS), figsize=(11, 3.9))
+    for ax, (title, causal, window) in zip(axes, MASK_LAYERS):
+        ax.imshow(mask_matrix(causal, window, S, B, anchors).float().numpy(), cmap="Blues", vmin=-0.15, vmax=1.1)
+        start = 0
+        for name, pos in groups:
+            ax.axvline(start - 0.5, color="black", lw=1.5)
+            ax.text(start + len(pos) / 2 - 0.5, -0.9, name, ha="center", va="bottom", fontsize=9)
+            start += len(pos)
+        for n in range(1, len(anchors)):
+            ax.axhline(n * B - 0.5, color="black", lw=1.5)
+        ax.set_xticks(range(start), [str(p) for _, pos in groups for p in pos], fontsize=8)
+        ax.set_yticks(range(nq), [f"block {q // B}, i={q % B} @{anchors[q // B] + q % B}" for q in range(nq)],
+                      fontsize=8)
+        ax.set_xticks([x - 0.5 for x in range(start + 1)], minor=True)
+        ax.set_yticks([y - 0.5 for y in range(nq + 1)], minor=True)
+        ax.grid(which="minor", color="white", lw=0.8)
+        ax.tick_params(which="minor", length=0)
+        ax.set_title(title, pad=22)
+        ax.set_xlabel("key position (dark: visible)")
+    fig.suptitle(f"which keys a block query sees: {S} context positions, blocks of B={B} at anchors "
+                 f"{' and '.join(map(str, anchors))} (query i of a block sits at position a+i)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def save(fig, path):
     """fig -> path (a PNG, or any format matplotlib knows by the suffix), its directory made; one error line if not."""
     dflash.need(not os.path.isdir(path), f"cannot write the plot {path!r}: it is a directory; give a file path "
@@ -207,15 +286,21 @@ def save(fig, path):
 
 
 def get_parser():
-    p = dflash.ArgumentParser(description="Draw a training run's curves from its metrics.jsonl.")
-    p.add_argument("run", metavar="OUT", help="the run's --out directory (or its metrics.jsonl)")
+    p = dflash.ArgumentParser(description="Draw a training run's curves from its metrics.jsonl, or the mask rule.")
+    p.add_argument("run", metavar="OUT", nargs="?", help="the run's --out directory (or its metrics.jsonl)")
     p.add_argument("--out", default=None, help="the picture to write (default: OUT/metrics.png)")
+    p.add_argument("--mask", metavar="PNG", default=None, help="draw (and print) the attention visibility rule")
     return p
 
 
 def main(argv=None):
     def run(args):
-        print(f"wrote {plot_run(args.run, args.out)}")
+        dflash.need(bool(args.run) != bool(args.mask), "give a run's OUT directory, or --mask PNG (one of the two)")
+        if args.mask:
+            print("\n".join(mask_picture()))
+            print(f"wrote {plot_mask(args.mask)}")
+        else:
+            print(f"wrote {plot_run(args.run, args.out)}")
     return dflash.run_main(run, get_parser().parse_args(argv))
 
 

@@ -594,7 +594,7 @@ def test_dflash2_flag_problems_are_one_line(runs, tmp_path, capsys):
     one_error(capsys, dflash.main, [*base, "--dflash2", "--conv_group_size", "5"], "conv_group_size 5 does not "
               "divide hidden_size 32")
     one_error(capsys, dflash.main, [*base, "--dflash2", "--conv_kernel_size", "5"], "larger than block_size 4")
-    one_error(capsys, dflash.main, [*base, "--selector_top_k", "4"], "--selector_top_k", "--dflash2")
+    one_error(capsys, dflash.main, [*base, "--selector_top_k", "4"], "--selector_top_k", "--variant dflash2")
     one_error(capsys, dflash.main, [*base, *V2_FLAGS, "--loss", "dpace"], "--loss dpace", "DFlash2")
 
 

@@ -109,7 +109,7 @@ def ours(setup, loss, alpha=0.5, drafter=None):
     d.zero_grad(set_to_none=True)
     w = dflash.loss_weights(setup["anchors"], setup["valid"], setup["batch"]["loss_mask"], B, 4.0)
     out, stats = dflash.dflash_loss(d, d.cfg, setup["target"], setup["batch"], setup["anchors"], setup["valid"], w,
-                                    noise_std=0.0, reweight=None if loss == "ce" else losses.reweight(loss, alpha))
+                                    noise_std=0.0, loss=None if loss == "ce" else losses.DPACE(loss, alpha))
     out.backward()
     return out.item(), stats, {k: p.grad.clone() for k, p in d.named_parameters()}
 
@@ -213,7 +213,7 @@ def test_a_training_step_split_into_micro_steps_equals_one_batch(setup):
     target, batch = setup["target"], setup["batch"]
     rows = [dflash.collate([(batch["input_ids"][r, :n].tolist(), batch["loss_mask"][r, :n].tolist())], 0,
                            keys=[batch["keys"][r]]) for r, n in ((0, 20), (1, 12))]
-    kw = dict(gamma=4.0, noise_std=0.0, labels="target", pad_to=None, reweight=losses.reweight("dpace", 0.5))
+    kw = dict(gamma=4.0, noise_std=0.0, labels="target", pad_to=None, loss=losses.DPACE("dpace", 0.5))
     deltas = []
     for micro in (rows, [batch]):
         d = copy.deepcopy(setup["drafter"])
@@ -247,37 +247,41 @@ def test_the_run_records_its_loss_and_refuses_another_on_resume(tmp_path, capsys
     run = base + ["--out", out, "--loss", "dpace", "--dpace_alpha", "0.25"]
     dflash.main(run + ["--max_steps", "2"])
     printed = capsys.readouterr().out
-    assert "loss dpace (alpha 0.25)" in printed and "eval loss" in printed and "(dpace)" in printed
+    assert "loss dpace (dpace_alpha 0.25)" in printed and "eval loss" in printed and "(dpace)" in printed
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "eval_loss" in r] == [0, 2] and len(records) == 4
     assert all(r["loss_type"] == "dpace" for r in records)
     state = torch.load(os.path.join(out, "step_2", "train_state.pt"), weights_only=False)
-    assert (state["loss"], state["dpace_alpha"]) == ("dpace", 0.25)
-    for flags, needles in ((["--loss", "ce"], ("--loss dpace", "--loss ce")),
+    assert (state["loss"], state["args"]["dpace_alpha"]) == ("dpace", 0.25)
+    for flags, needles in ((["--loss", "ce"], ("--loss dpace", "--loss ce")),  # (run's --dpace_alpha dropped below)
                            (["--loss", "dpace-prefix"], ("--loss dpace", "--loss dpace-prefix")),
                            (["--dpace_alpha", "0.5"], ("--dpace_alpha 0.25", "--dpace_alpha 0.5"))):
-        one_error(capsys, dflash.main, run + flags + ["--max_steps", "3", "--resume"], "cannot resume", "step_2",
+        argv = run[:-2] if flags[1] == "ce" else run  # --dpace_alpha goes only with D-PACE's losses
+        one_error(capsys, dflash.main, argv + flags + ["--max_steps", "3", "--resume"], "cannot resume", "step_2",
                   *needles)
     dflash.main(run + ["--max_steps", "3", "--resume"])  # the same loss: it continues
     assert "resumed from" in capsys.readouterr().out
     # a checkpoint from before --loss existed (no "loss" in its train_state) was trained with the CE
-    del state["loss"], state["dpace_alpha"]
+    del state["loss"]
     torch.save(state, os.path.join(out, "step_3", "train_state.pt"))
     one_error(capsys, dflash.main, run + ["--max_steps", "4", "--resume"], "cannot resume", "--loss ce",
               "--loss dpace")
-    dflash.main(base + ["--out", out, "--max_steps", "4", "--resume", "--dpace_alpha", "0.9"])  # ce: alpha unused
+    one_error(capsys, dflash.main, base + ["--out", out, "--max_steps", "4", "--resume", "--dpace_alpha", "0.9"],
+              "--dpace_alpha is a flag of --loss dpace", "drop --dpace_alpha")  # ce: only D-PACE's losses take it
+    dflash.main(base + ["--out", out, "--max_steps", "4", "--resume"])
     assert "resumed from" in capsys.readouterr().out
 
 
 def test_loss_flags_are_checked_where_they_are_parsed(capsys):
     p = dflash.get_parser()
-    assert (p.parse_args([]).loss, p.parse_args([]).dpace_alpha) == ("ce", 0.5)
-    for bad in (["--loss", "kl"], ["--dpace_alpha", "1.5"], ["--dpace_alpha", "-0.1"]):
+    assert (p.parse_args([]).loss, p.parse_args(["--loss", "dpace"]).dpace_alpha) == ("ce", 0.5)
+    for bad in (["--loss", "kl"], ["--loss", "dpace", "--dpace_alpha", "1.5"], ["--loss", "dpace", "--dpace_alpha", "-0.1"],
+                ["--dpace_alpha", "0.3"]):
         with pytest.raises(SystemExit):
             p.parse_args(bad)
         err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-        assert len(err) == 1 and err[0].startswith("error: ") and bad[0] in err[0], err
+        assert len(err) == 1 and err[0].startswith("error: ") and bad[-2] in err[0], err
 
 
 def test_held_out_loss_counts_real_sequences_only(setup):
@@ -289,7 +293,7 @@ def test_held_out_loss_counts_real_sequences_only(setup):
     args = (setup["target"], samples)
     kw = dict(num_anchors=5, pad_id=0, seed=0, rank=0, world=1, gamma=4.0, noise_std=0.0, labels="target")
     setup["drafter"].eval()
-    m = {(bs, loss): dflash.evaluate(setup["drafter"], *args, bs, reweight=losses.reweight(loss, 0.5) if loss != "ce" else None,
+    m = {(bs, loss): dflash.evaluate(setup["drafter"], *args, bs, loss=losses.DPACE(loss, 0.5) if loss != "ce" else None,
                                          **kw)
          for bs in (1, 2) for loss in ("ce", "dpace")}
     setup["drafter"].train()

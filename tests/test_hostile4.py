@@ -395,7 +395,7 @@ def test_responses_cut_away_by_max_len_name_it(tmp_path):
 def test_resume_after_adding_dflash2_names_the_flag(w, trained, capsys, tmp_path):
     out = copy_run(trained, tmp_path)
     before = tree_bytes(out)
-    msg = fails_with(capsys, w["base"] + ["--out", out, "--resume", "must", "--dflash2"], "--dflash2")
+    msg = fails_with(capsys, w["base"] + ["--out", out, "--resume", "must", "--dflash2"], "drop --variant")
     assert "conv_kernel_size" not in msg, msg
     assert tree_bytes(out) == before
 
