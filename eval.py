@@ -183,17 +183,14 @@ def check_same_measurement(reports):
     return m0
 
 # -----------------------------------------------------------------------------
-# Drafters as eval sees them. Both kinds answer the same two questions:
-#   walk(target, prompt, continuation, features, B, **kw) -> (walks, drafts, the rule's tensors), as
-#       dflash.walk_continuation (the exact walk along the continuation);
-#   start(target, prompt, features) / draft(anchor_token, num_drafts) / accept(tokens, features) (the loop).
-# layer_ids: the target layers whose features the drafter reads ([] for prompt lookup).
+# Drafters as eval sees them: walk(target, prompt, continuation, features, B, **kw) -> (walks, drafts, the rule's
+# tensors) as dflash.walk_continuation (the exact walk); start(target, prompt, features), draft(anchor, num_drafts),
+# accept(tokens, features) (the loop); layer_ids: the target layers whose features it reads ([] for prompt lookup).
 
 class PromptLookup:
-    """An n-gram index over a growing token list. draft(k): find the most recent earlier occurrence of the last
-    n tokens (n = max_ngram down to 1, longest first) and copy the k tokens that followed it; a copy that runs into
-    the end of the context continues into its own output (LZ77-style), so a repeating pattern drafts a full block.
-    No match: no drafts."""
+    """An n-gram index over a growing token list. draft(k): the k tokens that followed the most recent earlier
+    occurrence of the last n tokens (n = max_ngram down to 1), a copy running into its own output (LZ77-style: a
+    repeating pattern drafts a full block); no match, no drafts."""
     def __init__(self, tokens=(), max_ngram=PROMPT_LOOKUP_MAX_NGRAM):
         self.max_ngram, self.tokens = max_ngram, []
         self.last_end = {}  # n-gram tuple -> end (exclusive) of its most recent occurrence before the current suffix
@@ -243,9 +240,8 @@ class PromptLookupDrafter:
         self.lookup.extend(tokens[1:])  # the anchor is already indexed
 
 class NeuralDrafter:
-    """A DFlashDrafter (any variant): every anchor at once through the training-mode forward and its draft rule (the
-    walk), or one block at a time over an incremental cache of per-layer context keys/values (the loop: fc/k_proj/
-    v_proj of each position are computed once, and the features of rejected drafts never enter)."""
+    """A DFlashDrafter (any variant): every anchor at once through its draft rule (the walk), or one block at a time
+    over an incremental cache of per-layer context keys/values (the loop: rejected drafts' features never enter)."""
     def __init__(self, drafter):
         self.drafter, self.cfg = drafter, drafter.cfg
         self.block_size, self.layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
@@ -275,8 +271,7 @@ class NeuralDrafter:
 
     @torch.no_grad()
     def block_hidden(self, anchor):
-        """(B-1, D) final-normed hidden states of the drafted offsets of the block anchored at `anchor` (position
-        self.length)."""
+        """(B-1, D) final-normed hidden states of the drafted offsets of the block anchored at position self.length."""
         cfg, dev = self.cfg, self.drafter.fc.weight.device
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
@@ -296,15 +291,8 @@ def select_layers(features, union, layer_ids):
     return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
 
 # -----------------------------------------------------------------------------
-# Sampling at temperature T > 0 (--temperature): the walk along continuations sampled from the target
-#
-# vLLM's default DFlash path (draft_sample_method "greedy") and SGLang's plain DFlash propose the drafter's argmax
-# d and accept it with probability p'(d), p' the target's distribution after temperature/top_k/top_p; on a
-# rejection they emit a sample of the residual (p' without d, renormalised). Draw x ~ p' instead and accept when
-# x == d: the acceptance has the same probability p'(d), and a rejected step emits x, distributed as the residual.
-# So the loop's steps are distributed as the greedy walk's rule along a continuation sampled from the target: tau
-# at T is tau_walk over sampled continuations, averaged over several per prompt. A draft rule that samples its block
-# instead gives its probability of each true token ("q" among its tensors): sampled_lengths verifies that.
+# Sampling at temperature T > 0 (--temperature): the walk along continuations sampled from the target, by
+# dflash_tools/sampling.py (the target's sampling, and its acceptance rule)
 
 MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
 
@@ -318,56 +306,6 @@ class Sampling:
     samples: int = 1
     seed: int = 0
 
-def sampling_probs(logits, s):
-    """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
-    to the smallest set of most likely tokens that holds top_p of the mass, renormalised (the order vLLM and
-    transformers apply them in). In float64 from the largest logit down, so every temperature and top_p the flags
-    accept works: the top logit stays 0 however small the temperature (the others go to -inf, not inf - inf), and
-    neither rounds to 0 as it would in float32 (below ~1e-45)."""
-    logits = logits.double()
-    z = (logits - logits.max(-1, keepdim=True).values) / s.temperature
-    if 0 < s.top_k < z.shape[-1]:
-        z = z.masked_fill(z < z.topk(s.top_k).values[..., -1:], -math.inf)
-    if s.top_p < 1:
-        p, order = z.softmax(-1).sort(-1, descending=True)
-        drop = p.cumsum(-1) - p >= s.top_p  # the more likely tokens already hold top_p
-        z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return z.softmax(-1).float()
-
-@torch.no_grad()
-def sampled_continuation(target, prompt, max_new_tokens, eos, s, generator):
-    """The target's own sampling with its cache (dense or hybrid): up to max_new_tokens tokens drawn from
-    sampling_probs, stopping after an eos token. generator: a seeded torch.Generator on the target's device."""
-    dev = target.lm_head.weight.device
-    x, cache, out = torch.tensor([prompt], device=dev), None, []
-    while len(out) < max_new_tokens and not (out and out[-1] in eos):
-        step = target.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = step.cache
-        out.append(int(torch.multinomial(sampling_probs(step.logits[0, -1], s), 1, generator=generator)))
-        x = torch.tensor([[out[-1]]], device=dev)
-    return out
-
-def truth_probs(target, final, prompt_len, continuation, s):
-    """p'(s[j]) at index j = 1..n-1 (1 at j = 0): the target's sampling probability (sampling_probs) of each
-    continuation token given what precedes it, from the hooked pass's final hidden states (position P+j-1 predicts
-    s[j]), in chunks of positions (no (n, V) tensor)."""
-    f, truth = final[0, prompt_len:prompt_len + len(continuation) - 1], torch.tensor(continuation[1:])
-    chunk, p = dflash.vocab_chunk(target.vocab_size), [torch.ones(1)]
-    for c in range(0, len(f), chunk):
-        probs = sampling_probs(target.lm_head(f[c:c + chunk].to(target.lm_head.weight.dtype)), s).cpu()
-        p.append(probs.gather(1, truth[c:c + chunk, None]).squeeze(1))
-    return torch.cat(p)
-
-def sampled_lengths(continuation, p_truth, q, generator):
-    """The walk along a sampled continuation (p_truth: truth_probs) of a rule that samples its block, verified by
-    rejection sampling (z-lab's reference); q (n, B-1): its probability of continuation[k+i] at offset i of the block
-    anchored at continuation[k], the true tokens before it given (while its drafts are accepted its path is the
-    continuation). The coupling of the same law: the target's x is the draft with probability min(1, q(x) / p'(x)),
-    so u * p'(x) < q(x) accepts it (u uniform, from generator); a rejection emits x, distributed as the residual."""
-    at = (torch.arange(len(q))[:, None] + torch.arange(1, q.shape[1] + 1)).clamp(max=len(continuation) - 1)
-    accept = (torch.rand(q.shape, generator=generator) * p_truth[at] < q.float().cpu()).tolist()
-    return dflash.walk_steps(continuation, lambda k, truth: accepted_prefix(accept[k], [True] * len(truth)))
-
 # -----------------------------------------------------------------------------
 # Loop mode: a real speculative decoding loop with the target's KV cache
 
@@ -378,10 +316,10 @@ def check_loop_target(target):
 
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos):
-    """Greedy speculative decoding of up to max_new_tokens tokens (stopping after eos). Each step drafts B-1 tokens
-    after the anchor (the last token so far, at position `pos`), verifies [anchor, drafts] in one target pass on the
-    KV cache, keeps the accepted drafts plus the target's own next token, and crops the target's cache back to the
-    anchor and the accepted drafts (the drafter only ever sees those). Returns (tokens, acceptance lengths, drafts)."""
+    """Greedy speculative decoding of up to max_new_tokens tokens (stopping after eos): each step drafts B-1 tokens
+    after the anchor (the last token, at `pos`), verifies [anchor, drafts] in one target pass on the KV cache, keeps
+    the accepted drafts and the target's own token, and crops the cache back to the accepted ones (all the drafter
+    ever sees). Returns (tokens, acceptance lengths, drafts)."""
     from transformers import DynamicCache
     model, dev, layer_ids = target.model, target.lm_head.weight.device, drafter.layer_ids
     cache = DynamicCache(config=model.config)
@@ -423,8 +361,7 @@ def as_eval_drafter(name, d, target, block_size):
     return d, block_size or d.block_size
 
 def check_modes(mode, sampled, tree_budgets, given_continuations):
-    """The combinations that have no meaning: the loop is greedy chain verification; tree verification and given
-    (greedy) continuations do not sample."""
+    """Refuse what has no meaning: the loop is greedy chains; trees and given (greedy) continuations do not sample."""
     need(mode != "loop" or not (sampled or tree_budgets),
          "--mode loop is greedy chains only; drop it for --temperature or --tree_budget")
     need(not (sampled and tree_budgets), "--tree_budget measures greedy tree verification; drop it or --temperature")
@@ -434,24 +371,23 @@ def check_modes(mode, sampled, tree_budgets, given_continuations):
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
                       progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None,
                       depth_buckets=None):
-    """tau of each drafter on the same prompts and the same target continuations.
-
-    drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
-    walk along the greedy continuation, any target) or "loop" (a real speculative decoding loop, KV-cache targets).
-    continuations: the target's greedy continuations if already known (else generated here, once per prompt, shared
-    by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
-    walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
-    walk tree verification with each number of draft nodes (greedy, neural drafters). enable_thinking: what the prompts
-    were rendered with (recorded in the report's "measured" settings, see dflash.measurement). depth_buckets: the
-    edges of the depth buckets (default: depth_edges). Returns the JSON-shaped report."""
+    """The JSON-shaped report of tau of each drafter ({name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}) on
+    the same prompts (token-id lists) and target continuations: mode "exact" (the walk, any target) or "loop" (a real
+    decoding loop, KV-cache targets). continuations: the target's greedy ones if known (else generated once per
+    prompt; the loop's plain greedy reference). sampling: a Sampling with temperature > 0 walks sampling.samples
+    continuations per prompt sampled from the target. tree_budgets: also tree verification with each number of draft
+    nodes. enable_thinking: how the prompts were rendered (the report's "measured"). depth_buckets: see depth_edges."""
     from tqdm import tqdm
     need(drafters, "no drafters to evaluate")
     need(mode in ("exact", "loop"), f"unknown mode {mode!r}; use exact or loop")
     need(prompts and all(len(p) for p in prompts), "every prompt needs at least one token")
     need(continuations is None or len(continuations) == len(prompts),
          f"{len(continuations or ())} continuations for {len(prompts)} prompts")
-    check_prompt_lengths(target, prompts)
+    limit, _ = dflash.target_window(target.model.config.get_text_config())  # max_position_embeddings, or yarn's reach
+    i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
+    need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
     sampled = sampling is not None and sampling.temperature > 0
+    sampler = dflash.import_tool("sampling", "--temperature") if sampled else None
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
     own = next((f"{n} ({d.cfg.architecture})" for n, (d, _) in drafters.items() if isinstance(d, NeuralDrafter)
@@ -462,8 +398,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
         check_loop_target(target)
-    eos, per = target.eos_ids(), {name: {"prompts": [], "time_s": 0.0} for name in drafters}
-    timing = {"generate_s": 0.0, "features_s": 0.0}
+    eos, timing = target.eos_ids(), {"generate_s": 0.0, "features_s": 0.0}
+    per = {name: {"prompts": [], "time_s": 0.0} for name in drafters}
     if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
         greedy_continuation(target, prompts[0], 2, eos)
     samples = sampling.samples if sampled else 1
@@ -472,7 +408,7 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
             t0 = time.perf_counter()
             if sampled:
                 g = torch.Generator(target.lm_head.weight.device).manual_seed(dflash.mix_seed(sampling.seed, i, j))
-                continuation = sampled_continuation(target, prompt, max_new_tokens, eos, sampling, g)
+                continuation = sampler.sampled_continuation(target, prompt, max_new_tokens, eos, sampling, g)
             elif continuations is None:
                 continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
             else:
@@ -492,20 +428,13 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                       "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling,
                                                      prompts), "timing": timing, "results": results}, depth_buckets)
 
-def check_prompt_lengths(target, prompts):
-    """A prompt the target cannot take (at least as many tokens as its positions: max_position_embeddings, or its
-    yarn's reach) is one line naming its length and the limit, before any generation."""
-    limit, _ = dflash.target_window(target.model.config.get_text_config())
-    i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
-    need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
-
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
                     tree_budgets=(), sampling=None, accept_seed=None):
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
-    drafters' context layers in one hooked target pass over prompt + continuation, then walks each drafter (its
-    walk: dflash.walk_continuation's): the entry holds the chain's acceptance lengths, the tree walks' per budget,
-    its rule's other walks (NAME_acceptance_lengths) and per boolean tensor of its rule (whether each true token is
-    among its candidates) [hits, true tokens] (NAME_hits). Sampled, a rule's q goes to sampled_lengths (accept_seed)."""
+    drafters' context layers in one hooked target pass, then walks each (dflash.walk_continuation): the entry holds
+    the chain's acceptance lengths, the trees' per budget, the rule's other walks (NAME_acceptance_lengths) and per
+    boolean tensor of the rule (is each true token among its candidates) [hits, true tokens] (NAME_hits); sampled,
+    a rule's q is walked by dflash_tools/sampling.py's sampled_lengths (its uniforms seeded by accept_seed)."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
@@ -523,8 +452,10 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
                                          temperature=sampling.temperature if sampling else 0.0)
             lengths, trees = walks.pop("tau"), walks.pop("tree", {})
             if sampling and "q" in more:  # a rule that samples its block
-                lengths = sampled_lengths(continuation, truth_probs(target, final, len(prompt), continuation, sampling),
-                                          more["q"], torch.Generator().manual_seed(accept_seed))
+                sampler = dflash.import_tool("sampling", "--temperature")
+                p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
+                lengths = sampler.sampled_lengths(continuation, p_truth, more["q"], torch.Generator().manual_seed(
+                    accept_seed))
             entry.update({f"{k}_acceptance_lengths": v for k, v in walks.items()})
             for k, v in more.items():
                 if v.dtype == torch.bool:
@@ -537,24 +468,20 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
         yield name, entry, time.perf_counter() - t0
 
 def conventions(runs):
-    """Both tau conventions over lists of acceptance lengths (one per continuation): (pooled over all steps, mean
-    over continuations of each one's mean); None where there are no steps."""
+    """Both tau conventions over lists of acceptance lengths, one per continuation: (pooled over all steps, mean of
+    each one's mean); None where there are no steps."""
     steps, means = sum(len(r) for r in runs), [sum(r) / len(r) for r in runs if r]
     return (sum(map(sum, runs)) / steps if steps else None), (sum(means) / len(means) if means else None)
 
 def stderr(values):
     """Standard error of the mean of independent values (None for fewer than two)."""
-    n = len(values)
-    if n < 2 or None in values:
-        return None
-    m = sum(values) / n
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
+    n, m = len(values), sum(values) / len(values) if len(values) > 1 and None not in values else None
+    return None if m is None else math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
 
 def summarize_drafter(name, B, per, mode, timing, samples=None):
-    """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means),
-    each over every continuation (samples per prompt when sampled). Sampled: the standard error of each over the
-    samples (given when sampled), sample j of every prompt being one run of the prompt set. Trees: both conventions
-    per budget. Its draft rule's diagnostics: NAME_tau of its other walks, NAME_recall of its hits."""
+    """One drafter's result: both tau conventions over every continuation; sampled, each one's standard error over
+    the samples (sample j of every prompt: one run of the prompt set); trees: both per budget; its rule's
+    diagnostics: NAME_tau of its other walks, NAME_recall of its hits."""
     entries = per["prompts"]
     lengths = [n for e in entries for n in e["acceptance_lengths"]]
     tau, tau_per_prompt = conventions([e["acceptance_lengths"] for e in entries])
@@ -647,15 +574,14 @@ def print_report(report, file=None):
     """The side-by-side table: tau, steps, tokens and time per drafter, then per acceptance length L = 1..B the
     histogram count and P(draft at offset L accepted) over all steps, then the depth buckets."""
     out = lambda s="": print(s, file=file or sys.stdout)  # noqa: E731
-    results, t, loop = report["results"], report["timing"], report["mode"] == "loop"
-    sampled = report.get("temperature", 0) > 0
+    f3 = lambda r, k: f"{r[k]:.3f}" if r.get(k) is not None else "-"  # noqa: E731
+    results, t, loop, sampled = report["results"], report["timing"], report["mode"] == "loop", report.get("temperature")
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
         f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
         + (")" if loop else f", context features {t['features_s']:.1f}s)"))
     if report.get("measured"):
         out(measured_line(report["measured"]))
     w = max(16, *(len(r["drafter"]) for r in results))
-    f3 = lambda r, k: f"{r[k]:.3f}" if r.get(k) is not None else "-"  # noqa: E731
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
@@ -774,19 +700,16 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", a
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
     return drafters
 
-def budget_list(s):
-    """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
-    budgets = tuple(dflash.int_list(s))
-    if min(budgets) < 1 or max(budgets) > dflash.TREE_BUDGET_MAX:
-        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most {dflash.TREE_BUDGET_MAX}")
-    return budgets
-
-def depth_list(s):
-    """--depth_buckets: comma-separated positive anchor positions."""
-    edges = sorted(set(dflash.int_list(s)))
-    if edges[0] < 1:
-        raise argparse.ArgumentTypeError(f"{s}: every edge must be a position of at least 1")
-    return edges
+def bounded_list(lo, hi, what, sort=False):
+    """An argparse type: comma-separated integers, each at least lo and at most hi (None: no bound); sort: deduplicated
+    in increasing order (else a tuple as given)."""
+    def parse(s):
+        values = dflash.int_list(s)
+        if min(values) < lo or hi is not None and max(values) > hi:
+            raise argparse.ArgumentTypeError(f"{s}: every {what} must be at least {lo}" + (f" and at most {hi}" if hi
+                                                                                          else ""))
+        return sorted(set(values)) if sort else tuple(values)
+    return parse
 
 def sampling_args(args):
     """--temperature and its flags -> a Sampling, or None for greedy (where they have no meaning)."""
@@ -809,8 +732,7 @@ def get_parser():
          action="store_true")
     flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
          "the one it was trained against (refused otherwise)", action="store_true")
-    flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
-         action="store_true")
+    flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline", action="store_true")
     flag(p, "--prompts", None, "{prompt} | {messages} | {conversations} (ShareGPT) | {text} | {input_ids} records "
          "in JSONL, a JSON array, Parquet or a datasets.save_to_disk directory (default: 8 built-in coding prompts)")
     flag(p, "--limit", 0, "use only the first N prompts (0: all)", int)
@@ -825,11 +747,11 @@ def get_parser():
     flag(p, "--block_size", None, "evaluate at this block size (<= each drafter's trained one; drafts are truncated "
          "to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", int, lo=2)
     flag(p, "--mode", "exact", "exact: the walk along the greedy continuation, any target; loop: a real speculative "
-         "decoding loop with the KV cache (dense targets), reports tokens/s and checks the output equals plain "
-         "greedy decoding", choices=["exact", "loop"])
-    flag(p, "--temperature", 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
-         "default and SGLang's DFlash; a rule that samples its block, rejection-sampled): the walk along "
-         "continuations sampled from the target (0: greedy)", float)
+         "decoding loop with the KV cache (dense targets), tokens/s and a check that it equals greedy decoding",
+         choices=["exact", "loop"])
+    flag(p, "--temperature", 0.0, "tau when the target samples at this temperature: the walk along continuations "
+         "sampled from the target (one-hot drafts, as vLLM and SGLang; a rule sampling its block: rejection-sampled; "
+         "0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
     flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
@@ -837,16 +759,15 @@ def get_parser():
     flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int,
          hi=2 ** 32 - 1)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
-         "comma-separated N side by side with the chain (drafters drafting the argmax; one with its own draft rule "
-         "drafts one chain)", type=budget_list)
+         "comma-separated N beside the chain (drafters of the argmax; one with its own rule drafts one chain)",
+         type=bounded_list(1, dflash.TREE_BUDGET_MAX, "budget"))
     flag(p, "--depth_buckets", None, "edges of the context-depth buckets every report splits tau by, comma-separated "
-         "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else "
-         "128,256,512,1024,2048)", type=depth_list)
+         "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else powers of two "
+         "128..2048)", type=bounded_list(1, None, "edge (an anchor position)", sort=True))
     flag(p, "--enable_thinking", None, "passed to the chat template when it reads enable_thinking (default: the "
          "template's own default)", action=argparse.BooleanOptionalAction)
     flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")
-    flag(p, "--dump_drafts", False, "also write every verification step's drafted tokens to --json",
-         action="store_true")
+    flag(p, "--dump_drafts", False, "also write every step's drafted tokens to --json", action="store_true")
     flag(p, "--plot", None, "draw each drafter's acceptance-length histogram (share of verification steps at each "
          "length 0..B, as z-lab's benchmark prints it) side by side into this PNG (needs matplotlib)",
          metavar="FILE.png")
@@ -855,12 +776,10 @@ def get_parser():
          "mode, chat template and prompts", action="append", metavar="REPORT.json")
     flag(p, "--attention", "auto", "drafter attention path for the exact method (auto: flex on CUDA, dense "
          "elsewhere)", choices=["auto", "flex", "dense"])
-    flag(p, "--dtype", "auto", "target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)",
-         choices=list(dflash.DTYPES))
+    flag(p, "--dtype", "auto", "target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=[*dflash.DTYPES])
     flag(p, "--device", None, "device (default: cuda if available, else cpu)")
     flag(p, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
-    flag(p, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal)",
-         action="store_true")
+    flag(p, "--no_progress", False, "no progress bar (none unless stderr is a terminal)", action="store_true")
     flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
 
@@ -873,9 +792,7 @@ def run(args):
     if args.compare:
         given = next((f"--{k}" for k in ("target", "drafter", "prompts", "bench") if getattr(args, k)), None)
         need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
-        report = compare_reports(args.compare, args.depth_buckets)
-        print_report(report)
-        return finish(report, args)
+        return finish(compare_reports(args.compare, args.depth_buckets), args, print_report)
     need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
     device, sampling = dflash.pick_device(args.device), sampling_args(args)
     need(not (args.tree_budget and PROMPT_LOOKUP in args.drafter),
@@ -896,23 +813,19 @@ def run(args):
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention,
                              args.allow_other_target)
-    progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
+    kw = dict(progress=not args.no_progress and sys.stderr.isatty(), tree_budgets=args.tree_budget,
+              depth_buckets=args.depth_buckets)  # a redirected log gets the table, not bar redraws
     if bench is not None:
-        report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget,
-                                depth_buckets=args.depth_buckets)
-        print_bench(report)
-    else:
-        prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
-        report = evaluate_drafters(target, drafters, prompts[:args.limit or None], args.max_new_tokens or 256,
-                                   args.block_size, args.mode, args.dump_drafts, progress=progress, sampling=sampling,
-                                   tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking,
-                                   depth_buckets=args.depth_buckets)
-        print_report(report)
-    return finish(report, args)
+        return finish(evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
+                                     args.enable_thinking, **kw), args, print_bench)
+    prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
+    return finish(evaluate_drafters(target, drafters, prompts[:args.limit or None], args.max_new_tokens or 256,
+                                    args.block_size, args.mode, args.dump_drafts, sampling=sampling,
+                                    enable_thinking=args.enable_thinking, **kw), args, print_report)
 
-def finish(report, args):
-    """The report to --json and its histograms to --plot, as asked."""
+def finish(report, args, show):
+    """The report shown, written to --json and its histograms drawn to --plot, as asked."""
+    show(report)
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
     if args.plot:

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash import (CE, DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accepted_prefix, accuracy_stats, flag,
-                    is_int, need, token_selection, vocab_chunk, walk_steps)
+from dflash import (CE, DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accuracy_stats, flag, is_int, need,
+                    token_selection, vocab_chunk)
 
 INTS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # all four, always
 UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
