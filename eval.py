@@ -3,10 +3,8 @@ eval.py: measure tau, the mean number of tokens per verification step, of DFlash
 
 Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
 is exact without a decode loop: the target generates s once per prompt, one hooked pass over prompt + s gives every
-context feature, and each drafter's blocks are walked along s as training walks them (dflash.walk_continuation):
-the block anchored at s[k] drafted from the context before it, its longest prefix equal to s accepted, the anchor
-moved past it and the target's own token. Nothing is rolled back, so hybrid targets (Qwen3.5/3.6) work too.
-`--mode loop` runs a real speculative decoding loop instead (KV-cache targets) and checks it reproduces greedy.
+context feature, and each drafter's blocks are walked along s as training walks them (dflash.walk_continuation).
+Nothing is rolled back, so hybrid targets (Qwen3.5/3.6) work too; `--mode loop` runs a real decoding loop instead.
 
     # ours vs z-lab's drafter vs the prompt-lookup baseline, on the built-in coding prompts
     huggingface-cli download z-lab/Qwen3-8B-DFlash-b16 --local-dir drafters/zlab-q3-8b
@@ -25,10 +23,9 @@ moved past it and the target's own token. Nothing is rolled back, so hybrid targ
 As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
 PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json` saves.
 
-The report carries both averaging conventions: `tau` pooled over all verification steps, `tau_per_prompt` the mean
-over prompts of each one's mean (z-lab's "Average Acceptance length"). It says how its tau was measured ("measured":
-thinking mode, max_new_tokens, serving mode, hashes of the chat template and prompts): tau measured differently are
-never put in one table.
+The report carries both conventions, `tau` pooled over all verification steps and `tau_per_prompt` the mean over
+prompts of each one's mean (z-lab's "Average Acceptance length"), and how it was measured ("measured": thinking mode,
+max_new_tokens, serving mode, hashes of the chat template and prompts): tau measured otherwise never share a table.
 """
 
 import argparse
@@ -188,9 +185,8 @@ def check_same_measurement(reports):
 # accept(tokens, features) (the loop); layer_ids: the target layers whose features it reads ([] for prompt lookup).
 
 class PromptLookup:
-    """An n-gram index over a growing token list. draft(k): the k tokens that followed the most recent earlier
-    occurrence of the last n tokens (n = max_ngram down to 1), a copy running into its own output (LZ77-style: a
-    repeating pattern drafts a full block); no match, no drafts."""
+    """An n-gram index over a growing token list. draft(k): the k tokens after the most recent earlier occurrence of
+    the last n tokens (n = max_ngram down to 1; a copy reaching the end repeats, LZ77-style); none without a match."""
     def __init__(self, tokens=(), max_ngram=PROMPT_LOOKUP_MAX_NGRAM):
         self.max_ngram, self.tokens = max_ngram, []
         self.last_end = {}  # n-gram tuple -> end (exclusive) of its most recent occurrence before the current suffix
@@ -207,11 +203,8 @@ class PromptLookup:
         L = len(self.tokens)
         for n in range(min(self.max_ngram, L), 0, -1):
             end = self.last_end.get(tuple(self.tokens[L - n:]))
-            if end is not None:
-                out = []
-                for j in range(end, end + k):
-                    out.append(self.tokens[j] if j < L else out[j - L])
-                return out
+            if end is not None:  # a copy reaching L reads its own output: the period L - end repeats
+                return [self.tokens[end + i % (L - end)] for i in range(k)]
         return []
 
 class PromptLookupDrafter:
@@ -285,14 +278,11 @@ class NeuralDrafter:
 
 def select_layers(features, union, layer_ids):
     """features (1, S, len(union)*D) captured for the layers `union` -> (1, S, len(layer_ids)*D) for a subset."""
-    idx = [union.index(t) for t in layer_ids]
-    if idx == list(range(len(union))):
-        return features
-    return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
+    idx, n = [union.index(t) for t in layer_ids], len(union)
+    return features if idx == list(range(n)) else features.unflatten(-1, (n, -1))[:, :, idx].flatten(-2)
 
 # -----------------------------------------------------------------------------
-# Sampling at temperature T > 0 (--temperature): the walk along continuations sampled from the target, by
-# dflash_tools/sampling.py (the target's sampling, and its acceptance rule)
+# Sampling at temperature T > 0 (--temperature): dflash_tools/sampling.py walks continuations sampled from the target
 
 MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
 
@@ -308,11 +298,6 @@ class Sampling:
 
 # -----------------------------------------------------------------------------
 # Loop mode: a real speculative decoding loop with the target's KV cache
-
-def check_loop_target(target):
-    from transformers import DynamicCache
-    need(DynamicCache(config=target.model.config).is_croppable,
-         f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
 
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos):
@@ -387,7 +372,6 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
     need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
     sampled = sampling is not None and sampling.temperature > 0
-    sampler = dflash.import_tool("sampling", "--temperature") if sampled else None
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
     own = next((f"{n} ({d.cfg.architecture})" for n, (d, _) in drafters.items() if isinstance(d, NeuralDrafter)
@@ -397,7 +381,9 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
-        check_loop_target(target)
+        from transformers import DynamicCache
+        need(DynamicCache(config=target.model.config).is_croppable,
+             f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
     eos, timing = target.eos_ids(), {"generate_s": 0.0, "features_s": 0.0}
     per = {name: {"prompts": [], "time_s": 0.0} for name in drafters}
     if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
@@ -408,7 +394,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
             t0 = time.perf_counter()
             if sampled:
                 g = torch.Generator(target.lm_head.weight.device).manual_seed(dflash.mix_seed(sampling.seed, i, j))
-                continuation = sampler.sampled_continuation(target, prompt, max_new_tokens, eos, sampling, g)
+                continuation = dflash.import_tool("sampling", "--temperature").sampled_continuation(
+                    target, prompt, max_new_tokens, eos, sampling, g)
             elif continuations is None:
                 continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
             else:
@@ -430,11 +417,10 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
                     tree_budgets=(), sampling=None, accept_seed=None):
-    """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
-    drafters' context layers in one hooked target pass, then walks each (dflash.walk_continuation): the entry holds
-    the chain's acceptance lengths, the trees' per budget, the rule's other walks (NAME_acceptance_lengths) and per
-    boolean tensor of the rule (is each true token among its candidates) [hits, true tokens] (NAME_hits); sampled,
-    a rule's q is walked by dflash_tools/sampling.py's sampled_lengths (its uniforms seeded by accept_seed)."""
+    """Yield (name, entry, seconds) for every drafter on one prompt. The exact method hooks the union of the drafters'
+    context layers in one target pass, then walks each (dflash.walk_continuation): the entry holds the chain's, the
+    trees' and the rule's other walks' acceptance lengths (NAME_acceptance_lengths), per boolean tensor of the rule
+    (each true token among its candidates?) [hits, true tokens] (NAME_hits); a rule's q sampled: sampled_lengths."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
@@ -454,8 +440,8 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
             if sampling and "q" in more:  # a rule that samples its block
                 sampler = dflash.import_tool("sampling", "--temperature")
                 p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
-                lengths = sampler.sampled_lengths(continuation, p_truth, more["q"], torch.Generator().manual_seed(
-                    accept_seed))
+                lengths = sampler.sampled_lengths(continuation, p_truth, more["q"],
+                                                  torch.Generator().manual_seed(accept_seed))
             entry.update({f"{k}_acceptance_lengths": v for k, v in walks.items()})
             for k, v in more.items():
                 if v.dtype == torch.bool:
@@ -468,8 +454,7 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
         yield name, entry, time.perf_counter() - t0
 
 def conventions(runs):
-    """Both tau conventions over lists of acceptance lengths, one per continuation: (pooled over all steps, mean of
-    each one's mean); None where there are no steps."""
+    """Both tau conventions over runs of acceptance lengths: (pooled over all steps, mean of each run's mean)."""
     steps, means = sum(len(r) for r in runs), [sum(r) / len(r) for r in runs if r]
     return (sum(map(sum, runs)) / steps if steps else None), (sum(means) / len(means) if means else None)
 
@@ -479,9 +464,8 @@ def stderr(values):
     return None if m is None else math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
 
 def summarize_drafter(name, B, per, mode, timing, samples=None):
-    """One drafter's result: both tau conventions over every continuation; sampled, each one's standard error over
-    the samples (sample j of every prompt: one run of the prompt set); trees: both per budget; its rule's
-    diagnostics: NAME_tau of its other walks, NAME_recall of its hits."""
+    """One drafter's result: both tau conventions over every continuation (sampled: each one's standard error over
+    runs of the prompt set), the trees' per budget, its rule's diagnostics (NAME_tau, NAME_recall of its hits)."""
     entries = per["prompts"]
     lengths = [n for e in entries for n in e["acceptance_lengths"]]
     tau, tau_per_prompt = conventions([e["acceptance_lengths"] for e in entries])
@@ -520,8 +504,7 @@ def load_bench(spec, bench_dir, max_samples):
 
 def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True):
     """(prompts, continuations) of every assistant turn of the samples: each user turn through the target's chat
-    template (enable_thinking off unless asked, as z-lab's benchmark), the target's greedy answer, and later turns
-    following that answer (mt-bench)."""
+    template (thinking off unless asked, as z-lab's), the target's greedy answer, later turns after it (mt-bench)."""
     from tqdm import tqdm
     tok = target.tokenizer
     need(tok is not None and tok.chat_template, "--bench needs the target tokenizer's chat template, and it has none")
@@ -529,9 +512,8 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    benchmarks = dflash.import_tool("benchmarks", "--bench")
     turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)
-             for t in benchmarks.run_conversation(s, render, generate, decode)]
+             for t in dflash.import_tool("benchmarks", "--bench").run_conversation(s, render, generate, decode)]
     return [p for p, _ in turns], [c for _, c in turns]
 
 def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True,
@@ -571,8 +553,8 @@ def print_bench(result, file=None):
 # Report
 
 def print_report(report, file=None):
-    """The side-by-side table: tau, steps, tokens and time per drafter, then per acceptance length L = 1..B the
-    histogram count and P(draft at offset L accepted) over all steps, then the depth buckets."""
+    """The side-by-side table of tau, steps, tokens and time per drafter (with their errors, diagnostics and trees),
+    then per acceptance length L = 1..B the steps and P(draft at offset L accepted), then all by context depth."""
     out = lambda s="": print(s, file=file or sys.stdout)  # noqa: E731
     f3 = lambda r, k: f"{r[k]:.3f}" if r.get(k) is not None else "-"  # noqa: E731
     results, t, loop, sampled = report["results"], report["timing"], report["mode"] == "loop", report.get("temperature")
@@ -605,46 +587,33 @@ def print_report(report, file=None):
         if diagnostics:
             out(f"  {r['drafter']:<{w}}  its draft rule's diagnostics: {', '.join(diagnostics)}")
     if report.get("tree_budgets"):
-        print_trees(results, report["tree_budgets"], w, out)
-    out()
-    out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
+        out("\ntree verification (greedy, DDTree's best-first tree of N draft nodes per step): tau | tau/prompt")
+        out(f"{'drafter':<{w}}  {'chain':>15}" + "".join(f"  {f'N={b}':>15}" for b in report["tree_budgets"]))
+        for r in results:
+            if "tree" not in r:
+                out(f"{r['drafter']:<{w}}  (no tree: it drafts one chain without a distribution to branch on)")
+                continue
+            cells = [r] + [r["tree"][str(b)] for b in report["tree_budgets"]]
+            out(f"{r['drafter']:<{w}}" + "".join(f"  {c['tau']:>7.3f} | {c['tau_per_prompt']:>5.3f}" if c["tau"] is not
+                                                 None else f"  {'-':>15}" for c in cells))
+    out("\nL = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
     cws = [max(18, len(r["drafter"])) for r in results]  # a column as wide as its drafter's whole name
     out(f"{'L':>3}  " + "  ".join(f"{r['drafter']:>{cw}}" for r, cw in zip(results, cws)))
     for L in range(1, max(r["block_size"] for r in results) + 1):
         p = lambda r: f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"  # noqa: E731
         out(f"{L:>3}  " + "  ".join(f"{r['histogram'][L - 1]:>9} | {p(r):>6}".rjust(cw) if L <= r["block_size"]
                                     else " " * cw for r, cw in zip(results, cws)))
-    print_depth(results, w, out)
-
-def print_depth(results, w, out):
-    """tau, steps and P(draft at offset k accepted) per depth bucket (the anchor's position), each drafter's rows."""
-    if not any(r.get("depth") for r in results):
-        return
-    out()
-    out("by context depth (the anchor's position: prompt + continuation so far); the buckets sum to the pooled figures")
-    out(f"{'drafter':<{w}}  {'depth':>9}  {'tau':>6}  {'steps':>7}  P(draft at offset k accepted), k = 1..B-1")
-    for r in results:
-        for d in r.get("depth", []):
-            tau = f"{d['tau']:.3f}" if d["tau"] is not None else "-"
-            out(f"{r['drafter']:<{w}}  {d['depth']:>9}  {tau:>6}  {d['steps']:>7}  "
-                + " ".join(f"{p:.3f}"[1:] if p < 1 else "1.00" for p in d["per_offset_acceptance"]))
-
-def print_trees(results, budgets, w, out):
-    """Tree verification's tau (pooled | per prompt) at each budget, after the chain's."""
-    out()
-    out("tree verification (greedy, DDTree's best-first tree of N draft nodes per step): tau | tau/prompt")
-    out(f"{'drafter':<{w}}  {'chain':>15}" + "".join(f"  {f'N={b}':>15}" for b in budgets))
-    for r in results:
-        if "tree" not in r:
-            out(f"{r['drafter']:<{w}}  (no tree: it drafts one chain without a distribution to branch on)")
-            continue
-        cells = [r] + [r["tree"][str(b)] for b in budgets]
-        out(f"{r['drafter']:<{w}}" + "".join(f"  {c['tau']:>7.3f} | {c['tau_per_prompt']:>5.3f}" if c["tau"] is not None
-                                             else f"  {'-':>15}" for c in cells))
+    if any(r.get("depth") for r in results):
+        out("\nby context depth (the anchor's position: prompt + continuation so far); the buckets sum to the pooled "
+            "figures")
+        out(f"{'drafter':<{w}}  {'depth':>9}  {'tau':>6}  {'steps':>7}  P(draft at offset k accepted), k = 1..B-1")
+        for r in results:
+            for d in r.get("depth", []):
+                out(f"{r['drafter']:<{w}}  {d['depth']:>9}  {f3(d, 'tau'):>6}  {d['steps']:>7}  "
+                    + " ".join(f"{p:.3f}"[1:] if p < 1 else "1.00" for p in d["per_offset_acceptance"]))
 
 def check_output_file(path, flag):
-    """A file written at the end (write_json: a temp file beside it, renamed over it): refuse a directory in its
-    place, and prove the location by creating its directories and a temp file there, before anything is loaded."""
+    """A file written at the end (write_json): a directory in its place refused, its location proven writable."""
     need(not os.path.isdir(path) and not path.endswith(os.sep), f"{flag} {path!r} is a directory; give a file path")
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
 
@@ -670,8 +639,7 @@ def compare_reports(paths, depth_buckets=None):
                       "compared": list(paths)}, edges)
 
 def write_json(report, path):
-    """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
-    the table printed before it stays the result."""
+    """The report to path, written aside and renamed: a failure (a full disk) is one line, no partial file."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         dflash.write_atomic(path, json.dumps(report))
@@ -683,9 +651,8 @@ def write_json(report, path):
 # Command line
 
 def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", allow_other_target=False):
-    """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
-    weights are read (its shape, and the target it records it was trained against: another one is refused unless
-    allow_other_target); the prompt-lookup baseline is included unless prompt_lookup is False."""
+    """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter} (prompt lookup included unless told), each
+    checked before its weights are read: its shape, and the target it was trained against (unless allowed)."""
     drafters, record = {}, None
     for name in names:
         if name == PROMPT_LOOKUP:
@@ -701,13 +668,11 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", a
     return drafters
 
 def bounded_list(lo, hi, what, sort=False):
-    """An argparse type: comma-separated integers, each at least lo and at most hi (None: no bound); sort: deduplicated
-    in increasing order (else a tuple as given)."""
+    """An argparse type: comma-separated integers in [lo, hi] (hi None: unbounded), sorted once each or as given."""
     def parse(s):
-        values = dflash.int_list(s)
+        values, most = dflash.int_list(s), f" and at most {hi}" if hi else ""
         if min(values) < lo or hi is not None and max(values) > hi:
-            raise argparse.ArgumentTypeError(f"{s}: every {what} must be at least {lo}" + (f" and at most {hi}" if hi
-                                                                                          else ""))
+            raise argparse.ArgumentTypeError(f"{s}: every {what} must be at least {lo}{most}")
         return sorted(set(values)) if sort else tuple(values)
     return parse
 
@@ -721,11 +686,9 @@ def sampling_args(args):
                     args.seed)
 
 def get_parser():
-    p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
-                                          "their target.")
+    p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of drafters on their target.")
     flag = dflash.flag
-    flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does); required unless "
-         "--compare")
+    flag(p, "--target", help="target model: a local directory or hub id (loaded as dflash.py does); unless --compare")
     flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
     flag(p, "--trust_variant_code", False, "import the variant code a drafter's config.json names (dflash_module)",
@@ -754,10 +717,8 @@ def get_parser():
          "0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
-    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
-         hi=MAX_SAMPLES)
-    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int,
-         hi=2 ** 32 - 1)
+    flag(p, "--samples", None, "with --temperature: continuations per prompt (default: 5)", int, lo=1, hi=MAX_SAMPLES)
+    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is seeded (seed, i, j)", int, hi=2**32 - 1)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
          "comma-separated N beside the chain (drafters of the argmax; one with its own rule drafts one chain)",
          type=bounded_list(1, dflash.TREE_BUDGET_MAX, "budget"))
