@@ -420,7 +420,7 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
     """Yield (name, entry, seconds) for every drafter on one prompt. The exact method hooks the union of the drafters'
     context layers in one target pass, then walks each (dflash.walk_continuation): the entry holds the chain's, the
     trees' and the rule's other walks' acceptance lengths (NAME_acceptance_lengths), per boolean tensor of the rule
-    (each true token among its candidates?) [hits, true tokens] (NAME_hits); a rule's q sampled: sampled_lengths."""
+    (each true token among its candidates?) [hits, true tokens] (NAME_hits); sampled, a rule's q by sampled_lengths."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
