@@ -1017,8 +1017,7 @@ def need(ok, message):
 def first_line(e):  # what a library says went wrong, short enough for one error line
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
-def run_main(fn, args):
-    """fn(args) as a command (dflash.py, eval.py, the tools): a DFlashError is one `error:` line per problem, exit 2."""
+def run_main(fn, args):  # fn(args) as a command (dflash.py, eval.py, tools): one `error:` line per problem, exit 2
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # stderr is for errors and our own progress
     try:
@@ -1029,8 +1028,7 @@ def run_main(fn, args):
         print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
 
-def import_tool(name, why):
-    """dflash_tools/<name>.py (it imports this file as `dflash`), imported where a flag, config or file asks for it."""
+def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where a flag, config or file asks for it
     sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
     try:
         return importlib.import_module(f"dflash_tools.{name}")
@@ -1070,8 +1068,7 @@ def plugin(spec, why):
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
-def valid_target_layer_ids(L, n):
-    """The default spread where valid, else up to n distinct layers evenly from 1 to L-2 (L=4, n=5 -> [1, 2])."""
+def valid_target_layer_ids(L, n):  # the default if valid, else <= n layers evenly over 1..L-2 (L=4, n=5: [1, 2])
     ids, layers = default_target_layer_ids(L, n), list(range(1, L - 1)) or [0]
     if ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < L - 1:
         return ids
@@ -1093,8 +1090,7 @@ def config_problems(c):  # every problem at once, one line each
     return [msg for ok, msg in [
         (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
         (c.block_size >= 2, f"block_size must be >= 2 (an anchor plus drafts), got {c.block_size}"),
-        (H % KV == 0, f"num_attention_heads {H} is not a multiple of num_key_value_heads {KV} (--num_heads, "
-         f"--num_kv_heads)"),
+        (H % KV == 0, f"num_attention_heads {H} % num_key_value_heads {KV} != 0; fix --num_heads or --num_kv_heads"),
         (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
         (ints, f"target_layer_ids must be a non-empty list of layer indices, got {ids!r}"),
         (not ints or ids == sorted(set(ids)), f"target_layer_ids {ids} must be strictly increasing without duplicates"),
@@ -1110,8 +1106,7 @@ def config_problems(c):  # every problem at once, one line each
         (c.rope_scaling is None or isinstance(c.rope_scaling, dict) and c.rope_type() == "yarn",
          f"rope_scaling {c.rope_scaling!r} is not supported (plain RoPE or yarn)")] if not ok]
 
-def engine_problems(cfg):
-    """Legal drafters one engine would serve as another drafter, each with the flag that fixes it."""
+def engine_problems(cfg):  # legal drafters one engine would serve as another drafter, each with the flag fixing it
     B, W, L, ids = cfg.block_size, cfg.sliding_window, cfg.num_target_layers, cfg.target_layer_ids
     both = [i for i in range(cfg.num_hidden_layers) if W is not None and cfg.layer_kind(i) == (False, W)]
     return [msg for ok, msg in [
@@ -1120,10 +1115,8 @@ def engine_problems(cfg):
         (ids[-1] != L - 1, f"target_layer_ids {ids} name the target's last layer {L - 1}, which SGLang cannot "
          f"capture; pass --target_layer_ids {','.join(map(str, sorted({min(t, L - 2) for t in ids})))}")] if not ok]
 
-def config_to_json(cfg):
-    """z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read."""
-    bad = engine_problems(cfg)
-    need(not bad, "\n".join(bad))
+def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention stated in every key vLLM and SGLang read
+    need(not (bad := engine_problems(cfg)), "\n".join(bad))
     d = {k: v for k, v in asdict(cfg).items() if k in {f.name for f in fields(DFlashConfig)} and k != "is_causal"}
     d["rope_parameters"] = {**(cfg.rope_scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
     if not cfg.rope_scaling:  # transformers-4 readers (z-lab's code) look for rope_scaling
@@ -1137,21 +1130,18 @@ def config_to_json(cfg):
           **({"swa_window_size": cfg.sliding_window} if sliding else {}), **cfg.dflash_config_keys()}
     module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
     return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
-            "hidden_act": "silu",
-            "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0, **d, **said,
-            "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
+            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
+            **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_class(d, where="config.json"):
-    """DFlashConfig, or the variant's that config.json names: its dflash_module (a variant outside dflash_tools/, as
-    transformers' auto_map), else the dflash_tools module whose Config has its architecture."""
+    """DFlashConfig, or the variant's config.json names: its dflash_module, else the tool whose Config has its arch."""
     d, known = d if isinstance(d, dict) else {}, {arch: m for _, m, arch in tool_plugins() if arch}
-    if isinstance(d.get("dflash_module"), str):
+    if isinstance(d.get("dflash_module"), str):  # a variant outside dflash_tools/, as transformers' auto_map
         return plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})").Config
     arch = next((a for a in (d.get("architectures") or []) if a in known), None)
     return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
-def config_from_json(d, where="config.json"):
-    """Our own layout (it must write back to exactly the same JSON) here; any other by dflash_tools/engines.py."""
+def config_from_json(d, where="config.json"):  # ours if it writes back the same JSON, else by dflash_tools/engines.py
     try:
         cls, dc, rope = config_class(d, where), d["dflash_config"], dict(d["rope_parameters"])
         top = {f.name for f in fields(DFlashConfig)} - {"mask_token_id", "target_layer_ids"}
@@ -1197,8 +1187,7 @@ def read_drafter_config(path):
     need(not os.path.exists(mask), f"{mask}: vLLM would use it as the mask token's embedding, SGLang not; remove it")
     return config_from_json(d, where=cfg_path)
 
-def read_safetensors(path, load=True):
-    """{name: tensor} of model.safetensors or the shards its index names (load=False: only opens each, a check)."""
+def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or its shards (load=False: opens, a check)
     from safetensors import safe_open
     files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
     if not os.path.isfile(files[0]):
@@ -1235,8 +1224,7 @@ def load_drafter(path, device="cpu", dtype=torch.float32, attention="dense"):
     drafter.inv_freq = rope_inv_freq(cfg)[0]  # the non-persistent RoPE buffer, rebuilt off the meta device
     return drafter.to(device=device, dtype=dtype)
 
-def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
-    """config.json + model.safetensors + {name: object} extra files (.json as JSON, else torch.save), atomically."""
+def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):  # config.json, weights, extra_files: atomic
     from safetensors.torch import save_file
     final = path.rstrip("/")
     tmp, old = f"{final}.tmp{os.getpid()}", f"{final}.old{os.getpid()}"
@@ -1252,8 +1240,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
                     json.dump(obj, f, indent=2)
             else:
                 torch.save(obj, os.path.join(tmp, name))
-        umask = os.umask(0o022)  # read it, then put it back: safetensors writes 0600, open() 0666 less the umask
-        os.umask(umask)
+        os.umask(umask := os.umask(0o022))  # read it, then put it back: safetensors writes 0600, open() 0666 less umask
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     except BaseException:
@@ -1267,9 +1254,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):
 
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
-def target_record(target):
-    """Name, fingerprint (a hash, as older checkpoints have it) and probe: embedding values, compared within bf16
-    rounding, since fp16 rounds unlike bf16 and no hash survives the load dtype."""
+def target_record(target):  # name, fingerprint (a hash, as older records have it), probe (embeddings, in any dtype)
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
@@ -1295,8 +1280,7 @@ def check_trained_against(path, record, what, allow=False):
     need(allow, f"{msg}; pass --allow_other_target to use it anyway")
     print(f"note: {msg} (--allow_other_target)", file=sys.stderr)
 
-def resolve_drafter(path, flag="--drafter"):
-    """A drafter directory, or a hub id (owner/name), which dflash_tools/engines.py downloads once."""
+def resolve_drafter(path, flag="--drafter"):  # a drafter directory, or a hub id (owner/name) engines.py downloads once
     if os.path.exists(path):
         return path
     hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path
@@ -1407,8 +1391,7 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
 # -----------------------------------------------------------------------------
 # Loading the target (AutoModelForCausalLM)
 
-def find_decoder(model):
-    """The text decoder stack: the module holding `layers` (a ModuleList), a final `norm` and the input embedding."""
+def find_decoder(model):  # the text decoder: the module holding `layers` (a ModuleList), a `norm` and the embedding
     embed = model.get_input_embeddings()
     for _, m in model.named_modules():
         if (isinstance(getattr(m, "layers", None), nn.ModuleList) and isinstance(getattr(m, "norm", None), nn.Module)
@@ -1417,8 +1400,7 @@ def find_decoder(model):
     family = model.config.model_type
     raise DFlashError(f"target family {family} is not supported; use one with a Llama-kind decoder (Qwen3, Mistral...)")
 
-def load_tokenizer(name, trust_remote_code=False):
-    """The target's tokenizer, or None when it has none (transformers 5 returns an empty stand-in)."""
+def load_tokenizer(name, trust_remote_code=False):  # its tokenizer, or None (transformers 5 gives an empty one)
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -1427,8 +1409,7 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
-    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    shard (--shard_target): the decoder layers split over the ranks by dflash_tools/shard.py."""
+    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
@@ -1450,7 +1431,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head; give a causal language model")
     target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
                     load_tokenizer(name, trust_remote_code), name)
-    if shard:
+    if shard:  # --shard_target: the decoder layers split over the ranks
         return import_tool("shard", "--shard_target").shard_target(target, device)
     model.to(device)
     return target
@@ -1464,8 +1445,7 @@ def check_compatible(cfg, target, where="drafter"):
 # Data: JSONL (other formats: dflash_tools/formats.py) -> (input_ids, loss_mask) per sample with exact chat loss
 # masks; one sample per row (HF targets do not separate packed samples); the held-out split
 
-def read_jsonl(path, what, hint=""):
-    """Yield ("file:line", record) for each non-blank line of a JSONL file (gzipped too, by its magic bytes)."""
+def read_jsonl(path, what, hint=""):  # ("file:line", record) per non-blank line of a JSONL file, gzipped or not
     need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
     try:
         with open(path, "rb") as f:
@@ -1491,8 +1471,7 @@ def data_kind(path):  # what a data file that is not JSONL is, by its first byte
         return None
     return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
-def read_records(path, what, hint=""):
-    """Yield (where, record) per record: JSONL here; a JSON array, Parquet or save_to_disk directory by formats.py."""
+def read_records(path, what, hint=""):  # (where, record) each: JSONL here, else formats.py (JSON, Parquet, datasets)
     need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")
     need(os.path.isdir(path) or os.path.isfile(path), f"{what} file {path!r} is a device or a pipe, not a file{hint}")
     kind = "a directory" if os.path.isdir(path) else data_kind(path)  # None: JSONL
@@ -1558,17 +1537,14 @@ def chat_sample(messages, tokenizer, kw, eos, where):
     add(encode(full[pos:]))
     return ids, mask
 
-def show_data(samples, tokenizer, n, file=None):
-    """Print the first n samples, loss spans in [[...]], with what training gets from each (--show_data)."""
+def show_data(samples, tokenizer, n, file=None):  # --show_data: n samples, loss spans in [[...]], what each gives
     decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
     for i, (ids, mask) in enumerate(samples[:n]):
         runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
         print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {len(anchor_candidates(mask))} usable "
               f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
 
-def record_kind(record, where, tokenizer, kinds):
-    """Which of `kinds` ("input_ids", "messages", "prompt+response", "prompt", "text") a record is (the first whose
-    fields are all there, not null), its fields checked; the one parser of training data and eval.py's prompts."""
+def record_kind(record, where, tokenizer, kinds):  # the first of kinds whose fields the record sets, checked
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
     need(kind is not None, f"{where}: none of the known fields ({' | '.join(kinds)}); got keys {sorted(record)}")
@@ -1585,15 +1561,12 @@ def record_kind(record, where, tokenizer, kinds):
         encodable(record[f], where, f)
     return kind
 
-def encodable(text, where, what):  # text, refused if it holds a lone surrogate ("\ud800" is valid JSON)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise DFlashError(f"{where}: {what} holds {text[e.start:e.end]!r}, a lone surrogate; fix or drop it") from None
+def encodable(text, where, what):  # text, refused if it holds a lone surrogate ("\ud800" is valid JSON, not UTF-8)
+    bad = re.search("[\ud800-\udfff]+", text)
+    need(not bad, f"{where}: {what} holds {bad and bad.group()!r}, a lone surrogate; fix or drop it")
     return text
 
-def plain_messages(messages, where):
-    """Messages with text content: a string, null (a tool call's) or one OpenAI-style text part (read as its text)."""
+def plain_messages(messages, where):  # contents as text: a string, null (a tool call's) or one OpenAI text part
     out = []
     for j, m in enumerate(messages):
         c = m.get("content")
@@ -1612,8 +1585,7 @@ def chat_record(record, where):  # ShareGPT's {"conversations": [...]} as {"mess
     return record
 
 def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sample", vocab_size=None):
-    """Any record -> (input_ids, loss_mask), 1 on what the drafter learns: chat data's assistant turns (rendered as at
-    inference, each ended by the tokenizer's eos or one of eos_ids), a response, a whole text, or as given."""
+    """A record -> (input_ids, loss_mask), 1 on assistant turns (each to its eos), a response, a text, or as given."""
     record = chat_record(record, where)
     kind = record_kind(record, where, tokenizer, ("input_ids", "messages", "prompt+response", "text"))
     if kind == "input_ids":
@@ -1705,8 +1677,7 @@ def pick_device(flag, local_rank=0):  # --device, or cuda:LOCAL_RANK when CUDA i
 def restart_count():  # how often torchrun --max_restarts has restarted this worker group (0: a first start)
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
-def setup_distributed(device_flag):
-    """(rank, world, device): one process under `python`, DDP under torchrun (gloo on CPU, nccl on CUDA)."""
+def setup_distributed(device_flag):  # (rank, world, device): one process, or DDP under torchrun (gloo or nccl)
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
         ok = env[k] is None or env[k].isdigit() and (k != "WORLD_SIZE" or int(env[k]) >= 1)
@@ -1724,17 +1695,14 @@ def setup_distributed(device_flag):
               f"without torchrun; torch.distributed gives up after 30 min)", file=sys.stderr)
     # torchrun keeps one store across --max_restarts (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 with c10d): the dead
     # workers' keys in it make a restart's init fail or hang. On one node all workers share the restart count: new keys
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    shared, restart = get("TORCHELASTIC_USE_AGENT_STORE") == "True", restart_count()
-    if shared and restart and get("GROUP_WORLD_SIZE") == "1":
+    shared, nodes, kw = get("TORCHELASTIC_USE_AGENT_STORE") == "True", get("GROUP_WORLD_SIZE"), {}
+    if shared and nodes == "1" and (restart := restart_count()):
         store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank,
-                                world_size=world)
-        return rank, world, device
-    if shared and get("GROUP_WORLD_SIZE", "1") != "1" and rank == 0 and int(get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
+        kw = dict(store=dist.PrefixStore(f"dflash_restart_{restart}", store), rank=rank, world_size=world)
+    elif shared and nodes not in (None, "1") and rank == 0 and int(get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0:
         print("note: torchrun --max_restarts over several nodes: start it with --rdzv_backend=c10d and "
               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or a restart can hang in init_process_group", file=sys.stderr)
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kw)
     return rank, world, device
 
 def peak_memory_mb(device):
@@ -1855,8 +1823,7 @@ def resume_point(args, data_digest, master=True):
     need(same or args.allow_data_change, f"cannot resume {d}: --data {args.data} changed; pass --allow_data_change")
     return d, state
 
-def target_rope(tc):
-    """(rope_theta, note) of the target's full-attention layers (Gemma3: sliding 1e4, full 1e6; note says so)."""
+def target_rope(tc):  # (rope_theta, note) of the target's full-attention layers (Gemma3: sliding 1e4, full 1e6)
     rope = getattr(tc, "rope_parameters", None)
     if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
         kind = "full_attention" if "full_attention" in rope else next(iter(rope))
@@ -1869,8 +1836,7 @@ def target_rope(tc):
 YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
              "mscale", "mscale_all_dim", "truncate")  # what yarn reads (never partial_rotary_factor, mrope_*)
 
-def target_window(tc):
-    """(positions the target takes, its yarn or None): max_position_embeddings, or a yarn reach where larger."""
+def target_window(tc):  # (positions the target takes, its yarn or None): max_position_embeddings or a larger yarn reach
     native = getattr(tc, "max_position_embeddings", None) or 32768
     rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type (Gemma3)
@@ -1881,8 +1847,7 @@ def target_window(tc):
     reach = int(int(yarn.get("original_max_position_embeddings") or native) * float(yarn.get("factor") or 1))
     return max(native, reach), yarn if yarn.get("rope_type") == "yarn" else None
 
-def check_lengths(samples, tc, where):
-    """Every sample fits in the positions the target takes (target_window), else one line naming the longest."""
+def check_lengths(samples, tc, where):  # every sample within target_window, else one line naming the longest
     (reach, yarn), longest = target_window(tc), max((len(ids) for ids, _ in samples), default=0)
     what, factor = ("yarn reach" if yarn else "max_position_embeddings"), math.ceil(longest / reach)
     fix = f"use --max_len {reach}" + ("" if yarn else f" or a yarn rope_parameters (factor {factor})")
@@ -1891,8 +1856,7 @@ def check_lengths(samples, tc, where):
 def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=None, target_layer_ids=None,
                        sliding_window=2048, layer_types=None, num_heads=None, num_kv_heads=None, head_dim=None,
                        intermediate_size=None, say=print, max_len=None):
-    """A new drafter shaped like z-lab's: the target's geometry unless given (past its window: its yarn), n-1 sliding
-    layers + 1 full unless layer_types says otherwise. Every problem is raised at once."""
+    """The target's geometry unless given (yarn past its window), n-1 sliding + 1 full, as z-lab's; problems at once."""
     tc = target.model.config.get_text_config()
     (rope_theta, rope_note), (reach, yarn) = target_rope(tc), target_window(tc)
     native = getattr(tc, "max_position_embeddings", None) or 32768
@@ -2208,11 +2172,9 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
 # -----------------------------------------------------------------------------
-# How a walked tau was measured: training's eval_walk_tau records and eval.py's reports carry the settings tau
-# depends on besides the drafter, so two tau measured differently are never compared unknowingly
+# How a walked tau was measured, in training's records and eval.py's reports: no tau compared with another unknowingly
 
-def generation_prompt(tokenizer, kw):
-    """What the chat template appends to a user turn to start the assistant's, under kwargs kw (None: it cannot)."""
+def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
     turn = [{"role": "user", "content": "hi"}]
     try:
         base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
@@ -2222,8 +2184,7 @@ def generation_prompt(tokenizer, kw):
     return full[len(base):] if full.startswith(base) else full
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """The settings a walked tau depends on besides the drafter: thinking, max_new_tokens, greedy or the sampling
-    (temperature, top_p, top_k), hashes of the chat template with its generation prompt and of the prompts."""
+    """What a walked tau depends on besides the drafter: thinking, max_new_tokens, serving, template and prompts."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
     if "enable_thinking" in template and enable_thinking is not None:
         thinking = "on" if enable_thinking else "off"
@@ -2248,7 +2209,6 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
 def number(kind, lo, open_lo=False, hi=None):
     """An argparse type: a finite int or float >= lo (> lo when open_lo; <= hi when given); `.text` says the rule."""
     name = "an integer" if kind is int else "a number"
-    text = f"{name} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (hi is not None)
 
     def parse(s):
         try:
@@ -2256,10 +2216,9 @@ def number(kind, lo, open_lo=False, hi=None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not {name}") from None
         if not (math.isfinite(v) and (v > lo if open_lo else v >= lo) and (hi is None or v <= hi)):
-            raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {text}")
+            raise argparse.ArgumentTypeError(f"{s} is outside its valid range: {parse.text}")
         return v
-
-    parse.text = text
+    parse.text = f"{name} {'>' if open_lo else '>='} {lo}" + f" and <= {hi}" * (hi is not None)
     return parse
 
 def int_list(s):
@@ -2270,8 +2229,7 @@ def int_list(s):
 
 LAYER_TYPES = {"sliding": "sliding_attention", "full": "full_attention"}  # --layer_types names -> config names
 
-def layer_type_list(s):
-    """--layer_types: comma-separated sliding|full (or their config names) -> the config names."""
+def layer_type_list(s):  # --layer_types: comma-separated sliding|full (or their config names) -> the config names
     types = [LAYER_TYPES.get(t.strip(), t.strip()) for t in s.split(",")]
     if not set(types) <= set(LAYER_TYPES.values()):
         raise argparse.ArgumentTypeError(f"{s!r}: give a comma-separated list of sliding|full, one per drafter layer")
@@ -2382,11 +2340,9 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
-                 "target_layer_ids": "target_layer_ids", "sliding_window": "sliding_window",
-                 "layer_types": "layer_types", "num_heads": "num_attention_heads",
-                 "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-                 "intermediate_size": "intermediate_size"}  # the geometry flags -> their config fields
+DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",
+                 "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads", **{k: k for k in ("head_dim", "intermediate_size")}}  # -> field
 
 def get_parser():
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
@@ -2436,10 +2392,6 @@ def get_parser():
     flag(g, "--grad_clip", 1.0, "gradient norm clip", float, open_lo=True)
     flag(g, "--weight_decay", 0.0, "AdamW weight decay", float)
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps", int, lo=1)
-    return add_system_flags(p)
-
-def add_system_flags(p):
-    """get_parser's last groups: how the run executes, logs, evaluates and saves; what saves memory."""
     g = p.add_argument_group("system")
     flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
     flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
