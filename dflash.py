@@ -59,7 +59,7 @@ import sys
 import tempfile
 import time
 import zlib
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
@@ -502,9 +502,8 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
 class CE:
-    """The method's loss, hard cross-entropy, as --loss objects state it (another: dflash_tools/losses.py): per token
-    from a chunk of fp32 logits (T, V); the weights from the method's w and the drafter's log q of each label (no
-    gradient); the denominator, summed over the global batch."""
+    """The method's loss as a --loss states it: per token of fp32 logits (T, V); the weights from the method's w and
+    the drafter's log q of each label (no gradient); the denominator, summed over the global batch."""
     def token_loss(self, logits, labels):
         return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
@@ -514,17 +513,11 @@ class CE:
     def normaliser(self, w):
         return w.sum()
 
-def token_selection(weights, device):
-    """The flat indices of the tokens that count (w > 0, not padding anchors), found where the weights were built (on
-    the CPU in training: no device sync), and the weights on the device."""
-    return (weights.flatten() > 0).nonzero().squeeze(1).to(device), weights.to(device)
-
 def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
-    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, and the stats of the same
-    pass to all-reduce. hidden (b, N, B, D), labels/weights (b, N, B). The gradient w.r.t. hidden, (softmax - onehot)
-    @ W for CE, is formed chunk by chunk in ChunkedLMHead's forward (Part II): [tokens, V] logits never exist."""
-    loss = loss or CE()
-    sel, weights = token_selection(weights, hidden.device)
+    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, its stats to all-reduce;
+    hidden (b, N, B, D), labels/weights (b, N, B). [tokens, V] logits never exist: ChunkedLMHead (Part II)."""
+    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
+    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
     y = labels.flatten()[sel].clamp(min=0)
     tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
                                          chunk or vocab_chunk(lm_head.weight.shape[0]), loss)
@@ -548,9 +541,8 @@ def accuracy_stats(correct, valid):
 def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weight_total=None, noise_std=0.0,
                 labels="target", pad_to=None, raw_model=None, **loss_kw):
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
-    model: the drafter or its compiled/DDP wrapper (raw_model: the drafter). labels: "target" (its greedy token at
-    a+i: what verification accepts) or "data". Returns (sum(w * CE) / weight_total, stats); training passes the
-    global batch's weight_total, so the split over ranks and micro-steps cannot dilute or reweight the loss."""
+    model: the drafter or its compiled/DDP wrapper (raw_model: the drafter); labels: "target" (its greedy token at a+i,
+    what verification accepts) or "data". Returns sum(w * CE) / weight_total (the global batch's: undiluted), stats."""
     dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where it was built: token_selection)
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
@@ -754,7 +746,7 @@ def build_drafter(args, run, target, world, device, say=print):
     else:
         optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        resume_optimizer(optimizer, state, run.resume_dir)
         say(f"resumed from {run.resume_dir} at step {state['step']}")
     drafter.train()
     model = torch.compile(drafter) if compile_ else drafter
@@ -839,17 +831,14 @@ def train(args):
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
                 save(step)
-
-    # --- the end
-    if stopped:
-        say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume with the same command plus --resume")
-    elif step > start:  # (a resumed run that had already finished has nothing left to do)
-        held_out(step)
-        save(step)
+        if not stopped and step > start:  # --- the end (none if resumed done), under StopFlag: a signal keeps its save
+            held_out(step)
+            save(step)
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
     if stopped:  # not done: a scheduler must not read an interrupted run as finished (the checkpoint resumes it)
+        say(f"interrupted after step {step}: saved {args.out}/step_{step}; resume with the same command plus --resume")
         raise SystemExit(128 + (stop.signum or signal.SIGTERM))
     return drafter, run.cfg, target
 
@@ -863,10 +852,9 @@ def train(args):
 # =============================================================================
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
-    """Each block's queries attend to [context ; own block]: one softmax over both, in two parts that share one max
-    per query row m, so the context keys/values are not copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S,
-    hk, hd); k_blk, v_blk (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees
-    nothing (a padding anchor) gives 0."""
+    """Each block's queries attend to [context ; own block]: one softmax over both in two parts sharing one max per
+    row, the context keys/values never copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk
+    (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees nothing gives 0."""
     b, N, B, h, hd = q.shape
     S, hk = k_ctx.shape[1], k_ctx.shape[2]
     g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
@@ -893,9 +881,8 @@ def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
 CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
 
 def context_spans(ctx_visible):
-    """About S / CONTEXT_TILE groups of consecutive blocks, each with the span [lo, hi) of context keys its queries
-    see: (n0, n1, lo, hi). Anchors come sorted, so a group's scores need only its span (about half the product for
-    full layers, the window's band for sliding ones); exact in any order. Compiled: one group (static shapes)."""
+    """~S / CONTEXT_TILE groups of consecutive blocks (n0, n1) with the span [lo, hi) of context keys they see: sorted
+    anchors need only their span (~half for full layers, the band for sliding ones). Compiled: one group."""
     b, N, B, S = ctx_visible.shape
     G = min(N, S // CONTEXT_TILE)
     if G <= 1 or torch.compiler.is_compiling():
@@ -926,9 +913,8 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     return max(1, budget // vocab_size)
 
 class ChunkedLMHead(torch.autograd.Function):
-    """A loss's per-token values (CE: lse - logit of the label), log q of the label and the argmax of lm_head(h) in
-    chunks of rows, with the gradient w.r.t. h (d loss / d logits @ W; the lm_head is frozen) formed in the same pass:
-    only (T, D) is kept for backward. CE's gradient softmax - onehot is formed in place; another loss's by autograd."""
+    """A loss per token, log q of the label and the argmax of lm_head(h), in chunks of rows, with the gradient w.r.t.
+    h (d loss/d logits @ W) formed in the same pass (CE's in place, another's by autograd): only (T, D) is kept."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, loss):
@@ -1027,6 +1013,9 @@ def run_main(fn, args):  # fn(args) as a command (dflash.py, eval.py, tools): on
             raise
         print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C where no StopFlag saves (a run's start-up, eval.py): one line, 128 + SIGINT
+        print("interrupted (SIGINT)", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where a flag, config or file asks for it
     sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
@@ -1293,9 +1282,24 @@ def read_train_state(d):
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # missing, truncated zip, garbage pickle: all one line
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
-    ok = isinstance(state, dict) and {"step", "optimizer", "args", "global_batch", "bad_steps"} <= set(state)
-    need(ok, f"{path}: not a training state (it lacks step, optimizer, args, ...); the file is corrupt")
+    s = state if isinstance(state, dict) else {}
+    opt = s["optimizer"] if type(s.get("optimizer")) is dict else {}
+    groups, count = opt.get("param_groups"), lambda k, least=0: is_int(s.get(k)) and s[k] >= least
+    ok = {"step": count("step"), "global_batch": count("global_batch", 1), "bad_steps": count("bad_steps"),
+          "args": type(s.get("args")) is dict, "optimizer": type(opt.get("state")) is dict and type(groups) is list
+          and groups and all(type(g) is dict and type(g.get("params")) is list for g in groups)}
+    bad = next((k for k, v in ok.items() if not v), None)
+    need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
+
+def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, refused in one line unless it fits
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        need(all(v.shape == p.shape for g in optimizer.param_groups for p in g["params"] for v in (
+            optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()), "a moment of another shape")
+    except (ValueError, KeyError, IndexError, TypeError, DFlashError) as e:
+        raise DFlashError(f"cannot resume {d}: its optimizer state does not fit the drafter ({first_line(e)}); "
+                          f"the checkpoint is corrupt") from None
 
 def checkpoint_problem(d):
     """None if d is a complete step_N checkpoint (each of its files opens), else what is wrong with it."""
@@ -1315,34 +1319,36 @@ def complete_checkpoints(out):
     return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
 def latest_checkpoint(out):
-    """The checkpoint <out>/latest names, checked complete; None if there is no latest."""
+    """The checkpoint <out>/latest names, checked a complete step_N of out; None if there is no latest."""
     latest = os.path.join(out, "latest")
     if not os.path.isfile(latest):
         return None
-    try:
-        with open(latest, "rb") as f:
-            name = f.read(4096).decode().strip()
-    except (OSError, UnicodeDecodeError):
-        name = ""
-    fix = f"write the name of a complete step_N directory into {latest}"
-    need(name and name.isprintable(), f"{latest} is corrupt (it does not name a checkpoint directory); {fix}")
+    name = ""
+    with suppress(OSError, UnicodeDecodeError), open(latest, "rb") as f:
+        name = f.read(4096).decode().strip()
+    need(re.fullmatch(r"step_\d+", name), f"{latest} is corrupt ({name[:60]!r} is no step_N directory of {out})")
     why = checkpoint_problem(os.path.join(out, name))
-    need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}; {fix}")
+    need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}")
     return os.path.join(out, name)
 
 def last_complete(out):
     """What a run that stops now leaves behind: the checkpoint <out>/latest names (read, not checked)."""
-    try:
-        with open(os.path.join(out, "latest")) as f:
-            name = os.path.join(out, f.read(4096).strip())
-        return f"the last complete checkpoint is {name} (resume from it with --resume)"
-    except (OSError, UnicodeDecodeError):
-        return f"no complete checkpoint in {out} yet"
+    with suppress(OSError, UnicodeDecodeError), open(os.path.join(out, "latest")) as f:
+        return f"the last complete checkpoint is {os.path.join(out, f.read(4096).strip())} (resume it with --resume)"
+    return f"no complete checkpoint in {out} yet"
+
+def remove_stale(d, names):
+    """Remove killed writes' <name>.tmp<pid> (not beside its .old) and .old<pid> (<name> back) in d, the pid gone."""
+    for m in [re.fullmatch(rf"({names})\.(tmp|old)(\d+)", n) for n in os.listdir(d) if os.path.isdir("/proc/self")]:
+        p, other = m and os.path.join(d, m[0]), m and os.path.join(d, m[1] if m[2] == "old" else f"{m[1]}.old{m[3]}")
+        if m and not os.path.exists(f"/proc/{m[3]}") and os.path.exists(other) == (m[2] == "old"):
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
 def write_atomic(path, text):
     """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
+        remove_stale(os.path.dirname(path) or ".", re.escape(os.path.basename(path)))
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
@@ -1464,11 +1470,9 @@ def read_jsonl(path, what, hint=""):  # ("file:line", record) per non-blank line
         raise DFlashError(f"cannot read {what} file {path!r}: {why}") from None
 
 def data_kind(path):  # what a data file that is not JSONL is, by its first bytes: "Parquet", "a JSON array" or None
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:  # unreadable: read_jsonl says so
-        return None
+    head = b""
+    with suppress(OSError), open(path, "rb") as f:  # unreadable: None, and read_jsonl says so
+        head = f.read(4096)
     return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
 
 def read_records(path, what, hint=""):  # (where, record) each: JSONL here, else formats.py (JSON, Parquet, datasets)
@@ -1487,10 +1491,6 @@ def check_ids(ids, vocab_size, where):
 def template_kwargs(tokenizer, enable_thinking):  # enable_thinking when set and the chat template reads it
     template = getattr(tokenizer, "chat_template", None) or ""
     return {"enable_thinking": enable_thinking} if enable_thinking is not None and "enable_thinking" in template else {}
-
-def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
-    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
-    return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
 
 def chat_sample(messages, tokenizer, kw, eos, where):
     """(ids, mask) as inference tokenizes it: each assistant turn after the text before it, mask 1 from its generation
@@ -1606,17 +1606,22 @@ def encode_sample(record, tokenizer, enable_thinking=None, eos_ids=(), where="sa
 
 def load_samples(path, tokenizer, max_len, say=print, enable_thinking=None, eos_ids=(), vocab_size=None):
     """A data file's samples (encode_sample) cut to max_len; those with no usable anchor skipped and counted."""
-    samples, lines, hint = [], 0, "; pass --data with a JSONL or Parquet file or a save_to_disk directory"
+    samples, lines, cut, hint = [], 0, [], "; pass --data with a JSONL or Parquet file or a save_to_disk directory"
     for lines, (where, rec) in enumerate(read_records(path, "data", hint), 1):
         ids, mask = encode_sample(rec, tokenizer, enable_thinking, eos_ids, where, vocab_size)  # checks input_ids
         if "input_ids" not in rec:  # a tokenizer may have more tokens than the target's embedding rows
             check_ids(ids, vocab_size, where)
         if len(anchor_candidates(mask[:max_len])):
             samples.append((ids[:max_len], mask[:max_len]))
+        elif len(anchor_candidates(mask)):  # its response lies past max_len
+            cut.append(len(ids) - max_len)
     need(lines, f"data file {path!r} is empty; it needs one JSON object per line (or per row)")
-    need(samples, f"{path}: no usable samples ({lines} skipped: no 2 loss tokens in a row within --max_len {max_len})")
+    why = ", ".join(f"{n} {what}" for n, what in ((len(cut), f"whose response --max_len {max_len} cut away (up to "
+                    f"{max(cut or [0])} tokens over it; raise --max_len)"), (lines - len(samples) - len(cut), "with "
+                    "fewer than 2 response tokens")) if n)
+    need(samples, f"{path}: no usable samples ({lines} skipped: {why})")
     if lines > len(samples):
-        say(f"{path}: skipped {lines - len(samples)} samples with fewer than 2 response tokens, kept {len(samples)}")
+        say(f"{path}: skipped {lines - len(samples)} samples ({why}), kept {len(samples)}")
     return samples
 
 EVAL_FLOOR = 16  # held-out samples at least, so a small data set still gets a meaningful held-out loss
@@ -1637,14 +1642,15 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # Signals, devices and distributed set-up
 
 class StopFlag:
-    """`with StopFlag(out, say) as stop`: SIGTERM/SIGINT set stop.requested (finish the step, save, exit); a second
-    signal keeps the save; a third abandons it (SystemExit 128+signal; a half-written checkpoint goes, latest stays)."""
+    """`with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as nohup does) set stop.requested (finish the
+    step, save, exit); a second keeps the save; a third abandons it (SystemExit 128+signal; latest stays)."""
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self._handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+        sigs = {signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGINT)}  # no SIGHUP on Windows
+        self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc):
@@ -1654,12 +1660,10 @@ class StopFlag:
     def _handler(self, signum, frame):
         self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
         name = signal.Signals(signum).name
-        if self.count == 1:
-            self.say(f"{name}: finishing this step, then saving a checkpoint")
-        elif self.count == 2:
-            self.say(f"second signal ({name}): still saving after this step; a third abandons it")
-        else:
-            self.say(f"third signal ({name}): abandoning the checkpoint; {last_complete(self.out)}")
+        self.say(f"{name}: finishing this step, then saving a checkpoint" if self.count == 1 else
+                 f"second signal ({name}): still saving after this step; a third abandons it" if self.count == 2 else
+                 f"third signal ({name}): abandoning the checkpoint; {last_complete(self.out)}")
+        if self.count > 2:
             raise SystemExit(128 + signum)
 
 def pick_device(flag, local_rank=0):  # --device, or cuda:LOCAL_RANK when CUDA is there, else cpu
@@ -1726,17 +1730,16 @@ def broadcast(obj, world):  # rank 0's object on every rank (e.g. the data's dig
 # -----------------------------------------------------------------------------
 # The run's checks and set-up: outputs, resume, the drafter config, data, the trackers
 
-def check_writable_dir(d, what, subdirs=False):
+def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):
     """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
     try:
         os.makedirs(d, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
-        os.close(fd)
-        os.remove(probe)
+        os.close(fd), os.remove(probe)
         if subdirs:
             os.rmdir(tempfile.mkdtemp(prefix=".probe", dir=d))
     except OSError as e:
-        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); give a writable path") from None
+        raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); {fix}") from None
 
 def check_out_dir(out):
     """--out: a writable directory, with nothing but files where latest and metrics.jsonl go."""
@@ -1755,13 +1758,14 @@ def check_out_dir(out):
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
 def lock_out(out):
-    """One writer per --out: an flock on the directory till the process ends (none where flock is refused/missing)."""
+    """One writer per --out from its first check: made, flocked till the process ends (if flock works); remove_stale."""
     try:
         import fcntl
-        key = os.path.realpath(out)
+        os.makedirs(key := os.path.realpath(out), exist_ok=True)
         if key not in OUT_LOCKS:
             OUT_LOCKS[key] = os.open(key, os.O_RDONLY)
             fcntl.flock(OUT_LOCKS[key], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            remove_stale(out, r"step_\d+")
     except BlockingIOError:
         os.close(OUT_LOCKS.pop(key))
         raise DFlashError(f"--out {out!r} is locked by another run; wait for it or give another --out") from None
@@ -1772,11 +1776,8 @@ def earlier_run(out):
     """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
     names = os.listdir(out) if os.path.isdir(out) else []
     steps = [step_of(n) for n in names if step_of(n) is not None and os.path.isdir(os.path.join(out, n))]
-    metrics = os.path.join(out, "metrics.jsonl")
-    if steps:
-        return f"checkpoints up to step {max(steps)}"
-    if "latest" in names or (os.path.isfile(metrics) and os.path.getsize(metrics) > 0):
-        return "a run without a complete checkpoint"
+    if steps or "latest" in names or os.path.isfile(m := os.path.join(out, "metrics.jsonl")) and os.path.getsize(m):
+        return f"checkpoints up to step {max(steps)}" if steps else "a run without a complete checkpoint"
 
 def path_digest(path):
     """{size, sha256} of a data file (a save_to_disk dir: formats.py), kept in checkpoints: a resume sees a change."""
@@ -1787,22 +1788,19 @@ def path_digest(path):
 
 def resume_point(args, data_digest, master=True):
     """(checkpoint, its train state) to continue, or (None, None) to start (auto too in a worker torchrun restarted)."""
-    mode, out, left = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
+    mode, out, why = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
     except DFlashError as e:
-        left = complete_checkpoints(out)
-        fix = "" if left else "; no complete checkpoint is left: --resume auto starts anew, or give a new --out"
-        need(mode == "auto" and not left, f"--resume: {e}{fix}")
-        d = None  # auto, and no complete checkpoint anywhere in out: nothing to continue, so it starts
-        if master:
-            print(f"--resume auto: {out} holds no complete checkpoint ({first_line(e)}); starting anew in it")
-    if d is None and left is None:  # every step_N's files are opened: once, and only where it decides something
-        left = complete_checkpoints(out) if mode or earlier_run(out) else []
-    if d is None and mode and left and not os.path.exists(os.path.join(out, "latest")):
-        d = left[0]  # latest lost (a crash between a checkpoint and latest, a hand): the newest complete one
-        if master:
-            print(f"--resume: {out} has no latest; continuing its newest complete checkpoint {d}")
+        d, why = None, str(e)
+    left = complete_checkpoints(out) if d is None and (mode or earlier_run(out)) else []  # every step_N's files opened
+    fix = (f"{left[0]} is complete: write {os.path.basename(left[0])} into latest or pass --resume auto" if left else
+           "no complete checkpoint is left: --resume auto starts anew, or give a new --out")
+    need(not why or mode == "auto", f"--resume: {why}; {fix}")  # auto: the newest complete step_N, or a start
+    d = left[0] if mode and left else d  # latest lost (a crash between a checkpoint and latest, a hand), or bad
+    if master and mode and (why or left):
+        how = f"continuing {d}, the newest complete one" if d else "it holds no complete checkpoint: starting anew"
+        print(f"--resume: {why or f'{out} has no latest'}; {how}")
     if d is None:
         earlier = earlier_run(out)
         fix = "--resume auto starts anew in it, or give a new --out" if earlier else "drop --resume to start"
@@ -1916,7 +1914,7 @@ def check_run(args, world, device, master):
             what = "is not a regular file (a pipe?)" if os.path.exists(p) else "does not exist"
             problems.append(f"data file {p!r} {what}; pass {flag} with a JSONL or Parquet file or a save_to_disk dir")
         elif os.path.isdir(p) or data_kind(p):
-            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag)
+            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag, None if args.show_data else args.out)
     if len(data) == 2 and not problems and os.path.samefile(args.data, args.eval_data):
         problems.append(f"--eval_data {args.eval_data} is --data itself; give other data, or drop --eval_data")
     if args.eval_data and args.eval_fraction:
@@ -1928,10 +1926,12 @@ def check_run(args, world, device, master):
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
+    if writes and master:  # this run is --out's one writer from the first check that writes, before it
+        lock_out(args.out)
     if writes:
         check_out_dir(args.out)
     if writes and report_to(args):
-        import_tool("trackers", "--report_to").check_trackers(report_to(args))
+        import_tool("trackers", "--report_to").check_trackers(report_to(args), args.out)
     readable = writes and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # never a pipe
     data_digest = broadcast(path_digest(args.data) if master and readable else None, world)
     resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
@@ -1966,8 +1966,6 @@ def check_run(args, world, device, master):
         import_tool("plan", "--plan").memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
-    if writes and master:  # every input checked: now this run is --out's one writer, before anything is written
-        lock_out(args.out)
     state_of_stage = (state or {}).get("stage_state", {})
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
 
@@ -1984,8 +1982,7 @@ def as_variant(variant, cfg=None, drafter=None):
     return new
 
 def check_resume(out, run, global_batch, master):
-    """A checkpoint to resume has this run's drafter and global batch; then rank 0 cuts metrics.jsonl back to its step
-    (all of it on a fresh start)."""
+    """The checkpoint has this run's drafter and global batch; rank 0 cuts metrics.jsonl back to its step (or all)."""
     d, state = run.resume_dir, run.state
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
@@ -2038,8 +2035,7 @@ def progress_bar(total_steps, step, master, args):
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
 
 def load_run_target(args, run, world, device):
-    """The run's target (sharded with --shard_target under torchrun) and its record, which a drafter to go on
-    (--init_from's, the checkpoint's) must have been trained against (unless --allow_other_target)."""
+    """The target (sharded with --shard_target) and its record, which a drafter to go on must have been trained on."""
     shard = args.shard_target and world > 1
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)

@@ -73,6 +73,10 @@ def step_anchors(lengths):
 # -----------------------------------------------------------------------------
 # Prompts: JSONL -> token-id lists
 
+def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):  # the chat template's token ids
+    kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
+
 def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
     """One record -> prompt token ids, each checked against vocab_size when given: {"prompt": str} a user turn through
     the chat template (raw text without one); {"messages": [...]} through the chat template, trailing assistant turns
@@ -88,9 +92,9 @@ def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         need(messages, f"{where}: messages hold no turn before the assistant's")
-        ids = dflash.chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
+        ids = chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
     elif kind == "prompt" and tokenizer.chat_template:
-        ids = dflash.chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
     else:  # a prompt without a chat template, or text: raw text
         ids = tokenizer(rec[kind], add_special_tokens=False)["input_ids"]
     need(ids, f"{where}: the prompt encodes to no tokens")
@@ -281,9 +285,7 @@ def select_layers(features, union, layer_ids):
     idx, n = [union.index(t) for t in layer_ids], len(union)
     return features if idx == list(range(n)) else features.unflatten(-1, (n, -1))[:, :, idx].flatten(-2)
 
-# -----------------------------------------------------------------------------
-# Sampling at temperature T > 0 (--temperature): dflash_tools/sampling.py walks continuations sampled from the target
-
+# How the target samples at temperature T > 0 (--temperature): dflash_tools/sampling.py walks its continuations
 MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
 
 @dataclass
@@ -357,11 +359,10 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                       progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None,
                       depth_buckets=None):
     """The JSON-shaped report of tau of each drafter ({name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}) on
-    the same prompts (token-id lists) and target continuations: mode "exact" (the walk, any target) or "loop" (a real
-    decoding loop, KV-cache targets). continuations: the target's greedy ones if known (else generated once per
-    prompt; the loop's plain greedy reference). sampling: a Sampling with temperature > 0 walks sampling.samples
-    continuations per prompt sampled from the target. tree_budgets: also tree verification with each number of draft
-    nodes. enable_thinking: how the prompts were rendered (the report's "measured"). depth_buckets: see depth_edges."""
+    the same prompts (token-id lists) and continuations: mode "exact" (the walk) or "loop" (a real decoding loop on
+    KV-cache targets). continuations: the target's greedy ones if known (else generated once per prompt). sampling: a
+    Sampling with temperature > 0 walks sampling.samples continuations per prompt sampled from the target.
+    tree_budgets: also trees of each number of nodes. enable_thinking: for "measured". depth_buckets: depth_edges."""
     from tqdm import tqdm
     need(drafters, "no drafters to evaluate")
     need(mode in ("exact", "loop"), f"unknown mode {mode!r}; use exact or loop")
@@ -466,8 +467,7 @@ def stderr(values):
 def summarize_drafter(name, B, per, mode, timing, samples=None):
     """One drafter's result: both tau conventions over every continuation (sampled: each one's standard error over
     runs of the prompt set), the trees' per budget, its rule's diagnostics (NAME_tau, NAME_recall of its hits)."""
-    entries = per["prompts"]
-    lengths = [n for e in entries for n in e["acceptance_lengths"]]
+    entries, lengths = per["prompts"], [n for e in per["prompts"] for n in e["acceptance_lengths"]]
     tau, tau_per_prompt = conventions([e["acceptance_lengths"] for e in entries])
     r = {"drafter": name, "block_size": B, **acceptance_stats(lengths, B), "tau": tau, "tau_per_prompt": tau_per_prompt,
          "tokens": sum(len(e["continuation"]) for e in entries), "time_s": per["time_s"]}
@@ -509,7 +509,7 @@ def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True)
     tok = target.tokenizer
     need(tok is not None and tok.chat_template, "--bench needs the target tokenizer's chat template, and it has none")
     kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
-    render = lambda messages: dflash.chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
+    render = lambda messages: chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)

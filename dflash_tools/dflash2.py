@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash import (CE, DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accuracy_stats, flag, is_int, need,
-                    token_selection, vocab_chunk)
+                    vocab_chunk)
 
 INTS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # all four, always
 UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
@@ -266,7 +266,8 @@ def dflash2_weighted_ce(hidden, lm_head, labels, weights, cfg, selector, pred, a
     predecessor ids. Stats: the tau estimate and acc walk the selector's teacher-forced picks (while they are right
     they are the greedy walk's picks too), the unary argmax's and the top-k recall beside them, and the selector's
     CE over the covered tokens (sel_ce_w / sel_w)."""
-    sel, weights = token_selection(weights, hidden.device)
+    sel = (weights.flatten() > 0).nonzero().squeeze(1).to(hidden.device)  # (weights on the CPU in training: no sync)
+    weights = weights.to(hidden.device)
     w = weights.flatten()
     h, y = hidden.reshape(-1, hidden.shape[-1])[sel], labels.flatten()[sel].clamp(min=0)
     ce, unary_pred, vals, idx = ChunkedLMHeadTopK.apply(h, lm_head.weight, lm_head.bias, y,

@@ -16,11 +16,14 @@ def optional_package(module, package, why):
     except ImportError:
         raise DFlashError(f"{why} needs the {package} package: pip install {package}") from None
 
-def check_readable(path, flag):
-    """Before any weights load: a directory must be a save_to_disk one, and its format's package installed."""
+def check_readable(path, flag, out=None):
+    """Before any weights load: a directory must be a save_to_disk one, its format's package installed, and the run's
+    --out (out) not inside it (its checkpoints would change the digest a resume compares)."""
     if os.path.isdir(path):
         need(saved_dataset(path), f"{flag} {path!r} is a directory but not one written by datasets' save_to_disk (no "
              f"state.json or dataset_dict.json); pass {flag} with a JSONL (.jsonl, .jsonl.gz) or Parquet file")
+        inside = out and os.path.commonpath([os.path.realpath(out), os.path.realpath(path)]) == os.path.realpath(path)
+        need(not inside, f"--out {out} is inside {flag} {path}; give an --out outside it")
         optional_package("datasets", "datasets", f"{flag} {path!r} is a datasets.save_to_disk directory: reading it")
     elif data_kind(path) == "Parquet":
         optional_package("pyarrow.parquet", "pyarrow", f"{flag} {path!r} is Parquet: reading it")

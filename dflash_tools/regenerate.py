@@ -601,12 +601,13 @@ def explain_500(server, args):
 
 
 class Stop:
-    """SIGTERM / SIGINT: send no new requests, finish the ones in flight, write what is finished; a second signal
-    kills. `fatal` says why a run stopped on its own (the server went away)."""
+    """SIGTERM / SIGINT / SIGHUP (unless ignored, as under nohup): send no new requests, finish the ones in flight,
+    write what is finished; a second signal kills. `fatal` says why a run stopped on its own (the server went away)."""
 
     def __init__(self):
         self.requested, self.fatal = False, None
-        self.previous = {s: signal.signal(s, self._handler) for s in (signal.SIGTERM, signal.SIGINT)}
+        sigs = {signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGINT)}  # no SIGHUP on Windows
+        self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
 
     def _handler(self, signum, frame):
         if self.requested:

@@ -4,17 +4,20 @@ import importlib
 import json
 import os
 
-from dflash import DFlashError, first_line
+from dflash import DFlashError, check_writable_dir, first_line
 
 TRACKERS = ("tensorboard", "wandb")  # --report_to names, each the package it needs
 
-def check_trackers(names):
-    """Each tracker's package imports, before any weights load; else one line naming it and the pip command."""
+def check_trackers(names, out):
+    """Each tracker's package imports and its directory in out (tensorboard/, wandb/) can be written, before any
+    weights load (TensorBoard's writer thread would fail with a traceback); else one line naming it and the fix."""
     for name in names:
         try:
             importlib.import_module("torch.utils.tensorboard" if name == "tensorboard" else "wandb")
         except ImportError:
             raise DFlashError(f"--report_to {name} needs the {name} package: pip install {name}") from None
+        check_writable_dir(os.path.join(out, name), f"--report_to {name}: {os.path.join(out, name)}",
+                           fix="make it writable, or give another --out")
 
 def scalars(record):
     """A metrics record -> {name: number}: lists become name/k per block offset k = 1.. (acc/1 is acc[0]), and what

@@ -64,7 +64,7 @@ def test_a_used_out_advises_resume_which_resumes(w, trained, capsys, tmp_path): 
 
 def test_a_corrupt_latest_with_no_complete_checkpoint_resumes_auto(w, trained, capsys, tmp_path):  # noqa: F811
     """Every checkpoint corrupt: --resume says so and offers --resume auto, which starts anew; with one complete
-    checkpoint left --resume auto still refuses (there is something to continue: the advice names it)."""
+    checkpoint left --resume refuses naming it, and --resume auto continues it (saying so)."""
     out = str(tmp_path / "run")
     shutil.copytree(trained, out)
     for step in ("step_1", "step_2"):
@@ -76,8 +76,11 @@ def test_a_corrupt_latest_with_no_complete_checkpoint_resumes_auto(w, trained, c
     shutil.copytree(trained, str(tmp_path / "one_left"))
     with open(os.path.join(tmp_path, "one_left", "step_2", "train_state.pt"), "wb") as f:
         f.write(b"garbage")
-    fails_with(capsys, w["base"] + ["--out", str(tmp_path / "one_left"), "--resume", "auto"], "corrupt",
-               "write the name of a complete step_N directory")
+    base = w["base"] + ["--out", str(tmp_path / "one_left")]
+    fails_with(capsys, base + ["--resume"], "corrupt", "step_1 is complete: write step_1 into latest")
+    said = runs(base + ["--resume", "auto"], capsys).out
+    step1 = os.path.join(tmp_path, "one_left", "step_1")
+    assert f"continuing {step1}, the newest complete one" in said and f"resumed from {step1}" in said, said
 
 
 def test_data_naming_a_directory(w, capsys, tmp_path):

@@ -78,8 +78,8 @@ def test_mt_bench_turn_two_follows_the_targets_answer(monkeypatch):
     prompts, continuations = ev.bench_turns([["hi there", "hello world"]], FakeTarget(tok), 5, None, progress=False)
     turn1 = [{"role": "user", "content": "hi there"}]
     turn2 = turn1 + [{"role": "assistant", "content": "good day"}, {"role": "user", "content": "hello world"}]
-    assert prompts == seen == [dflash.chat_ids(tok, turn1, add_generation_prompt=True),
-                               dflash.chat_ids(tok, turn2, add_generation_prompt=True)]
+    assert prompts == seen == [ev.chat_ids(tok, turn1, add_generation_prompt=True),
+                               ev.chat_ids(tok, turn2, add_generation_prompt=True)]
     assert continuations == [[7, 8], [9, 10, 9]]  # tau is walked on each assistant turn's continuation
 
 

@@ -272,16 +272,16 @@ def test_resume_from_corrupt_latest_names_the_previous_checkpoint(w, trained, ca
     assert dflash.complete_checkpoints(out) == [step2, step1]
     CORRUPT[how](os.path.join(step2, "train_state.pt"))
     one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, "train_state.pt", "corrupt",
-              "write the name of a complete step_N directory")
+              f"{step1} is complete: write step_1 into latest")
     assert dflash.complete_checkpoints(out) == [step1]
     shutil.copy(os.path.join(trained, "step_2", "train_state.pt"), os.path.join(step2, "train_state.pt"))
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(step2, name), os.path.join(tmp_path, name))
         CORRUPT[how](os.path.join(step2, name))
-        one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, name, "complete step_N")
+        one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), step2, name, "write step_1 into latest")
         shutil.copy(os.path.join(tmp_path, name), os.path.join(step2, name))
     CORRUPT[how](latest)  # latest itself garbage
-    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "corrupt", "complete step_N")
+    one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "corrupt", "write step_2 into latest")
     CORRUPT[how](os.path.join(step1, "train_state.pt"))
     CORRUPT[how](os.path.join(step2, "train_state.pt"))
     one_error(capsys, dflash.main, resume_argv(w, out, tmp_path), latest, "no complete checkpoint is left")
@@ -293,7 +293,7 @@ def test_resume_from_a_state_that_is_no_training_state(w, trained, capsys, tmp_p
     shutil.copytree(trained, out)
     torch.save({"something": torch.zeros(2)}, os.path.join(out, "step_2", "train_state.pt"))
     one_error(capsys, dflash.main, w["base"] + ["--out", out, "--resume"], "train_state.pt", "not a training state",
-              "write the name of a complete step_N directory")
+              "write step_1 into latest")
 
 
 # -----------------------------------------------------------------------------

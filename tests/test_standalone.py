@@ -100,10 +100,11 @@ def test_dflash_py_alone_trains_and_resumes(alone, tmp_path):
 
 
 def test_optional_extras_say_what_is_missing(alone):
-    train = ["--target", alone["q3"], "--data", alone["data"], "--out", "o", *SMALL]
-    cases = (([], "the demo"), (["--target", alone["q3"], "--plan"], "--plan"), (train + ["--dflash2"], "--variant dflash2"),
-             (train + ["--loss", "dpace"], "--loss dpace"), (train + ["--report_to", "tensorboard"], "--report_to"),
-             (train + ["--eval_walk_tree_budget", "4"], "--eval_walk_tree_budget"))
+    def train(*flags):  # the runs start at once: an --out each (one writer per --out)
+        return ["--target", alone["q3"], "--data", alone["data"], "--out", f"o{flags[-1]}", *SMALL, *flags]
+    cases = (([], "the demo"), (["--target", alone["q3"], "--plan"], "--plan"), (train("--dflash2"), "--variant dflash2"),
+             (train("--loss", "dpace"), "--loss dpace"), (train("--report_to", "tensorboard"), "--report_to"),
+             (train("--eval_walk_tree_budget", "4"), "--eval_walk_tree_budget"))
     procs = [subprocess.Popen([sys.executable, alone["script"], *argv], cwd=os.path.dirname(alone["script"]), env=env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv, _ in cases]
     for p, (_, needle) in zip(procs, cases):  # (both at once: an interpreter start-up is most of the time)
