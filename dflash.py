@@ -567,12 +567,12 @@ def summarize(stats, drafter=None):
             **(drafter.summary(stats) if drafter is not None else {})}
 
 # -----------------------------------------------------------------------------
-# The exact tau walk (eval.py, and `eval_walk_tau` in training's held-out evaluation)
+# The exact tau walk (training's held-out walked tau, and eval.py's)
 #
-# Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
-# tau needs no decode loop (nor rolling back a hybrid target's recurrent state): the target generates s once, one
-# hooked pass over prompt + s gives every context feature, the drafter drafts the block anchored at every position
-# of s at once (each sees only the context before its anchor, by the mask rule), and tau_walk walks them along s.
+# Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
+# needs no decode loop (nor rolling back a hybrid target's recurrent state): the target generates s once, one hooked
+# pass over prompt + s gives every context feature, the drafter drafts the block anchored at every position of s at
+# once (each sees only the context before its anchor, by the mask rule), and tau_walk walks them along s.
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""
@@ -588,29 +588,28 @@ def walk_steps(continuation, accept):
     """The walk: accept(k, truth) = accepted drafts of the block anchored at continuation[k] against the rest."""
     lengths, k = [], 0
     while k < len(continuation) - 1:
-        accepted = accept(k, continuation[k + 1:])
-        lengths.append(accepted + 1)
-        k += accepted + 1
+        lengths.append(accept(k, continuation[k + 1:]) + 1)  # the accepted drafts and the target's own token
+        k += lengths[-1]
     return lengths
+
+def acceptance_counts(lengths, B):  # steps per acceptance length L = 1..B; steps accepting >= k drafts, k = 1..B-1
+    return [lengths.count(L) for L in range(1, B + 1)], [sum(n > k for n in lengths) for k in range(1, B)]
 
 @torch.no_grad()
 def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation, up to an eos token, with the logits processors that would move
-    the argmax (a hub generation_config's repetition penalty, ...) off: greedy verification accepts the argmax."""
-    ids = torch.tensor([prompt], device=target.lm_head.weight.device)
-    eos = sorted(eos)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=eos or None,
-                                pad_token_id=eos[0] if eos else 0, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                                min_new_tokens=0, synced_gpus=target.sharded)  # sharded: until all ranks end
+    """The target's own cached greedy generation, up to an eos token (sharded: until every rank ends), with the logits
+    processors that move the argmax (a hub generation_config's repetition penalty, ...) off: verification accepts it."""
+    ids, eos = torch.tensor([prompt], device=target.lm_head.weight.device), sorted(eos)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos or None,
+                                max_new_tokens=max_new_tokens, pad_token_id=eos[0] if eos else 0, min_new_tokens=0,
+                                repetition_penalty=1.0, no_repeat_ngram_size=0, synced_gpus=target.sharded)
     return out[0, len(prompt):].tolist()
 
 @torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, rule=None, truth=False,
-                       temperature=0.0):
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, rule=None, temperature=0.0):
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a.
     context_features (1, S, m*D). rule(logits, h, anchor_ids, truth, temperature) -> (drafts, {name: tensor}) is
-    the draft rule (drafter.draft; tree verification's keeps the top-K too); truth=True passes it the true tokens.
+    the draft rule (drafter.draft; tree verification's keeps the top-K too), truth (n, B) the block's true tokens.
     Returns drafts (S-1-first, B-1), row k for anchor first+k, and the rule's tensors, each with rows alike."""
     cfg, flex, rule = drafter.cfg, drafter.attention == "flex", rule or drafter.draft
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
@@ -618,24 +617,34 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
     if flex:  # few shapes for the compiled kernel: the context padded by the one rule (padding is never visible:
         pad = padded_length(S) - S  # j >= S > a), anchors padded to whole chunks of at most padded_length(anchors)
         context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))  # (they see nothing)
-    S_ctx = context_features.shape[1]
+    S_ctx, kv = context_features.shape[1], drafter.context_kv(context_features.to(dtype))  # (1, S_ctx, hk, hd) a layer
     chunk = min(anchors_per_chunk(cfg, S_ctx, drafter.attention, budget), padded_length(len(anchors)) if flex else S)
-    kv = drafter.context_kv(context_features.to(dtype))  # per layer (1, S_ctx, hk, hd), computed once
-    drafts, extra = [], []
+    out = []
     for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
-        a = anchors[c:c + chunk]
-        n = len(a)
-        valid = torch.ones(n, dtype=torch.bool, device=ids.device)
-        if flex and n < chunk:
-            a, valid = torch.cat([a, a.new_zeros(chunk - n)]), torch.cat([valid, valid.new_zeros(chunk - n)])
+        a, n = anchors[c:c + chunk], min(chunk, len(anchors) - c)
+        valid = torch.arange(chunk if flex else n, device=ids.device) < n  # flex: whole chunks, padding anchors at 0
+        a = F.pad(a, (0, len(valid) - n))
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
         h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
-        true = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)] if truth else None  # (n, B)
-        d, more = rule(logits, h[0, :n, 1:], ids[0, a[:n]], true, temperature)
-        drafts.append(d)                                                                  # (n, B-1)
-        extra.append(more)
-    return torch.cat(drafts), {k: torch.cat([e[k] for e in extra]) for k in extra[0]}
+        true = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)]                 # (n, B)
+        out.append(rule(logits, h[0, :n, 1:], ids[0, a[:n]], true, temperature))          # (n, B-1), {name: ...}
+    return torch.cat([d for d, _ in out]), {k: torch.cat([m[k] for _, m in out]) for k in out[0][1]}
+
+@torch.no_grad()
+def walk_continuation(drafter, target, prompt, continuation, features=None, B=None, trees=(), temperature=0.0):
+    """One drafting pass walked every way: {"tau": the chain of the drafter's draft rule, "tree": {N: tree verification
+    with N draft nodes}, each of its WALKS: those drafts} of acceptance lengths; the drafts and the rule's tensors, at
+    offsets 1..B-1. features: the context's (default: a hooked target pass); temperature: the rule's (eval.py's)."""
+    ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
+    features = target_features(target, ids, drafter.cfg.target_layer_ids)[0] if features is None else features
+    tree, keep = import_tool("tree", "tree verification") if trees else None, (B or drafter.cfg.block_size) - 1
+    rule = tree.topk_rule(min(max(trees), target.vocab_size)) if trees else None  # the chain's drafts and a top-K
+    drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, temperature=temperature)
+    drafts, more = drafts[:, :keep].tolist(), {k: v[:, :keep] for k, v in more.items()}
+    walks = {k: tau_walk(continuation, more[k].tolist()) for k in getattr(drafter, "WALKS", ()) if k in more}
+    walks["tree"] = {b: tree.walk(continuation, more["logq"], more["tokens"], b) for b in trees}
+    return {"tau": tau_walk(continuation, drafts), **walks}, drafts, more
 
 def walk_prompts(samples, num_prompts):
     """The prompts (the tokens before the first loss token) of the first num_prompts samples that have one."""
@@ -660,31 +669,22 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
 
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world, tree=0):
-    """Pooled tau of the walk over every rank's prompts, [P(draft k accepted) for k = 1..B-1] over all steps, and
-    {name: pooled tau} of other walks of the same drafts: tree verification with `tree` nodes (dflash_tools/tree.py),
-    a variant's diagnostic drafts (WALKS). None where there are no steps or the walk is off."""
+    """Pooled tau of the walk over every rank's prompts, [P(draft k accepted), k = 1..B-1] over all steps, {name: pooled
+    tau} of its other walks (trees of `tree` nodes, or a variant's WALKS); None where there are no steps or no walk."""
     if walk is None:
         return None, None, {}
-    dev, B = target.lm_head.weight.device, drafter.cfg.block_size
-    names = (["tree"] if tree else []) + list(getattr(drafter, "WALKS", ()))
-    total = torch.zeros(2 + 2 * len(names) + B - 1, device=dev)  # lengths, steps; per other walk; steps accepting >= k
-    trees = import_tool("tree", "tree verification") if tree else None
-    rule = trees.topk_rule(min(tree, target.vocab_size)) if trees else None  # the chain's drafts and a top-K
+    B, names = drafter.cfg.block_size, ["tree"] if tree else list(getattr(drafter, "WALKS", ()))
+    total = torch.zeros(2 + 2 * len(names) + B - 1, device=target.lm_head.weight.device)  # (sum, steps) per walk; >= k
     for prompt, continuation in zip(*walk):
-        ids = torch.tensor([prompt + continuation], device=dev)
-        features = target_features(target, ids, drafter.cfg.target_layer_ids)[0]
-        drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, truth=not trees)
-        others = [trees.walk(continuation, more["logq"], more["tokens"], tree)] if trees else [
-            tau_walk(continuation, more.get(k, drafts).tolist()) for k in names]
-        lengths = tau_walk(continuation, drafts.tolist())
-        accepted = [sum(n > k for n in lengths) for k in range(1, B)]  # lengths are accepted drafts + 1
-        total += torch.tensor([sum(lengths), len(lengths), *[x for o in others for x in (sum(o), len(o))], *accepted],
-                              device=dev)
+        w = walk_continuation(drafter, target, prompt, continuation, trees=(tree,) if tree else ())[0]
+        runs = [w["tau"], *([w["tree"][tree]] if tree else [w[k] for k in names])]
+        total += torch.tensor([x for r in runs for x in (sum(r), len(r))] + acceptance_counts(w["tau"], B)[1],
+                              device=total.device)
     if world > 1:
         dist.all_reduce(total)
     tau = lambda i: (total[i] / total[i + 1]).item() if total[i + 1] > 0 else None  # noqa: E731
     acceptance = (total[2 + 2 * len(names):] / total[1]).tolist() if total[1] > 0 else None
-    return tau(0), acceptance, {name: tau(2 + 2 * j) for j, name in enumerate(names)}
+    return tau(0), acceptance, {name: tau(2 * j) for j, name in enumerate(names, 1)}
 
 # -----------------------------------------------------------------------------
 # Training: the step, held-out evaluation, the drafter's build, the batches, the loop

@@ -1,13 +1,10 @@
 """
 eval.py: measure tau, the mean number of tokens per verification step, of DFlash drafters against their target.
 
-Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So
-tau is computed exactly without a decode loop: the target generates s once per prompt (its normal
-cached generation), one hooked pass over prompt + s gives every context feature, and each drafter's blocks are
-walked along s: draft the block anchored at s[k] from the context < its position, accept the longest prefix
-that equals s, move the anchor past the accepted tokens and the target's own token, repeat. Nothing is ever
-rolled back, so hybrid targets (Qwen3.5/3.6: Gated DeltaNet state) work too. `--mode loop` runs a real
-speculative decoding loop instead (KV-cache targets only) and checks it reproduces plain greedy decoding.
+Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
+is exact without a decode loop: the target generates s once per prompt, one hooked pass over prompt + s gives every
+context feature, and each drafter's blocks are walked along s as training walks them (dflash.walk_continuation).
+Nothing is rolled back, so hybrid targets (Qwen3.5/3.6) work too; `--mode loop` runs a real decoding loop instead.
 
     # ours vs z-lab's drafter vs the prompt-lookup baseline, on the built-in coding prompts
     huggingface-cli download z-lab/Qwen3-8B-DFlash-b16 --local-dir drafters/zlab-q3-8b
@@ -24,14 +21,11 @@ speculative decoding loop instead (KV-cache targets only) and checks it reproduc
     python eval.py --compare a.json --compare b.json --plot hist.png
 
 As a library (dflash_tools/demo.py): `evaluate_drafters(target, {"ours": drafter, "prompt-lookup":
-PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json`
-saves.
+PromptLookupDrafter()}, prompts, max_new_tokens)` returns the report that `print_report` prints and `write_json` saves.
 
-Two averaging conventions exist and numbers are comparable only within one; the report carries both: `tau` is
-pooled (all verification steps of all prompts together), `tau_per_prompt` is the mean over prompts of each
-prompt's mean acceptance length (what z-lab's benchmark prints as "Average Acceptance length"). Every report
-also says how its tau was measured ("measured": thinking mode, max_new_tokens, serving mode, a hash of the chat
-template with its generation prompt, a hash of the prompts): tau measured differently are never put in one table.
+The report carries both conventions, `tau` pooled over all verification steps and `tau_per_prompt` the mean over
+prompts of each one's mean (z-lab's "Average Acceptance length"), and how it was measured ("measured": thinking mode,
+max_new_tokens, serving mode, hashes of the chat template and prompts): tau measured otherwise never share a table.
 """
 
 import argparse
@@ -46,7 +40,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import dflash
-from dflash import DFlashError, accepted_prefix, draft_every_anchor, greedy_continuation, tau_walk
+from dflash import DFlashError, accepted_prefix, greedy_continuation, need
 
 PROMPT_LOOKUP = "prompt-lookup"  # its name in reports and on the command line
 PROMPT_LOOKUP_MAX_NGRAM = 3      # match the last 3, 2, then 1 tokens of the context (longest first)
@@ -72,85 +66,66 @@ BUILTIN_PROMPTS = [
     "`flush()` methods, and show how to use it with a search input.",
 ]
 
-
 def step_anchors(lengths):
     """Continuation index of each step's anchor: 0, then the running sum of the acceptance lengths."""
     return list(itertools.accumulate(lengths, initial=0))[:-1]
 
-
 # -----------------------------------------------------------------------------
 # Prompts: JSONL -> token-id lists
 
-
-def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):
+def chat_ids(tokenizer, messages, add_generation_prompt=False, **template_kwargs):  # the chat template's token ids
     kw = dict(tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs)
     return tokenizer(tokenizer.apply_chat_template(messages, **kw), add_special_tokens=False)["input_ids"]
 
-
 def encode_prompt(rec, tokenizer, where, template_kwargs=None, vocab_size=None):
-    """One JSONL record -> prompt token ids (dflash.record_kind parses it). {"prompt": str} is a single user turn
-    through the chat template (raw text when the tokenizer has none); {"messages": [...]} goes through the chat
-    template, trailing assistant turns dropped (the target writes its own); {"text": str} is raw text;
-    {"input_ids": [...]} is used as is. Every id is checked against vocab_size when given (the target's vocabulary)."""
+    """One record -> prompt token ids, each checked against vocab_size when given: {"prompt": str} a user turn through
+    the chat template (raw text without one); {"messages": [...]} through the chat template, trailing assistant turns
+    dropped (the target writes its own); {"text": str} raw text; {"input_ids": [...]} as is."""
     rec = dflash.chat_record(rec, where)  # ShareGPT's conversations: messages
     kind = dflash.record_kind(rec, where, tokenizer, ("input_ids", "messages", "prompt", "text"))
     if kind == "input_ids":
-        dflash.need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
+        need(rec["input_ids"] != [], f"{where}: input_ids is empty; a prompt needs at least one token")
         return dflash.check_ids(rec["input_ids"], vocab_size, where)
     kw = template_kwargs or {}
     if kind == "messages":
         messages = dflash.plain_messages(rec["messages"], where)  # content parts: their one text
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        dflash.need(messages, f"{where}: messages hold no turn before the assistant's")
+        need(messages, f"{where}: messages hold no turn before the assistant's")
         ids = chat_ids(tokenizer, messages, add_generation_prompt=True, **kw)
     elif kind == "prompt" and tokenizer.chat_template:
         ids = chat_ids(tokenizer, [{"role": "user", "content": rec["prompt"]}], add_generation_prompt=True, **kw)
     else:  # a prompt without a chat template, or text: raw text
         ids = tokenizer(rec[kind], add_special_tokens=False)["input_ids"]
-    dflash.need(ids, f"{where}: the prompt encodes to no tokens")
+    need(ids, f"{where}: the prompt encodes to no tokens")
     return dflash.check_ids(ids, vocab_size, where)
-
 
 def load_prompts(path, tokenizer, enable_thinking=None, vocab_size=None):
     """A data file in any format dflash.py reads (read_records; or None: the built-in coding prompts) -> list of
     prompt token-id lists, each id checked against vocab_size when given."""
     kw = dflash.template_kwargs(tokenizer, enable_thinking)
     if path is None:
-        if tokenizer is None:
-            raise DFlashError("the target has no tokenizer for the built-in prompts; pass --prompts of input_ids")
+        need(tokenizer is not None, "the target has no tokenizer for the built-in prompts; pass --prompts of input_ids")
         return [encode_prompt({"prompt": p}, tokenizer, f"built-in prompt {i}", kw, vocab_size)
                 for i, p in enumerate(BUILTIN_PROMPTS)]
-    prompts = [encode_prompt(rec, tokenizer, where, kw, vocab_size)
-               for where, rec in dflash.read_records(path, "prompts")]
-    if not prompts:
-        raise DFlashError(f"{path}: no prompts")
+    prompts = [encode_prompt(r, tokenizer, where, kw, vocab_size) for where, r in dflash.read_records(path, "prompts")]
+    need(prompts, f"{path}: no prompts")
     return prompts
 
-
 # -----------------------------------------------------------------------------
-# The statistics of acceptance lengths (the walk itself is dflash.tau_walk, shared with training)
-
+# The statistics of acceptance lengths (counted by dflash.acceptance_counts, as training's walked tau counts them)
 
 def acceptance_stats(lengths, block_size):
-    """tau = mean(accepted + 1) over steps; histogram[L-1] = steps with accepted + 1 = L (L = 1..B);
-    per_offset_acceptance[k-1] = P(draft at offset k accepted) over ALL steps = P(accepted >= k), k = 1..B-1
-    (so tau = 1 + sum(per_offset_acceptance))."""
-    steps = len(lengths)
-    histogram = [0] * block_size
-    for n in lengths:
-        histogram[n - 1] += 1
-    per_offset = [sum(n > k for n in lengths) / steps if steps else 0.0 for k in range(1, block_size)]
+    """tau = mean(accepted + 1) over steps; histogram[L-1]: steps with accepted + 1 = L (L = 1..B);
+    per_offset_acceptance[k-1] = P(draft at offset k accepted) = P(accepted >= k) over ALL steps, so tau = 1 + sum."""
+    steps, (histogram, accepting) = len(lengths), dflash.acceptance_counts(lengths, block_size)
     return {"tau": sum(lengths) / steps if steps else None, "steps": steps, "histogram": histogram,
-            "per_offset_acceptance": per_offset}
+            "per_offset_acceptance": [n / steps if steps else 0.0 for n in accepting]}
 
-
-# tau by context depth: a step's depth is its anchor's absolute position (prompt + continuation so far), the
-# context the drafter drafts from. Acceptance decays with depth for drafters trained at short length, and a pooled
-# tau hides it: each report also splits every figure by depth bucket, the buckets summing back to the pooled ones.
+# tau by context depth: a step's depth is its anchor's position (prompt + continuation so far). Acceptance decays with
+# depth for drafters trained at short length and a pooled tau hides it: reports split every figure by depth bucket.
 DEPTH_EDGES_LONG = (1024, 4096, 16384, 65536)        # < 1k, 1-4k, 4-16k, 16-64k, >= 64k
 DEPTH_EDGES_SHORT = (128, 256, 512, 1024, 2048)     # runs whose deepest anchor is below 4k
-
 
 def depth_edges(max_depth, edges=None):
     """The bucket edges of a run (given ones kept): 1k, 4k, 16k, 64k when an anchor lies at 4k or deeper, else
@@ -159,54 +134,39 @@ def depth_edges(max_depth, edges=None):
         return sorted(set(int(e) for e in edges))
     return list(DEPTH_EDGES_LONG if max_depth >= 4096 else DEPTH_EDGES_SHORT)
 
-
 def depth_label(lo, hi):
     k = lambda n: f"{n // 1024}k" if n % 1024 == 0 else str(n)  # noqa: E731
     return f"< {k(hi)}" if lo == 0 else f">= {k(lo)}" if hi is None else f"{k(lo)}-{k(hi)}"
-
 
 def step_depths(entry):
     """Each verification step's depth: the absolute position of its anchor, prompt_tokens + step_anchors."""
     return [entry["prompt_tokens"] + a for a in step_anchors(entry["acceptance_lengths"])]
 
-
-def max_depth(results):
-    return max((d for r in results for e in r.get("prompts", []) for d in step_depths(e)), default=0)
-
-
 def depth_stats(entries, block_size, edges):
-    """The steps of entries split by depth bucket [lo, hi): per non-empty bucket acceptance_stats (tau, steps,
-    histogram, P(draft at offset k accepted)) and its accepted tokens (sum of acceptance lengths). Every step falls in
-    exactly one bucket, so steps, tokens and histograms sum to the pooled ones, and tau and each P(offset k) are the
-    step-weighted mean of the buckets'."""
-    bounds = [0, *edges, None]
-    buckets = [[] for _ in edges + [None]]
+    """The steps of entries split by depth bucket [lo, hi): acceptance_stats and accepted tokens per non-empty bucket.
+    Each step falls in one bucket: steps, tokens and histograms sum to the pooled ones, tau is their weighted mean."""
+    bounds, buckets = [0, *edges, None], [[] for _ in edges + [None]]
     for e in entries:
         for depth, n in zip(step_depths(e), e["acceptance_lengths"]):
             buckets[sum(depth >= x for x in edges)].append(n)
     return [{"depth": depth_label(lo, hi), "lo": lo, "hi": hi, **acceptance_stats(lengths, block_size),
-             "accepted_tokens": sum(lengths)}
-            for lo, hi, lengths in zip(bounds, bounds[1:], buckets) if lengths]
-
+             "accepted_tokens": sum(lengths)} for lo, hi, lengths in zip(bounds, bounds[1:], buckets) if lengths]
 
 def add_depth(report, edges=None):
     """Every result of the report gets its depth buckets ("depth"), all on the same edges (report["depth_edges"]):
-    the run's (depth_edges) unless given."""
-    edges = depth_edges(max_depth(report["results"]), edges)
+    the run's (depth_edges of its deepest anchor) unless given."""
+    deepest = max((d for r in report["results"] for e in r.get("prompts", []) for d in step_depths(e)), default=0)
+    report["depth_edges"] = edges = depth_edges(deepest, edges)
     for r in report["results"]:
         r["depth"] = depth_stats(r.get("prompts", []), r["block_size"], edges)
-    report["depth_edges"] = edges
     return report
-
 
 # -----------------------------------------------------------------------------
 # How a tau was measured (dflash.measurement): two tau are comparable only when all of its settings agree
 
-
 def measured_line(m):
     """The settings as the table's one line."""
     return "measured: " + ", ".join(f"{k} {v}" for k, v in m.items())
-
 
 def check_same_measurement(reports):
     """{name: report} -> the shared settings; refuses (one error line per difference) tau measured differently."""
@@ -217,31 +177,22 @@ def check_same_measurement(reports):
             problems.append(f"{first if m0 is None else name} has no measurement settings (made by an older eval.py); "
                             f"measure both again")
             continue
-        for k in sorted(set(m0) | set(m)):
-            if m0.get(k) != m.get(k):
-                problems.append(f"{name} was measured with {k} {m.get(k)}, {first} with {m0.get(k)}: their tau are not "
-                                f"comparable; measure them under the same settings (one eval.py call)")
-    dflash.need(not problems, "\n".join(problems))
+        problems += [f"{name} was measured with {k} {m.get(k)}, {first} with {m0.get(k)}: their tau are not "
+                     f"comparable; measure them under the same settings (one eval.py call)"
+                     for k in sorted(set(m0) | set(m)) if m0.get(k) != m.get(k)]
+    need(not problems, "\n".join(problems))
     return m0
 
-
 # -----------------------------------------------------------------------------
-# Drafters as eval sees them. Both kinds answer the same two questions:
-#   walk_drafts(target, prompt, continuation, features, num_drafts) -> drafts[k] for the block anchored at
-#       continuation[k] (the exact walk);
-#   start(target, prompt, features) / draft(anchor_token, num_drafts) / accept(tokens, features) (the loop).
-# layer_ids: the target layers whose features the drafter reads ([] for prompt lookup).
-
+# Drafters as eval sees them: walk(target, prompt, continuation, features, B, **kw) -> (walks, drafts, the rule's
+# tensors) as dflash.walk_continuation (the exact walk); start(target, prompt, features), draft(anchor, num_drafts),
+# accept(tokens, features) (the loop); layer_ids: the target layers whose features it reads ([] for prompt lookup).
 
 class PromptLookup:
-    """An n-gram index over a growing token list. draft(k): find the most recent earlier occurrence of the last
-    n tokens (n = max_ngram down to 1, longest first) and copy the k tokens that followed it; a copy that runs into
-    the end of the context continues into its own output (LZ77-style), so a repeating pattern drafts a full block.
-    No match: no drafts."""
-
+    """An n-gram index over a growing token list. draft(k): the k tokens after the most recent earlier occurrence of
+    the last n tokens (n = max_ngram down to 1; a copy reaching the end repeats, LZ77-style); none without a match."""
     def __init__(self, tokens=(), max_ngram=PROMPT_LOOKUP_MAX_NGRAM):
-        self.max_ngram = max_ngram
-        self.tokens = []
+        self.max_ngram, self.tokens = max_ngram, []
         self.last_end = {}  # n-gram tuple -> end (exclusive) of its most recent occurrence before the current suffix
         self.extend(tokens)
 
@@ -256,41 +207,24 @@ class PromptLookup:
         L = len(self.tokens)
         for n in range(min(self.max_ngram, L), 0, -1):
             end = self.last_end.get(tuple(self.tokens[L - n:]))
-            if end is not None:
-                out = []
-                for i in range(k):
-                    j = end + i
-                    out.append(self.tokens[j] if j < L else out[j - L])
-                return out
+            if end is not None:  # a copy reaching L reads its own output: the period L - end repeats
+                return [self.tokens[end + i % (L - end)] for i in range(k)]
         return []
-
-
-class LookupDrafts:
-    """drafts[k] for tau_walk: prompt-lookup drafts for the block anchored at continuation[k], with the context
-    (prompt + continuation[:k+1]) indexed incrementally (the walk asks for increasing k)."""
-
-    def __init__(self, prompt, continuation, num_drafts):
-        self.lookup = PromptLookup(prompt)
-        self.continuation, self.num_drafts, self.upto = continuation, num_drafts, 0
-        self.drafted = {}  # k -> drafts, so the walk's steps can be read again (--dump_drafts)
-
-    def __getitem__(self, k):
-        if k not in self.drafted:
-            if k + 1 < self.upto:
-                raise ValueError("LookupDrafts must be read at increasing anchors")
-            self.lookup.extend(self.continuation[self.upto:k + 1])
-            self.upto = k + 1
-            self.drafted[k] = self.lookup.draft(self.num_drafts)
-        return self.drafted[k]
-
 
 class PromptLookupDrafter:
     """The prompt-lookup baseline: copy what followed the most recent earlier match of the last tokens."""
-
     block_size, layer_ids = None, []  # any block size; reads no target features
 
-    def walk_drafts(self, target, prompt, continuation, features, num_drafts):
-        return LookupDrafts(prompt, continuation, num_drafts)
+    def walk(self, target, prompt, continuation, features, B, **kw):
+        """The chain along the continuation, the context indexed as the walk moves on; drafts: {anchor index: block}."""
+        self.start(target, prompt, features)
+        drafts = {}
+
+        def accept(k, truth):
+            self.lookup.extend(continuation[len(self.lookup.tokens) - len(prompt):k + 1])
+            drafts[k] = self.lookup.draft(B - 1)
+            return accepted_prefix(drafts[k], truth)
+        return {"tau": dflash.walk_steps(continuation, accept)}, drafts, {}
 
     def start(self, target, prompt, features):
         self.lookup = PromptLookup(prompt)
@@ -302,33 +236,15 @@ class PromptLookupDrafter:
     def accept(self, tokens, features):
         self.lookup.extend(tokens[1:])  # the anchor is already indexed
 
-
 class NeuralDrafter:
-    """A DFlashDrafter: every anchor at once through the training-mode forward (the walk), or one block at a time
-    over an incremental cache of per-layer context keys/values (the loop: fc/k_proj/v_proj of each position are
-    computed once, and the features of rejected drafts never enter)."""
-
+    """A DFlashDrafter (any variant): every anchor at once through its draft rule (the walk), or one block at a time
+    over an incremental cache of per-layer context keys/values (the loop: rejected drafts' features never enter)."""
     def __init__(self, drafter):
         self.drafter, self.cfg = drafter, drafter.cfg
         self.block_size, self.layer_ids = drafter.cfg.block_size, drafter.cfg.target_layer_ids
 
-    def walk_drafts(self, target, prompt, continuation, features, num_drafts, topk=0):
-        """drafts[k] for tau_walk; with topk=K also the (log q, tokens) (n, num_drafts, K) for tree_walk."""
-        ids = torch.tensor([prompt + continuation], device=features.device)
-        rule = dflash.import_tool("tree", "--tree_budget").topk_rule(topk) if topk else None
-        drafts, more = draft_every_anchor(self.drafter, target, features, ids, len(prompt), rule=rule)
-        if not topk:
-            return drafts[:, :num_drafts].tolist()
-        return drafts[:, :num_drafts].tolist(), more["logq"][:, :num_drafts], more["tokens"][:, :num_drafts]
-
-    def walk_dflash2(self, target, prompt, continuation, features, num_drafts, temperature=0.0):
-        """DFlash2: drafts[k] (its selector's greedy path) and draft_every_anchor's details: the unary argmax drafts
-        and the top-k hits of the true tokens (diagnostics), and at temperature > 0 the selector's q of each true
-        token (dflash_tools/dflash2.py's sampled_lengths)."""
-        ids = torch.tensor([prompt + continuation], device=features.device)
-        path, details = draft_every_anchor(self.drafter, target, features, ids, len(prompt), truth=True,
-                                           temperature=temperature)
-        return path[:, :num_drafts].tolist(), {k: v[:, :num_drafts] for k, v in details.items()}
+    def walk(self, target, prompt, continuation, features, B, **kw):
+        return dflash.walk_continuation(self.drafter, target, prompt, continuation, features, B, **kw)
 
     def start(self, target, prompt, features):
         """features (1, P, m*D) of the prompt's positions: the context of the first block."""
@@ -352,46 +268,25 @@ class NeuralDrafter:
 
     @torch.no_grad()
     def block_hidden(self, anchor):
-        """(B-1, D) final-normed hidden states of the drafted offsets of the block anchored at `anchor` (position
-        self.length)."""
-        cfg, dev, t = self.cfg, self.drafter.fc.weight.device, self.target
+        """(B-1, D) final-normed hidden states of the drafted offsets of the block anchored at position self.length."""
+        cfg, dev = self.cfg, self.drafter.fc.weight.device
         ids = torch.full((1, 1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
         ids[0, 0, 0] = anchor
-        anchors = torch.full((1, 1), self.length, dtype=torch.long, device=dev)
-        x = dflash.embed_blocks(t, ids).to(self.drafter.fc.weight.dtype)
-        return self.drafter.blocks(x, anchors, torch.ones(1, 1, dtype=torch.bool, device=dev), self.kv,
-                                   self.length)[0, 0, 1:]
+        x = dflash.embed_blocks(self.target, ids).to(self.drafter.fc.weight.dtype)
+        anchors, valid = torch.full((1, 1), self.length, device=dev), torch.ones(1, 1, dtype=torch.bool, device=dev)
+        return self.drafter.blocks(x, anchors, valid, self.kv, self.length)[0, 0, 1:]
 
     def block_logits(self, anchor):
         """(B-1, V) logits of the block anchored at `anchor` (position self.length)."""
         return self.target.lm_head(self.block_hidden(anchor).to(self.target.lm_head.weight.dtype))
 
-
-# -----------------------------------------------------------------------------
-# Exact method: context features of the target, drafts at every anchor of the continuation, then the walk
-
-
 def select_layers(features, union, layer_ids):
     """features (1, S, len(union)*D) captured for the layers `union` -> (1, S, len(layer_ids)*D) for a subset."""
-    idx = [union.index(t) for t in layer_ids]
-    if idx == list(range(len(union))):
-        return features
-    return features.unflatten(-1, (len(union), -1))[:, :, idx].flatten(-2)
+    idx, n = [union.index(t) for t in layer_ids], len(union)
+    return features if idx == list(range(n)) else features.unflatten(-1, (n, -1))[:, :, idx].flatten(-2)
 
-
-# -----------------------------------------------------------------------------
-# Sampling at temperature T > 0 (--temperature): the walk along continuations sampled from the target
-#
-# vLLM's default DFlash path (draft_sample_method "greedy") and SGLang's plain DFlash propose the drafter's argmax
-# d and accept it with probability p'(d), p' the target's distribution after temperature/top_k/top_p; on a
-# rejection they emit a sample of the residual (p' without d, renormalised). Draw x ~ p' instead and accept when
-# x == d: the acceptance has the same probability p'(d), and a rejected step emits x, distributed as the residual.
-# So the loop's steps are distributed as the greedy walk's rule along a continuation sampled from the target: tau
-# at T is tau_walk over sampled continuations, averaged over several per prompt.
-
-
+# How the target samples at temperature T > 0 (--temperature): dflash_tools/sampling.py walks its continuations
 MAX_SAMPLES = 100  # --samples: continuations per prompt (tau's standard error shrinks as 1/sqrt: 100 is plenty)
-
 
 @dataclass
 class Sampling:
@@ -403,72 +298,20 @@ class Sampling:
     samples: int = 1
     seed: int = 0
 
-
-def sampling_probs(logits, s):
-    """p' (..., V) float: softmax(logits / temperature) restricted to the top_k largest logits (ties kept), then
-    to the smallest set of most likely tokens that holds top_p of the mass, renormalised (the order vLLM and
-    transformers apply them in). In float64 from the largest logit down, so every temperature and top_p the flags
-    accept works: the top logit stays 0 however small the temperature (the others go to -inf, not inf - inf), and
-    neither rounds to 0 as it would in float32 (below ~1e-45)."""
-    logits = logits.double()
-    z = (logits - logits.max(-1, keepdim=True).values) / s.temperature
-    if 0 < s.top_k < z.shape[-1]:
-        z = z.masked_fill(z < z.topk(s.top_k).values[..., -1:], -math.inf)
-    if s.top_p < 1:
-        p, order = z.softmax(-1).sort(-1, descending=True)
-        drop = p.cumsum(-1) - p >= s.top_p  # the more likely tokens already hold top_p
-        z = z.masked_fill(drop.scatter(-1, order, drop), -math.inf)
-    return z.softmax(-1).float()
-
-
-@torch.no_grad()
-def sampled_continuation(target, prompt, max_new_tokens, eos, s, generator):
-    """The target's own sampling with its cache (dense or hybrid): up to max_new_tokens tokens drawn from
-    sampling_probs, stopping after an eos token. generator: a seeded torch.Generator on the target's device."""
-    dev = target.lm_head.weight.device
-    x, cache, out = torch.tensor([prompt], device=dev), None, []
-    while len(out) < max_new_tokens and not (out and out[-1] in eos):
-        step = target.model(input_ids=x, cache=cache, use_cache=True, logits_to_keep=1)
-        cache = step.cache
-        out.append(int(torch.multinomial(sampling_probs(step.logits[0, -1], s), 1, generator=generator)))
-        x = torch.tensor([[out[-1]]], device=dev)
-    return out
-
-
-def truth_probs(target, final, prompt_len, continuation, s):
-    """p'(s[j]) at index j = 1..n-1 (1 at j = 0): the target's sampling probability (sampling_probs) of each
-    continuation token given what precedes it, from the hooked pass's final hidden states (position P+j-1 predicts
-    s[j]), in chunks of positions (no (n, V) tensor)."""
-    f, truth = final[0, prompt_len:prompt_len + len(continuation) - 1], torch.tensor(continuation[1:])
-    chunk, p = dflash.vocab_chunk(target.vocab_size), [torch.ones(1)]
-    for c in range(0, len(f), chunk):
-        probs = sampling_probs(target.lm_head(f[c:c + chunk].to(target.lm_head.weight.dtype)), s).cpu()
-        p.append(probs.gather(1, truth[c:c + chunk, None]).squeeze(1))
-    return torch.cat(p)
-
-
 # -----------------------------------------------------------------------------
 # Loop mode: a real speculative decoding loop with the target's KV cache
 
-
-def check_loop_target(target):
-    from transformers import DynamicCache
-    if not DynamicCache(config=target.model.config).is_croppable:
-        raise DFlashError(f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
-
-
 @torch.no_grad()
 def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos):
-    """Greedy speculative decoding of up to max_new_tokens tokens (stopping after eos). Each step drafts B-1 tokens
-    after the anchor (the last token so far, at position `pos`), verifies [anchor, drafts] in one target pass on the
-    KV cache, keeps the accepted drafts plus the target's own next token, and crops the target's cache back to the
-    anchor and the accepted drafts (the drafter only ever sees those). Returns (tokens, acceptance lengths, drafts)."""
+    """Greedy speculative decoding of up to max_new_tokens tokens (stopping after eos): each step drafts B-1 tokens
+    after the anchor (the last token, at `pos`), verifies [anchor, drafts] in one target pass on the KV cache, keeps
+    the accepted drafts and the target's own token, and crops the cache back to the accepted ones (all the drafter
+    ever sees). Returns (tokens, acceptance lengths, drafts)."""
     from transformers import DynamicCache
     model, dev, layer_ids = target.model, target.lm_head.weight.device, drafter.layer_ids
     cache = DynamicCache(config=model.config)
     cache.activate_past_recording()  # sliding-window layers keep what a crop may need
     features = lambda store: torch.cat([store[t] for t in layer_ids], -1) if layer_ids else None  # noqa: E731
-
     with dflash.capture_hidden(target, layer_ids) as store:
         out = model(input_ids=torch.tensor([prompt], device=dev), cache=cache, use_cache=True, logits_to_keep=1)
     drafter.start(target, prompt, features(store))
@@ -482,10 +325,7 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
         choice = out.logits[0].argmax(-1).tolist()  # choice[i]: the target's token at pos+1+i
         accepted = accepted_prefix(drafts, choice)
         new = choice[:accepted + 1][:max_new_tokens - len(tokens)]  # accepted drafts + the target's own token
-        for i, t in enumerate(new):
-            if t in eos:
-                new = new[:i + 1]
-                break
+        new = new[:next((i + 1 for i, t in enumerate(new) if t in eos), len(new))]  # up to an eos token
         lengths.append(min(accepted, len(new)) + 1)  # as tau_walk counts it: drafts match up to where tokens end
         all_drafts.append(drafts)
         drafter.accept([tokens[-1]] + drafts[:accepted], features(store)[:, :accepted + 1] if layer_ids else None)
@@ -493,72 +333,60 @@ def speculative_decode(target, drafter, prompt, max_new_tokens, block_size, eos)
         cache.crop(pos + accepted + 1 - cache.get_seq_length())  # the target's own token is the next anchor
     return tokens, lengths, all_drafts
 
-
 # -----------------------------------------------------------------------------
 # Evaluation of several drafters on the same target and prompts
 
-
 def as_eval_drafter(name, d, target, block_size):
     """A DFlashDrafter (wrapped) or an eval drafter object, checked; and the block size it is evaluated at."""
-    if isinstance(d, dflash.DFlashDrafter):
-        d = NeuralDrafter(d)
-    if not isinstance(d, (NeuralDrafter, PromptLookupDrafter)):
-        raise DFlashError(f"drafter {name}: {d!r} is neither a DFlashDrafter nor a PromptLookupDrafter")
+    d = NeuralDrafter(d) if isinstance(d, dflash.DFlashDrafter) else d
+    need(isinstance(d, (NeuralDrafter, PromptLookupDrafter)),
+         f"drafter {name}: {d!r} is neither a DFlashDrafter nor a PromptLookupDrafter")
     if d.block_size is not None:
         dflash.check_compatible(d.cfg, target, where=f"drafter {name}")
-        if block_size and block_size > d.block_size:
-            raise DFlashError(f"--block_size {block_size} > drafter {name}'s {d.block_size}; give at most that")
+        need(not block_size or block_size <= d.block_size,
+             f"--block_size {block_size} > drafter {name}'s {d.block_size}; give at most that")
     return d, block_size or d.block_size
 
-
 def check_modes(mode, sampled, tree_budgets, given_continuations):
-    """The combinations that have no meaning: the loop is greedy chain verification; tree verification and given
-    (greedy) continuations do not sample."""
-    if (sampled or tree_budgets) and mode == "loop":
-        raise DFlashError("--mode loop is greedy chains only; drop it for --temperature or --tree_budget")
-    if sampled and tree_budgets:
-        raise DFlashError("--tree_budget measures greedy tree verification; drop it or --temperature")
-    if sampled and given_continuations:
-        raise DFlashError("--temperature samples continuations, and --bench gives greedy ones; drop --temperature")
-
+    """Refuse what has no meaning: the loop is greedy chains; trees and given (greedy) continuations do not sample."""
+    need(mode != "loop" or not (sampled or tree_budgets),
+         "--mode loop is greedy chains only; drop it for --temperature or --tree_budget")
+    need(not (sampled and tree_budgets), "--tree_budget measures greedy tree verification; drop it or --temperature")
+    need(not (sampled and given_continuations),
+         "--temperature samples continuations, and --bench gives greedy ones; drop --temperature")
 
 def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=None, mode="exact", dump_drafts=False,
                       progress=True, continuations=None, sampling=None, tree_budgets=(), enable_thinking=None,
                       depth_buckets=None):
-    """tau of each drafter on the same prompts and the same target continuations.
-
-    drafters: {name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}; prompts: token-id lists; mode "exact" (the
-    walk along the greedy continuation, any target) or "loop" (a real speculative decoding loop, KV-cache targets).
-    continuations: the target's greedy continuations if already known (else generated here, once per prompt, shared
-    by all drafters; in loop mode they are the plain greedy reference). sampling: a Sampling with temperature > 0
-    walks sampling.samples continuations per prompt sampled from the target instead (exact mode). tree_budgets: also
-    walk tree verification with each number of draft nodes (greedy, neural drafters). enable_thinking: what the prompts
-    were rendered with (recorded in the report's "measured" settings, see dflash.measurement). depth_buckets: the
-    edges of the depth buckets (default: depth_edges). Returns the JSON-shaped report."""
+    """The JSON-shaped report of tau of each drafter ({name: DFlashDrafter | NeuralDrafter | PromptLookupDrafter}) on
+    the same prompts (token-id lists) and continuations: mode "exact" (the walk) or "loop" (a real decoding loop on
+    KV-cache targets). continuations: the target's greedy ones if known (else generated once per prompt). sampling: a
+    Sampling with temperature > 0 walks sampling.samples continuations per prompt sampled from the target.
+    tree_budgets: also trees of each number of nodes. enable_thinking: for "measured". depth_buckets: depth_edges."""
     from tqdm import tqdm
-    if not drafters:
-        raise DFlashError("no drafters to evaluate")
-    if mode not in ("exact", "loop"):
-        raise DFlashError(f"unknown mode {mode!r}; use exact or loop")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise DFlashError("every prompt needs at least one token")
-    if continuations is not None and len(continuations) != len(prompts):
-        raise DFlashError(f"{len(continuations)} continuations for {len(prompts)} prompts")
-    check_prompt_lengths(target, prompts)
+    need(drafters, "no drafters to evaluate")
+    need(mode in ("exact", "loop"), f"unknown mode {mode!r}; use exact or loop")
+    need(prompts and all(len(p) for p in prompts), "every prompt needs at least one token")
+    need(continuations is None or len(continuations) == len(prompts),
+         f"{len(continuations or ())} continuations for {len(prompts)} prompts")
+    limit, _ = dflash.target_window(target.model.config.get_text_config())  # max_position_embeddings, or yarn's reach
+    i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
+    need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
     sampled = sampling is not None and sampling.temperature > 0
     check_modes(mode, sampled, tree_budgets, continuations is not None)
     drafters = {name: as_eval_drafter(name, d, target, block_size) for name, d in drafters.items()}
-    dflash2 = [name for name, (d, _) in drafters.items()
-               if isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel"]
-    if tree_budgets and dflash2:
-        raise DFlashError(f"--tree_budget: DFlash2 drafter {dflash2[0]} drafts one chain; drop --tree_budget or it")
+    own = next((f"{n} ({d.cfg.architecture})" for n, (d, _) in drafters.items() if isinstance(d, NeuralDrafter)
+                and type(d.drafter).draft is not dflash.DFlashDrafter.draft), None)  # a tree branches on the argmax
+    need(not (tree_budgets and own), f"--tree_budget: drafter {own} drafts one chain by its own rule; drop "
+         f"--tree_budget or that drafter")
     default_B = next((B for _, B in drafters.values() if B), DEFAULT_BLOCK_SIZE)  # for prompt lookup
     drafters = {name: (d, B or default_B) for name, (d, B) in drafters.items()}
     if mode == "loop":
-        check_loop_target(target)
-    eos = target.eos_ids()
+        from transformers import DynamicCache
+        need(DynamicCache(config=target.model.config).is_croppable,
+             f"--mode loop: {target.name}'s recurrent state cannot be rolled back; use --mode exact")
+    eos, timing = target.eos_ids(), {"generate_s": 0.0, "features_s": 0.0}
     per = {name: {"prompts": [], "time_s": 0.0} for name in drafters}
-    timing = {"generate_s": 0.0, "features_s": 0.0}
     if mode == "loop" and continuations is None:  # pay the one-time costs outside the timed greedy baseline
         greedy_continuation(target, prompts[0], 2, eos)
     samples = sampling.samples if sampled else 1
@@ -567,7 +395,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
             t0 = time.perf_counter()
             if sampled:
                 g = torch.Generator(target.lm_head.weight.device).manual_seed(dflash.mix_seed(sampling.seed, i, j))
-                continuation = sampled_continuation(target, prompt, max_new_tokens, eos, sampling, g)
+                continuation = dflash.import_tool("sampling", "--temperature").sampled_continuation(
+                    target, prompt, max_new_tokens, eos, sampling, g)
             elif continuations is None:
                 continuation = greedy_continuation(target, prompt, max_new_tokens, eos)
             else:
@@ -585,25 +414,14 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
                       "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
                       **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
                       "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling,
-                                                     prompts),
-                      "timing": timing, "results": results}, depth_buckets)
-
-
-def check_prompt_lengths(target, prompts):
-    """A prompt the target cannot take (at least as many tokens as its positions: max_position_embeddings, or its
-    yarn's reach) is one line naming its length and the limit, before any generation."""
-    limit, _ = dflash.target_window(target.model.config.get_text_config())
-    i, longest = max(enumerate(map(len, prompts)), key=lambda x: x[1])
-    dflash.need(longest < limit, f"prompt {i} is {longest} tokens, the target takes {limit} positions; shorten it")
-
+                                                     prompts), "timing": timing, "results": results}, depth_buckets)
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
                     tree_budgets=(), sampling=None, accept_seed=None):
-    """Yield (name, entry, seconds) for every drafter on one prompt. The exact method captures the union of the
-    drafters' context layers in one hooked target pass over prompt + continuation; tree_budgets: each neural
-    drafter's entry also holds the tree walk's acceptance lengths per budget, from the same drafting pass. A DFlash2
-    drafter walks its selector's path (sampled: dflash2.sampled_lengths, its uniforms seeded by accept_seed); its
-    entry also holds the unary argmax's acceptance lengths and the top-k hits of the true tokens."""
+    """Yield (name, entry, seconds) for every drafter on one prompt. The exact method hooks the union of the drafters'
+    context layers in one target pass, then walks each (dflash.walk_continuation): the entry holds the chain's, the
+    trees' and the rule's other walks' acceptance lengths (NAME_acceptance_lengths), per boolean tensor of the rule
+    (each true token among its candidates?) [hits, true tokens] (NAME_hits); sampled, a rule's q by sampled_lengths."""
     union = sorted({t for d, _ in drafters.values() for t in d.layer_ids})
     if mode == "exact" and union:
         t0 = time.perf_counter()
@@ -611,63 +429,45 @@ def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens
         features, final = dflash.target_features(target, ids, union)  # (1, S, len(union)*D), (1, S, D)
         timing["features_s"] += time.perf_counter() - t0
     for name, (d, B) in drafters.items():
-        t0 = time.perf_counter()
-        entry = {"prompt_tokens": len(prompt)}
+        t0, entry = time.perf_counter(), {"prompt_tokens": len(prompt)}
         if mode == "loop":
             tokens, lengths, drafts = speculative_decode(target, d, prompt, max_new_tokens, B, eos)
             entry.update(continuation=tokens, acceptance_lengths=lengths, matches_greedy=tokens == continuation)
         else:
             ctx = select_layers(features, union, d.layer_ids) if d.layer_ids else None
-            if tree_budgets and isinstance(d, NeuralDrafter):  # prompt lookup has no distribution to branch on
-                K = min(max(tree_budgets), target.vocab_size)  # no tree of that many nodes reaches a deeper rank
-                at, logq, tokens = d.walk_drafts(target, prompt, continuation, ctx, B - 1, topk=K)
-                tree_walk = dflash.import_tool("tree", "--tree_budget").tree_walk
-                entry["tree"] = {str(b): tree_walk(continuation, logq, tokens, b) for b in tree_budgets}
-            elif isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
-                at, details = d.walk_dflash2(target, prompt, continuation, ctx, B - 1,
-                                             sampling.temperature if sampling else 0.0)
-                seen = (torch.arange(len(at))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
-                entry["unary_acceptance_lengths"] = tau_walk(continuation, details["unary"].tolist())
-                entry["topk_hits"] = [int((details["covered"].cpu() & seen).sum()), int(seen.sum())]
-            else:
-                at = d.walk_drafts(target, prompt, continuation, ctx, B - 1)
-            if sampling is not None and isinstance(d, NeuralDrafter) and d.cfg.architecture == "DFlash2DraftModel":
-                p_truth = truth_probs(target, final, len(prompt), continuation, sampling)
-                lengths = dflash.import_tool("dflash2", "a DFlash2 drafter").sampled_lengths(  # its walk at T > 0
-                    continuation, p_truth, details["q"], torch.Generator().manual_seed(accept_seed))
-            else:
-                lengths = tau_walk(continuation, at)
-            drafts = [at[k] for k in step_anchors(lengths)] if dump_drafts else None
+            walks, drafts, more = d.walk(target, prompt, continuation, ctx, B, trees=tree_budgets,
+                                         temperature=sampling.temperature if sampling else 0.0)
+            lengths, trees = walks.pop("tau"), walks.pop("tree", {})
+            if sampling and "q" in more:  # a rule that samples its block
+                sampler = dflash.import_tool("sampling", "--temperature")
+                p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
+                lengths = sampler.sampled_lengths(continuation, p_truth, more["q"],
+                                                  torch.Generator().manual_seed(accept_seed))
+            entry.update({f"{k}_acceptance_lengths": v for k, v in walks.items()})
+            for k, v in more.items():
+                if v.dtype == torch.bool:
+                    seen = (torch.arange(len(v))[:, None] + torch.arange(1, B)) < len(continuation)  # truth exists
+                    entry[f"{k}_hits"] = [int((v.cpu() & seen).sum()), int(seen.sum())]
+            entry.update({"tree": {str(b): v for b, v in trees.items()}} if trees else {})
+            drafts = [drafts[k] for k in step_anchors(lengths)]
             entry.update(continuation=continuation, acceptance_lengths=lengths)
-        if dump_drafts:
-            entry["drafts"] = drafts
+        entry.update({"drafts": drafts} if dump_drafts else {})
         yield name, entry, time.perf_counter() - t0
 
-
 def conventions(runs):
-    """Both tau conventions over lists of acceptance lengths (one per continuation): (pooled over all steps, mean
-    over continuations of each one's mean); None where there are no steps."""
-    steps = sum(len(r) for r in runs)
-    means = [sum(r) / len(r) for r in runs if r]
+    """Both tau conventions over runs of acceptance lengths: (pooled over all steps, mean of each run's mean)."""
+    steps, means = sum(len(r) for r in runs), [sum(r) / len(r) for r in runs if r]
     return (sum(map(sum, runs)) / steps if steps else None), (sum(means) / len(means) if means else None)
-
 
 def stderr(values):
     """Standard error of the mean of independent values (None for fewer than two)."""
-    n = len(values)
-    if n < 2 or None in values:
-        return None
-    m = sum(values) / n
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
-
+    n, m = len(values), sum(values) / len(values) if len(values) > 1 and None not in values else None
+    return None if m is None else math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
 
 def summarize_drafter(name, B, per, mode, timing, samples=None):
-    """One drafter's result: both tau conventions (pooled over all steps, and z-lab's mean of per-prompt means),
-    each over every continuation (samples per prompt when sampled). Sampled: the standard error of each over the
-    samples (given when sampled), sample j of every prompt being one run of the prompt set. Trees: both conventions
-    per budget."""
-    entries = per["prompts"]
-    lengths = [n for e in entries for n in e["acceptance_lengths"]]
+    """One drafter's result: both tau conventions over every continuation (sampled: each one's standard error over
+    runs of the prompt set), the trees' per budget, its rule's diagnostics (NAME_tau, NAME_recall of its hits)."""
+    entries, lengths = per["prompts"], [n for e in per["prompts"] for n in e["acceptance_lengths"]]
     tau, tau_per_prompt = conventions([e["acceptance_lengths"] for e in entries])
     r = {"drafter": name, "block_size": B, **acceptance_stats(lengths, B), "tau": tau, "tau_per_prompt": tau_per_prompt,
          "tokens": sum(len(e["continuation"]) for e in entries), "time_s": per["time_s"]}
@@ -675,14 +475,14 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
         runs = [conventions([e["acceptance_lengths"] for e in entries if e["sample"] == j]) for j in range(samples)]
         r["tau_stderr"], r["tau_per_prompt_stderr"] = (stderr([run[c] for run in runs]) for c in (0, 1))
     if entries and "tree" in entries[0]:
-        r["tree"] = {}
-        for b in entries[0]["tree"]:
-            tree_tau, tree_tau_per_prompt = conventions([e["tree"][b] for e in entries])
-            r["tree"][b] = {"tau": tree_tau, "tau_per_prompt": tree_tau_per_prompt}
-    if entries and "unary_acceptance_lengths" in entries[0]:  # DFlash2's diagnostics
-        r["unary_tau"] = conventions([e["unary_acceptance_lengths"] for e in entries])[0]
-        hits, count = (sum(e["topk_hits"][c] for e in entries) for c in (0, 1))
-        r["topk_recall"] = hits / count if count else None
+        r["tree"] = {b: dict(zip(("tau", "tau_per_prompt"), conventions([e["tree"][b] for e in entries])))
+                     for b in entries[0]["tree"]}
+    for k in entries[0] if entries else ():
+        if k.endswith("_acceptance_lengths"):
+            r[k.replace("_acceptance_lengths", "_tau")] = conventions([e[k] for e in entries])[0]
+        elif k.endswith("_hits"):
+            hits, count = (sum(e[k][c] for e in entries) for c in (0, 1))
+            r[k.replace("_hits", "_recall")] = hits / count if count else None
     if mode == "loop":
         r["tokens_per_s"] = r["tokens"] / max(per["time_s"], 1e-9)
         r["greedy_tokens_per_s"] = r["tokens"] / timing["generate_s"] if timing else None
@@ -690,39 +490,31 @@ def summarize_drafter(name, B, per, mode, timing, samples=None):
     r["prompts"] = entries
     return r
 
-
 # -----------------------------------------------------------------------------
 # z-lab's benchmarks (--bench): prompts built as z-lab's benchmark.py builds them (dflash_tools/benchmarks.py)
 
-
 def load_bench(spec, bench_dir, max_samples):
     """--bench -> {name: samples (lists of user turns)}, every dataset loaded and checked before any generation."""
-    benchmarks = dflash.import_tool("benchmarks", "--bench")
+    b = dflash.import_tool("benchmarks", "--bench")
     try:
-        return {name: benchmarks.subset(benchmarks.conversations(name, benchmarks.load_rows(name, path, bench_dir),
-                                                                 path), max_samples)
-                for name, path in benchmarks.parse_bench(spec)}
-    except benchmarks.BenchmarkError as e:
+        return {name: b.subset(b.conversations(name, b.load_rows(name, path, bench_dir), path), max_samples)
+                for name, path in b.parse_bench(spec)}
+    except b.BenchmarkError as e:
         raise DFlashError(str(e)) from None
-
 
 def bench_turns(samples, target, max_new_tokens, enable_thinking, progress=True):
     """(prompts, continuations) of every assistant turn of the samples: each user turn through the target's chat
-    template (enable_thinking off unless asked, as z-lab's benchmark), the target's greedy answer, and later turns
-    following that answer (mt-bench)."""
+    template (thinking off unless asked, as z-lab's), the target's greedy answer, later turns after it (mt-bench)."""
     from tqdm import tqdm
     tok = target.tokenizer
-    if tok is None or not tok.chat_template:
-        raise DFlashError("--bench needs the target tokenizer's chat template, and it has none")
+    need(tok is not None and tok.chat_template, "--bench needs the target tokenizer's chat template, and it has none")
     kw, eos = dflash.template_kwargs(tok, bool(enable_thinking)), target.eos_ids()
     render = lambda messages: chat_ids(tok, messages, add_generation_prompt=True, **kw)  # noqa: E731
     generate = lambda ids: greedy_continuation(target, ids, max_new_tokens, eos)  # noqa: E731
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    benchmarks = dflash.import_tool("benchmarks", "--bench")
     turns = [t for s in tqdm(samples, desc="greedy answers", disable=not progress, dynamic_ncols=True)
-             for t in benchmarks.run_conversation(s, render, generate, decode)]
+             for t in dflash.import_tool("benchmarks", "--bench").run_conversation(s, render, generate, decode)]
     return [p for p, _ in turns], [c for _, c in turns]
-
 
 def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, enable_thinking=None, progress=True,
                    tree_budgets=(), depth_buckets=None):
@@ -731,10 +523,9 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     reports = {}
     for name, samples in bench.items():
         prompts, continuations = bench_turns(samples, target, max_new_tokens, enable_thinking, progress)
-        r = evaluate_drafters(target, drafters, prompts, max_new_tokens, block_size, progress=progress,
-                              continuations=continuations, tree_budgets=tree_budgets,
-                              enable_thinking=bool(enable_thinking), depth_buckets=depth_buckets)
-        reports[name] = {"benchmark": name, "num_samples": len(samples), **r}
+        reports[name] = {"benchmark": name, "num_samples": len(samples), **evaluate_drafters(
+            target, drafters, prompts, max_new_tokens, block_size, progress=progress, continuations=continuations,
+            tree_budgets=tree_budgets, enable_thinking=bool(enable_thinking), depth_buckets=depth_buckets)}
     names = [r["drafter"] for r in next(iter(reports.values()))["results"]]
     mean = lambda xs: sum(xs) / len(xs) if xs and None not in xs else None  # noqa: E731
     average = {d: {k: mean([next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()])
@@ -742,51 +533,42 @@ def evaluate_bench(target, drafters, bench, max_new_tokens, block_size=None, ena
     measured = dflash.measurement(target.tokenizer, bool(enable_thinking), max_new_tokens)
     return {"measured": {**measured, "benchmarks": ",".join(bench)}, "benchmarks": reports, "average": average}
 
-
 def print_bench(result, file=None):
     """One table per benchmark, then every drafter's tau per benchmark side by side, with the mean over them."""
-    file = file or sys.stdout
-    reports = result["benchmarks"]
-    print(measured_line(result["measured"]), file=file)
+    out, reports = lambda s="": print(s, file=file or sys.stdout), result["benchmarks"]
+    out(measured_line(result["measured"]))
     for name, rep in reports.items():
-        print(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns", file=file)
+        out(f"== {name}: {rep['num_samples']} samples, {rep['num_prompts']} assistant turns")
         print_report(rep, file)
-        print(file=file)
+        out()
     w = max(16, *(len(d) for d in result["average"]))
     for k, what in (("tau_per_prompt", "tau/prompt (z-lab's convention)"), ("tau", "tau pooled")):
-        print(f"== {what} per benchmark, and their mean", file=file)
-        print(f"{'drafter':<{w}}" + "".join(f"  {n:>10}" for n in reports) + f"  {'average':>10}", file=file)
+        out(f"== {what} per benchmark, and their mean")
+        out(f"{'drafter':<{w}}" + "".join(f"  {n:>10}" for n in reports) + f"  {'average':>10}")
         for d, avg in result["average"].items():
             cells = [next(r[k] for r in rep["results"] if r["drafter"] == d) for rep in reports.values()] + [avg[k]]
-            print(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells),
-                  file=file)
-
+            out(f"{d:<{w}}" + "".join(f"  {c:>10.3f}" if c is not None else f"  {'-':>10}" for c in cells))
 
 # -----------------------------------------------------------------------------
 # Report
 
-
 def print_report(report, file=None):
-    """The side-by-side table: tau, steps, tokens and time per drafter, then per acceptance length L = 1..B the
-    histogram count and P(draft at offset L accepted) over all steps."""
-    file = file or sys.stdout
-    out = lambda s="": print(s, file=file)  # noqa: E731
-    results = report["results"]
-    t = report["timing"]
-    sampled = report.get("temperature", 0) > 0
+    """The side-by-side table of tau, steps, tokens and time per drafter (with their errors, diagnostics and trees),
+    then per acceptance length L = 1..B the steps and P(draft at offset L accepted), then all by context depth."""
+    out = lambda s="": print(s, file=file or sys.stdout)  # noqa: E731
+    f3 = lambda r, k: f"{r[k]:.3f}" if r.get(k) is not None else "-"  # noqa: E731
+    results, t, loop, sampled = report["results"], report["timing"], report["mode"] == "loop", report.get("temperature")
     out(f"target {report['target']}  mode {report['mode']}  prompts {report['num_prompts']}  max_new_tokens "
         f"{report['max_new_tokens']}  ({'sampled' if sampled else 'greedy'} generation {t['generate_s']:.1f}s"
-        + (f", context features {t['features_s']:.1f}s)" if report["mode"] == "exact" else ")"))
+        + (")" if loop else f", context features {t['features_s']:.1f}s)"))
     if report.get("measured"):
         out(measured_line(report["measured"]))
     w = max(16, *(len(r["drafter"]) for r in results))
-    loop = report["mode"] == "loop"
     out(f"{'drafter':<{w}}  {'B':>3}  {'tau':>6}  {'tau/prompt':>10}  {'steps':>7}  {'tokens':>7}  {'time_s':>7}"
         + (f"  {'tok/s':>8}  {'greedy':>8}  {'speedup':>7}  same-as-greedy" if loop else ""))
     for r in results:
-        tau, tpp = (f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("tau", "tau_per_prompt"))
-        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {tau:>6}  {tpp:>10}  {r['steps']:>7}  {r['tokens']:>7}  "
-                f"{r['time_s']:>7.1f}")
+        line = (f"{r['drafter']:<{w}}  {r['block_size']:>3}  {f3(r, 'tau'):>6}  {f3(r, 'tau_per_prompt'):>10}  "
+                f"{r['steps']:>7}  {r['tokens']:>7}  {r['time_s']:>7.1f}")
         if loop:
             greedy = r["greedy_tokens_per_s"]
             vs = f"{greedy:>8.1f}  {r['tokens_per_s'] / greedy:>6.2f}x" if greedy else f"{'-':>8}  {'-':>7}"
@@ -798,82 +580,55 @@ def print_report(report, file=None):
             f"(0: off), {report['samples']} continuations per prompt (seed {report['seed']}); each tau over all of "
             f"them, +- its standard error over the samples:")
         for r in results:
-            tau, se, tpp, se_pp = (f"{r[k]:.3f}" if r.get(k) is not None else "-"
-                                   for k in ("tau", "tau_stderr", "tau_per_prompt", "tau_per_prompt_stderr"))
-            out(f"  {r['drafter']:<{w}}  tau {tau} +- {se}  tau/prompt {tpp} +- {se_pp}")
-    for r in results:
-        if "unary_tau" in r:
-            out(f"  {r['drafter']:<{w}}  DFlash2: tau walks its selector's path; the unary argmax's tau "
-                f"{r['unary_tau']:.3f}" + (f", top-k recall {r['topk_recall']:.3f}" if r["topk_recall"] is not None
-                                           else "") + " (diagnostics)")
+            out(f"  {r['drafter']:<{w}}  tau {f3(r, 'tau')} +- {f3(r, 'tau_stderr')}  tau/prompt "
+                f"{f3(r, 'tau_per_prompt')} +- {f3(r, 'tau_per_prompt_stderr')}")
+    for r in results:  # a draft rule's diagnostics (summarize_drafter)
+        diagnostics = [f"{k} {v:.3f}" for k, v in r.items() if k.endswith(("_tau", "_recall")) and v is not None]
+        if diagnostics:
+            out(f"  {r['drafter']:<{w}}  its draft rule's diagnostics: {', '.join(diagnostics)}")
     if report.get("tree_budgets"):
-        print_trees(results, report["tree_budgets"], w, out)
-    out()
-    out("L = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
+        out("\ntree verification (greedy, DDTree's best-first tree of N draft nodes per step): tau | tau/prompt")
+        out(f"{'drafter':<{w}}  {'chain':>15}" + "".join(f"  {f'N={b}':>15}" for b in report["tree_budgets"]))
+        for r in results:
+            if "tree" not in r:
+                out(f"{r['drafter']:<{w}}  (no tree: it drafts one chain without a distribution to branch on)")
+                continue
+            cells = [r] + [r["tree"][str(b)] for b in report["tree_budgets"]]
+            out(f"{r['drafter']:<{w}}" + "".join(f"  {c['tau']:>7.3f} | {c['tau_per_prompt']:>5.3f}" if c["tau"] is not
+                                                 None else f"  {'-':>15}" for c in cells))
+    out("\nL = accepted+1: steps with that acceptance length | P(draft at offset L accepted), over all steps")
     cws = [max(18, len(r["drafter"])) for r in results]  # a column as wide as its drafter's whole name
     out(f"{'L':>3}  " + "  ".join(f"{r['drafter']:>{cw}}" for r, cw in zip(results, cws)))
     for L in range(1, max(r["block_size"] for r in results) + 1):
-        cells = []
-        for r, cw in zip(results, cws):
-            if L > r["block_size"]:
-                cells.append(" " * cw)
-                continue
-            p = f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"
-            cells.append(f"{r['histogram'][L - 1]:>9} | {p:>6}".rjust(cw))
-        out(f"{L:>3}  " + "  ".join(cells))
-    print_depth(results, w, out)
-
-
-def print_depth(results, w, out):
-    """tau, steps and P(draft at offset k accepted) per depth bucket (the anchor's position), each drafter's rows."""
-    if not any(r.get("depth") for r in results):
-        return
-    out()
-    out("by context depth (the anchor's position: prompt + continuation so far); the buckets sum to the pooled figures")
-    out(f"{'drafter':<{w}}  {'depth':>9}  {'tau':>6}  {'steps':>7}  P(draft at offset k accepted), k = 1..B-1")
-    for r in results:
-        for d in r.get("depth", []):
-            tau = f"{d['tau']:.3f}" if d["tau"] is not None else "-"
-            out(f"{r['drafter']:<{w}}  {d['depth']:>9}  {tau:>6}  {d['steps']:>7}  "
-                + " ".join(f"{p:.3f}"[1:] if p < 1 else "1.00" for p in d["per_offset_acceptance"]))
-
-
-def print_trees(results, budgets, w, out):
-    """Tree verification's tau (pooled | per prompt) at each budget, after the chain's."""
-    out()
-    out("tree verification (greedy, DDTree's best-first tree of N draft nodes per step): tau | tau/prompt")
-    out(f"{'drafter':<{w}}  {'chain':>15}" + "".join(f"  {f'N={b}':>15}" for b in budgets))
-    for r in results:
-        if "tree" not in r:
-            out(f"{r['drafter']:<{w}}  (no tree: it drafts one chain without a distribution to branch on)")
-            continue
-        cells = [(r["tau"], r["tau_per_prompt"])] + [(r["tree"][str(b)]["tau"], r["tree"][str(b)]["tau_per_prompt"])
-                                                     for b in budgets]
-        out(f"{r['drafter']:<{w}}" + "".join(f"  {a:>7.3f} | {p:>5.3f}" if a is not None else f"  {'-':>15}"
-                                             for a, p in cells))
-
+        p = lambda r: f"{r['per_offset_acceptance'][L - 1]:.3f}" if L < r["block_size"] else "-"  # noqa: E731
+        out(f"{L:>3}  " + "  ".join(f"{r['histogram'][L - 1]:>9} | {p(r):>6}".rjust(cw) if L <= r["block_size"]
+                                    else " " * cw for r, cw in zip(results, cws)))
+    if any(r.get("depth") for r in results):
+        out("\nby context depth (the anchor's position: prompt + continuation so far); the buckets sum to the pooled "
+            "figures")
+        out(f"{'drafter':<{w}}  {'depth':>9}  {'tau':>6}  {'steps':>7}  P(draft at offset k accepted), k = 1..B-1")
+        for r in results:
+            for d in r.get("depth", []):
+                out(f"{r['drafter']:<{w}}  {d['depth']:>9}  {f3(d, 'tau'):>6}  {d['steps']:>7}  "
+                    + " ".join(f"{p:.3f}"[1:] if p < 1 else "1.00" for p in d["per_offset_acceptance"]))
 
 def check_output_file(path, flag):
-    """A file written at the end (write_json: a temp file beside it, renamed over it): refuse a directory in its
-    place, and prove the location by creating its directories and a temp file there, before anything is loaded."""
-    if os.path.isdir(path) or path.endswith(os.sep):
-        raise DFlashError(f"{flag} {path!r} is a directory; give a file path")
+    """A file written at the end (write_json): a directory in its place refused, its location proven writable."""
+    need(not os.path.isdir(path) and not path.endswith(os.sep), f"{flag} {path!r} is a directory; give a file path")
     dflash.check_writable_dir(os.path.dirname(os.path.abspath(path)), f"{flag} {path!r}")
-
 
 def compare_reports(paths, depth_buckets=None):
     """--compare: saved --json reports -> one report holding all their drafters (named FILE:drafter when two share
     a name), refused unless every report was measured on the same target under the same settings."""
     reports = {}
     for path in paths:
-        r = dflash.read_json(path, "eval.py report")
-        ok = isinstance(r, dict) and isinstance(r.get("results"), list)
-        dflash.need(ok, f"{path}: not an eval.py --json report of drafters (--bench: measure them in one run)")
-        reports[path] = r
+        reports[path] = r = dflash.read_json(path, "eval.py report")
+        need(isinstance(r, dict) and isinstance(r.get("results"), list),
+             f"{path}: not an eval.py --json report of drafters (--bench: measure them in one run)")
     measured = check_same_measurement(reports)
     for key in ("target", "mode", "tree_budgets"):  # the table's columns, or what was measured, would differ
         seen = {json.dumps(r.get(key)) for r in reports.values()}
-        dflash.need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); give alike")
+        need(len(seen) == 1, f"--compare: the reports differ in {key} ({', '.join(sorted(seen))}); give alike")
     names = [res["drafter"] for r in reports.values() for res in r["results"]]
     results = [{**res, "drafter": res["drafter"] if names.count(res["drafter"]) == 1 else f"{path}:{res['drafter']}"}
                for path, r in reports.items() for res in r["results"]]
@@ -883,10 +638,8 @@ def compare_reports(paths, depth_buckets=None):
     return add_depth({**next(iter(reports.values())), "measured": measured, "timing": timing, "results": results,
                       "compared": list(paths)}, edges)
 
-
 def write_json(report, path):
-    """The report to path, written aside and renamed: a failure (a full disk) is one line and leaves no partial file;
-    the table printed before it stays the result."""
+    """The report to path, written aside and renamed: a failure (a full disk) is one line, no partial file."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         dflash.write_atomic(path, json.dumps(report))
@@ -894,15 +647,12 @@ def write_json(report, path):
         raise DFlashError(f"cannot write {path} ({e.strerror}); the report above is the result") from None
     return path
 
-
 # -----------------------------------------------------------------------------
 # Command line
 
-
 def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", allow_other_target=False):
-    """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter}, each checked against the target before its
-    weights are read (its shape, and the target it records it was trained against: another one is refused unless
-    allow_other_target); the prompt-lookup baseline is included unless prompt_lookup is False."""
+    """--drafter values -> {name: NeuralDrafter | PromptLookupDrafter} (prompt lookup included unless told), each
+    checked before its weights are read: its shape, and the target it was trained against (unless allowed)."""
     drafters, record = {}, None
     for name in names:
         if name == PROMPT_LOOKUP:
@@ -917,48 +667,35 @@ def load_drafters(names, target, dtype, prompt_lookup=True, attention="dense", a
         drafters[PROMPT_LOOKUP] = PromptLookupDrafter()
     return drafters
 
-
-def budget_list(s):
-    """--tree_budget: comma-separated node counts, each >= 1 and <= dflash.TREE_BUDGET_MAX."""
-    budgets = tuple(dflash.int_list(s))
-    if min(budgets) < 1 or max(budgets) > dflash.TREE_BUDGET_MAX:
-        raise argparse.ArgumentTypeError(f"{s}: every budget must be at least 1 and at most {dflash.TREE_BUDGET_MAX}")
-    return budgets
-
-
-def depth_list(s):
-    """--depth_buckets: comma-separated positive anchor positions."""
-    edges = sorted(set(dflash.int_list(s)))
-    if edges[0] < 1:
-        raise argparse.ArgumentTypeError(f"{s}: every edge must be a position of at least 1")
-    return edges
-
+def bounded_list(lo, hi, what, sort=False):
+    """An argparse type: comma-separated integers in [lo, hi] (hi None: unbounded), sorted once each or as given."""
+    def parse(s):
+        values, most = dflash.int_list(s), f" and at most {hi}" if hi else ""
+        if min(values) < lo or hi is not None and max(values) > hi:
+            raise argparse.ArgumentTypeError(f"{s}: every {what} must be at least {lo}{most}")
+        return sorted(set(values)) if sort else tuple(values)
+    return parse
 
 def sampling_args(args):
     """--temperature and its flags -> a Sampling, or None for greedy (where they have no meaning)."""
     if args.temperature == 0:
-        given = [f for f in ("top_p", "top_k", "samples") if getattr(args, f) is not None]
-        if given:
-            raise DFlashError(f"--{given[0]} shapes the target's sampling; give --temperature > 0 with it")
+        given = next((f"--{f}" for f in ("top_p", "top_k", "samples") if getattr(args, f) is not None), None)
+        need(not given, f"{given} shapes the target's sampling; give --temperature > 0 with it")
         return None
     return Sampling(args.temperature, 1.0 if args.top_p is None else args.top_p, args.top_k or 0, args.samples or 5,
                     args.seed)
 
-
 def get_parser():
-    p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of DFlash drafters against "
-                                          "their target.")
+    p = dflash.ArgumentParser(description="Measure tau (tokens per verification step) of drafters on their target.")
     flag = dflash.flag
-    flag(p, "--target", help="target model: a local directory or a hub id (loaded as dflash.py does); required unless "
-         "--compare")
+    flag(p, "--target", help="target model: a local directory or hub id (loaded as dflash.py does); unless --compare")
     flag(p, "--drafter", [], "drafter directory in the z-lab layout (z-lab's or one of our checkpoints), a hub id "
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
     flag(p, "--trust_variant_code", False, "import the variant code a drafter's config.json names (dflash_module)",
          action="store_true")
     flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
          "the one it was trained against (refused otherwise)", action="store_true")
-    flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline (included by default)",
-         action="store_true")
+    flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline", action="store_true")
     flag(p, "--prompts", None, "{prompt} | {messages} | {conversations} (ShareGPT) | {text} | {input_ids} records "
          "in JSONL, a JSON array, Parquet or a datasets.save_to_disk directory (default: 8 built-in coding prompts)")
     flag(p, "--limit", 0, "use only the first N prompts (0: all)", int)
@@ -973,28 +710,25 @@ def get_parser():
     flag(p, "--block_size", None, "evaluate at this block size (<= each drafter's trained one; drafts are truncated "
          "to B-1); default: each drafter's own, prompt-lookup the first drafter's or 16", int, lo=2)
     flag(p, "--mode", "exact", "exact: the walk along the greedy continuation, any target; loop: a real speculative "
-         "decoding loop with the KV cache (dense targets), reports tokens/s and checks the output equals plain "
-         "greedy decoding", choices=["exact", "loop"])
-    flag(p, "--temperature", 0.0, "tau when the target samples at this temperature (one-hot drafts, as vLLM's "
-         "default and SGLang's DFlash; a DFlash2 drafter's path drawn from its selector's q and rejection-sampled): "
-         "the walk along continuations sampled from the target (0: greedy)", float)
+         "decoding loop with the KV cache (dense targets), tokens/s and a check that it equals greedy decoding",
+         choices=["exact", "loop"])
+    flag(p, "--temperature", 0.0, "tau when the target samples at this temperature: the walk along continuations "
+         "sampled from the target (one-hot drafts, as vLLM and SGLang; a rule sampling its block: rejection-sampled; "
+         "0: greedy)", float)
     flag(p, "--top_p", None, "with --temperature: nucleus sampling (default: 1, off)", float, open_lo=True, hi=1)
     flag(p, "--top_k", None, "with --temperature: sample among the k most likely tokens (0: off, the default)", int)
-    flag(p, "--samples", None, "with --temperature: sampled continuations per prompt (default: 5)", int, lo=1,
-         hi=MAX_SAMPLES)
-    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is sampled with seed (seed, i, j)", int,
-         hi=2 ** 32 - 1)
+    flag(p, "--samples", None, "with --temperature: continuations per prompt (default: 5)", int, lo=1, hi=MAX_SAMPLES)
+    flag(p, "--seed", 0, "with --temperature: continuation j of prompt i is seeded (seed, i, j)", int, hi=2**32 - 1)
     flag(p, "--tree_budget", (), "also tau of greedy tree verification (DDTree's rule) with N draft nodes per step, "
-         "comma-separated N side by side with the chain (DFlash drafters; not DFlash2, whose selector drafts one "
-         "chain)", type=budget_list)
+         "comma-separated N beside the chain (drafters of the argmax; one with its own rule drafts one chain)",
+         type=bounded_list(1, dflash.TREE_BUDGET_MAX, "budget"))
     flag(p, "--depth_buckets", None, "edges of the context-depth buckets every report splits tau by, comma-separated "
-         "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else "
-         "128,256,512,1024,2048)", type=depth_list)
+         "anchor positions (default: 1024,4096,16384,65536 when an anchor lies at 4k or deeper, else powers of two "
+         "128..2048)", type=bounded_list(1, None, "edge (an anchor position)", sort=True))
     flag(p, "--enable_thinking", None, "passed to the chat template when it reads enable_thinking (default: the "
          "template's own default)", action=argparse.BooleanOptionalAction)
     flag(p, "--json", None, "write the full report (continuations, acceptance lengths per prompt) here")
-    flag(p, "--dump_drafts", False, "also write every verification step's drafted tokens to --json",
-         action="store_true")
+    flag(p, "--dump_drafts", False, "also write every step's drafted tokens to --json", action="store_true")
     flag(p, "--plot", None, "draw each drafter's acceptance-length histogram (share of verification steps at each "
          "length 0..B, as z-lab's benchmark prints it) side by side into this PNG (needs matplotlib)",
          metavar="FILE.png")
@@ -1003,15 +737,12 @@ def get_parser():
          "mode, chat template and prompts", action="append", metavar="REPORT.json")
     flag(p, "--attention", "auto", "drafter attention path for the exact method (auto: flex on CUDA, dense "
          "elsewhere)", choices=["auto", "flex", "dense"])
-    flag(p, "--dtype", "auto", "target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)",
-         choices=list(dflash.DTYPES))
+    flag(p, "--dtype", "auto", "target and drafter dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=[*dflash.DTYPES])
     flag(p, "--device", None, "device (default: cuda if available, else cpu)")
     flag(p, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
-    flag(p, "--no_progress", False, "no progress bar (there is none unless stderr is a terminal)",
-         action="store_true")
+    flag(p, "--no_progress", False, "no progress bar (none unless stderr is a terminal)", action="store_true")
     flag(p, "--debug", False, "show tracebacks for input errors (or DFLASH_DEBUG=1)", action="store_true")
     return p
-
 
 def run(args):
     dflash.TRUSTED.clear()  # a drafter's own variant code (config.json's dflash_module) runs only when asked to
@@ -1021,64 +752,49 @@ def run(args):
         dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads
     if args.compare:
         given = next((f"--{k}" for k in ("target", "drafter", "prompts", "bench") if getattr(args, k)), None)
-        dflash.need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
-        report = compare_reports(args.compare, args.depth_buckets)
-        print_report(report)
-        return finish(report, args)
-    dflash.need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
-    device = dflash.pick_device(args.device)
-    sampling = sampling_args(args)
-    if args.tree_budget and PROMPT_LOOKUP in args.drafter:
-        raise DFlashError("--tree_budget: prompt-lookup has no distribution to grow a tree; drop its --drafter")
+        need(not given, f"--compare tables saved reports and measures nothing; drop {given}")
+        return finish(compare_reports(args.compare, args.depth_buckets), args, print_report)
+    need(args.target, "--target is required (or --compare REPORT.json ... to table saved reports)")
+    device, sampling = dflash.pick_device(args.device), sampling_args(args)
+    need(not (args.tree_budget and PROMPT_LOOKUP in args.drafter),
+         "--tree_budget: prompt-lookup has no distribution to grow a tree; drop its --drafter")
     check_modes(args.mode, sampling is not None, args.tree_budget, args.bench is not None)
-    if args.dump_drafts and not args.json:
-        raise DFlashError("--dump_drafts writes into the --json report; pass --json OUT too")
+    need(args.json or not args.dump_drafts, "--dump_drafts writes into the --json report; pass --json OUT too")
     if args.json:
         check_output_file(args.json, "--json")
     bench = None
     if args.bench is not None:
         for flag, bad in (("--prompts", args.prompts), ("--mode loop", args.mode == "loop"), ("--limit", args.limit),
                           ("--dump_drafts", args.dump_drafts)):
-            if bad:
-                raise DFlashError(f"--bench measures its own prompts with the exact method; drop {flag}")
+            need(not bad, f"--bench measures its own prompts with the exact method; drop {flag}")
         bench = load_bench(args.bench, args.bench_dir, args.max_samples)  # bad datasets fail before the target loads
-    elif args.bench_dir or args.max_samples:
-        raise DFlashError("--bench_dir and --max_samples go with --bench")
+    need(bench is not None or not (args.bench_dir or args.max_samples), "--bench_dir and --max_samples go with --bench")
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     attention = "dense" if args.mode == "loop" or (args.attention == "auto" and device.type != "cuda") else \
         "flex" if args.attention == "auto" else args.attention  # the loop drafts one block of a new length a step
     drafters = load_drafters(args.drafter, target, target.lm_head.weight.dtype, not args.no_prompt_lookup, attention,
                              args.allow_other_target)
-    progress = not args.no_progress and sys.stderr.isatty()  # a redirected log gets the table, not bar redraws
+    kw = dict(progress=not args.no_progress and sys.stderr.isatty(), tree_budgets=args.tree_budget,
+              depth_buckets=args.depth_buckets)  # a redirected log gets the table, not bar redraws
     if bench is not None:
-        report = evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
-                                args.enable_thinking, progress=progress, tree_budgets=args.tree_budget,
-                                depth_buckets=args.depth_buckets)
-        print_bench(report)
-    else:
-        prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
-        if args.limit:
-            prompts = prompts[:args.limit]
-        report = evaluate_drafters(target, drafters, prompts, args.max_new_tokens or 256, args.block_size, args.mode,
-                                   args.dump_drafts, progress=progress, sampling=sampling,
-                                   tree_budgets=args.tree_budget, enable_thinking=args.enable_thinking,
-                                   depth_buckets=args.depth_buckets)
-        print_report(report)
-    return finish(report, args)
+        return finish(evaluate_bench(target, drafters, bench, args.max_new_tokens or 2048, args.block_size,
+                                     args.enable_thinking, **kw), args, print_bench)
+    prompts = load_prompts(args.prompts, target.tokenizer, args.enable_thinking, target.vocab_size)
+    return finish(evaluate_drafters(target, drafters, prompts[:args.limit or None], args.max_new_tokens or 256,
+                                    args.block_size, args.mode, args.dump_drafts, sampling=sampling,
+                                    enable_thinking=args.enable_thinking, **kw), args, print_report)
 
-
-def finish(report, args):
-    """The report to --json and its histograms to --plot, as asked."""
+def finish(report, args, show):
+    """The report shown, written to --json and its histograms drawn to --plot, as asked."""
+    show(report)
     if args.json:
         print(f"wrote {write_json(report, args.json)}")
     if args.plot:
         print(f"wrote {dflash.import_tool('plot', '--plot').plot_histograms(report, args.plot)}")
     return report
 
-
 def main(argv=None):
     return dflash.run_main(run, get_parser().parse_args(argv))
-
 
 if __name__ == "__main__":
     main()

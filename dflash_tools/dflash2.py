@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash import (CE, DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accepted_prefix, accuracy_stats, flag,
-                    is_int, need, vocab_chunk, walk_steps)
+from dflash import (CE, DecoderLayer, DFlashConfig, DFlashDrafter, DFlashError, accuracy_stats, flag, is_int, need,
+                    vocab_chunk)
 
 INTS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # all four, always
 UNARY = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
@@ -190,16 +190,17 @@ class Drafter(DFlashDrafter):
 
     def draft(self, logits, h, anchor_ids, truth=None, temperature=0.0):
         """The selector's greedy path over the unary top-k (one top-k over V serves the path and the details). With
-        truth (n, B), the diagnostics: the unary argmax (n, B-1), whether each true token is among the k candidates
-        and, at temperature > 0, q: the selector's softmax(S / T) of the true token (0 when it is no candidate) with
-        the previous true token as predecessor (while the drafts are accepted the path is the truth)."""
+        truth (n, B), the diagnostics: "unary" the unary argmax (n, B-1) (walked too: WALKS), "topk" whether each true
+        token is among the k candidates and, at temperature > 0, "q": the selector's softmax(S / T) of the true token
+        (0 when it is no candidate) with the previous true token as predecessor (while the drafts are accepted the
+        path is the truth), the block drawn from q and verified by rejection sampling (eval.py --temperature)."""
         cfg = self.cfg
         top = unary_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping).topk(cfg.selector_top_k)
         drafts = self.candidate_selector.greedy_path(h, top.indices, top.values, anchor_ids)
         if truth is None:
             return drafts, {}
         hit = top.indices == truth[:, 1:, None]                                              # (n, B-1, k)
-        out = {"unary": logits.argmax(-1), "covered": hit.any(-1)}
+        out = {"unary": logits.argmax(-1), "topk": hit.any(-1)}
         if temperature > 0:
             s = self.candidate_selector.scores(h, truth[:, :-1], top.indices, top.values)   # (n, B-1, k)
             out["q"] = torch.where(hit, (s / temperature).softmax(-1), 0.0).sum(-1)
@@ -338,23 +339,6 @@ def unary_slope(z, multiplier, softcap):
     if softcap:
         slope = slope * (1 - (z / softcap).square())
     return slope
-
-# -----------------------------------------------------------------------------
-# The walk at temperature > 0 (eval.py --temperature): blocks drawn from the selector, rejection-sampled
-
-def sampled_lengths(continuation, p_truth, q, generator):
-    """DFlash2 at temperature > 0: acceptance lengths along a continuation sampled from the target, when each block
-    is drawn from its selector's q over the k candidates and verified by rejection sampling (z-lab's reference).
-    The walk uses the coupling that has the same law: the target's token x ~ p' at an offset is the draft with
-    probability min(1, q(x) / p'(x)), so the draft is accepted then (u * p'(x) < q(x), u uniform), and the walk
-    goes on along x; a rejection emits x, distributed as the residual of p' without q. While drafts are accepted
-    the selector's path is the continuation, so q is its teacher-forced one. q (n, B-1): q of continuation[k+i]
-    at offset i of the block anchored at continuation[k]; p_truth: eval.py's truth_probs."""
-    n, Bm1 = q.shape
-    u = torch.rand(n, Bm1, generator=generator)
-    at = (torch.arange(n)[:, None] + torch.arange(1, Bm1 + 1)).clamp(max=len(continuation) - 1)
-    accept = (u * p_truth[at] < q.float().cpu()).tolist()
-    return walk_steps(continuation, lambda k, truth: accepted_prefix(accept[k], [True] * len(truth)))
 
 # -----------------------------------------------------------------------------
 # Set-up from the flags (dflash.check_run, dflash.build_drafter)

@@ -45,7 +45,7 @@ def tree_walk(continuation, logq, tokens, budget):
     logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
     return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
 
-walk = tree_walk  # dflash.walk_tau's name for it
+walk = tree_walk  # dflash.walk_continuation's name for it
 
 def topk_rule(K):
     """A draft rule for draft_every_anchor: the argmax drafts, and per block offset the K best tokens with their

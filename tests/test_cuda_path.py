@@ -124,7 +124,7 @@ def test_eval_chunks_sized_for_the_attention_path(setup, monkeypatch):
     feats = torch.randn(1, ids.shape[1], len(cfg.target_layer_ids) * cfg.hidden_size)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=EAGER_FLEX)
-        out = ev.draft_every_anchor(setup["drafter"], setup["target"], feats, ids, 5)[0]
+        out = dflash.draft_every_anchor(setup["drafter"], setup["target"], feats, ids, 5)[0]
     assert asked == ["flex"] and out.shape == (ids.shape[1] - 6, cfg.block_size - 1)
 
 

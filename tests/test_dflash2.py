@@ -20,7 +20,7 @@ from conftest import (ANCHORS, DENSE_DRAFTER, DENSE_TARGET, S, SMALL, TINY_CFG, 
                       tiny_qwen3, torch_threads, train_on_continuations, write_data, write_zlab_dir, zlab_config,
                       zlab_tensors)
 from dflash import DFlashDrafter, DFlashError
-from dflash_tools import dflash2
+from dflash_tools import dflash2, sampling
 from dflash_tools.dflash2 import (CandidateSelector, ChunkedLMHeadTopK, GroupedCausalConv, selector_alpha, selector_ce,
                                   unary_logits)
 from eval import NeuralDrafter
@@ -507,17 +507,17 @@ def test_selector_sampled_lengths_rule():
     acceptance rate is min(1, q/p') (the coupling of rejection sampling)."""
     cont = list(range(9))
     p = torch.full((9,), 0.5)
-    assert dflash2.sampled_lengths(cont, p, torch.ones(8, 3), torch.Generator().manual_seed(0)) == [4, 4]
-    assert dflash2.sampled_lengths(cont, p, torch.zeros(8, 3), torch.Generator().manual_seed(0)) == [1] * 8
+    assert sampling.sampled_lengths(cont, p, torch.ones(8, 3), torch.Generator().manual_seed(0)) == [4, 4]
+    assert sampling.sampled_lengths(cont, p, torch.zeros(8, 3), torch.Generator().manual_seed(0)) == [1] * 8
     accepted, steps = 0, 0
     for seed in range(300):
-        lengths = dflash2.sampled_lengths(cont, p, torch.full((8, 1), 0.2), torch.Generator().manual_seed(seed))
+        lengths = sampling.sampled_lengths(cont, p, torch.full((8, 1), 0.2), torch.Generator().manual_seed(seed))
         accepted, steps = accepted + sum(x - 1 for x in lengths), steps + len(lengths)
     assert abs(accepted / steps - 0.4) < 0.04, accepted / steps  # one draft per block: P(accept) = 0.2 / 0.5
 
 
 def test_tree_budget_is_refused_for_dflash2(dense2):
-    with pytest.raises(DFlashError, match="DFlash2 drafter v2 drafts one chain"):
+    with pytest.raises(DFlashError, match=r"drafter v2 \(DFlash2DraftModel\) drafts one chain"):
         ev.evaluate_drafters(dense2["target"], {"v2": dense2["drafter2"]}, dense2["prompts"][:1], 8,
                              tree_budgets=(4,), progress=False)
 

@@ -32,7 +32,7 @@ def test_tau_walk_hand_example():
               3: [99, 15, 16],   # 0 accepted -> 1 token (the target's own), next anchor s[4]
               4: [15, 16, 99],   # 2 accepted -> 3 tokens, next anchor s[7]
               7: [18, 50, 51]}   # only s[8] is left: 1 accepted -> 2, done. Unvisited anchors are never read.
-    lengths = ev.tau_walk(s, drafts)
+    lengths = dflash.tau_walk(s, drafts)
     assert lengths == [3, 1, 3, 2]
     assert ev.step_anchors(lengths) == [0, 3, 4, 7]
     stats = ev.acceptance_stats(lengths, block_size=4)
@@ -40,8 +40,8 @@ def test_tau_walk_hand_example():
     assert stats["histogram"] == [1, 1, 2, 0]
     assert stats["per_offset_acceptance"] == [3 / 4, 2 / 4, 0.0]
     assert stats["tau"] == 1 + sum(stats["per_offset_acceptance"])
-    assert ev.tau_walk([5], {}) == []          # only the prefill token: no verification step
-    assert ev.tau_walk([5, 6], {0: []}) == [1]  # no drafts: the target's own token only
+    assert dflash.tau_walk([5], {}) == []          # only the prefill token: no verification step
+    assert dflash.tau_walk([5, 6], {0: []}) == [1]  # no drafts: the target's own token only
 
 
 def test_prompt_lookup_hand_examples():
@@ -166,8 +166,8 @@ def test_zlab_directory_drafts_match_inference_forward(dense, tmp_path):
             assert drafts == expected, f"anchor {a}"
             steps += 1
         # drafting in chunks of one anchor (a tiny memory budget) gives the same drafts as one big batch
-        every = ev.draft_every_anchor(drafter, target, features, ids, len(prompt))[0]
-        assert torch.equal(ev.draft_every_anchor(drafter, target, features, ids, len(prompt), budget=1)[0], every)
+        every = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt))[0]
+        assert torch.equal(dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), budget=1)[0], every)
     assert steps > len(prompts) and steps == report["results"][0]["steps"]
 
 

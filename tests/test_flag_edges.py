@@ -12,6 +12,7 @@ import torch
 
 import dflash
 import eval as ev
+from dflash_tools import sampling
 from conftest import CYCLE, SMALL, VOCAB, flag_edges, tiny_cfg, tiny_qwen3, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -77,11 +78,11 @@ def test_eval_flag_at_its_edge(ev_files, tmp_path, capsys, flag, value):
 def test_temperatures_float32_cannot_hold(temperature):
     """Temperatures that float32 rounds to 0, or under which logits / T overflows it: p' is the argmax, one-hot."""
     logits = torch.tensor([[3.0, 1.0, -2.0, 3.5], [0.0, 0.0, -1.0, -5.0]])
-    p = ev.sampling_probs(logits, ev.Sampling(temperature))
+    p = sampling.sampling_probs(logits, ev.Sampling(temperature))
     assert torch.isfinite(p).all() and p[0].tolist() == [0, 0, 0, 1] and p[1].tolist() == [0.5, 0.5, 0, 0]
-    p = ev.sampling_probs(logits, ev.Sampling(1.0, top_p=5e-324))  # the smallest top_p: the top token alone
+    p = sampling.sampling_probs(logits, ev.Sampling(1.0, top_p=5e-324))  # the smallest top_p: the top token alone
     assert p[0].tolist() == [0, 0, 0, 1]
-    huge = ev.sampling_probs(logits, ev.Sampling(1.7e308))  # the largest: uniform
+    huge = sampling.sampling_probs(logits, ev.Sampling(1.7e308))  # the largest: uniform
     assert torch.allclose(huge, torch.full_like(huge, 0.25))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash
-from dflash_tools import tree
+from dflash_tools import sampling, tree
 import eval as ev
 from conftest import NEW_TOKENS, SMALL, one_error, reference_greedy, tiny_qwen3, write_data
 from dflash import DFlashError
@@ -119,10 +119,10 @@ def test_sampling_probs_match_transformers_warpers():
         z = TemperatureLogitsWarper(t)(None, logits)
         z = TopKLogitsWarper(k)(None, z) if k else z
         z = TopPLogitsWarper(p)(None, z) if p < 1 else z
-        ours = ev.sampling_probs(logits, ev.Sampling(t, p, k))
+        ours = sampling.sampling_probs(logits, ev.Sampling(t, p, k))
         assert torch.allclose(ours, z.softmax(-1), atol=1e-6), (t, p, k)
         assert ((ours > 0).sum(-1) <= (k or 50)).all()
-    one = ev.sampling_probs(torch.tensor([2.0, 1.0, 0.0]), ev.Sampling(1.0, top_p=0.5))
+    one = sampling.sampling_probs(torch.tensor([2.0, 1.0, 0.0]), ev.Sampling(1.0, top_p=0.5))
     assert one.tolist() == [1.0, 0.0, 0.0]  # the top token alone holds 0.67 >= 0.5
 
 
@@ -147,7 +147,7 @@ def rejection_loop(target, drafter, prompt, n, s, gen):
     """Speculative sampling of n tokens with a real draft-verify loop (no cache): the drafter's argmax block at the
     anchor, one target pass over context + drafts for p', verify_block. Returns (tokens, acceptance lengths)."""
     nd, layers, B = ev.NeuralDrafter(drafter), drafter.cfg.target_layer_ids, drafter.cfg.block_size
-    probs_after = lambda ids, k: ev.sampling_probs(target.model(torch.tensor([ids])).logits[0, -k:], s)  # noqa
+    probs_after = lambda ids, k: sampling.sampling_probs(target.model(torch.tensor([ids])).logits[0, -k:], s)  # noqa
     tokens, lengths = [int(torch.multinomial(probs_after(prompt, 1)[0], 1, generator=gen))], []
     while len(tokens) < n:
         ctx = prompt + tokens
@@ -193,7 +193,7 @@ def test_rejection_step_emits_the_target_distribution(dense):
     nd = ev.NeuralDrafter(drafter)
     nd.start(target, ctx[:-1], dflash.target_features(target, torch.tensor([ctx[:-1]]), drafter.cfg.target_layer_ids)[0])
     drafts = nd.draft(ctx[-1], drafter.cfg.block_size - 1)
-    probs = ev.sampling_probs(target.model(torch.tensor([ctx + drafts])).logits[0, len(ctx) - 1:], s)
+    probs = sampling.sampling_probs(target.model(torch.tensor([ctx + drafts])).logits[0, len(ctx) - 1:], s)
     p0 = probs[0]
     assert 0.1 < p0[drafts[0]] < 0.9, p0[drafts[0]]  # the draft is neither sure nor hopeless: the test has power
     trials = 4000
