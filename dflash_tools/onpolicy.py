@@ -103,21 +103,21 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     dev, cfg = target.lm_head.weight.device, drafter.cfg
     eos = target.eos_ids()
     sampling = tau_eval.Sampling(temperature) if temperature > 0 else None
+    sampler = dflash.import_tool("sampling", "--onpolicy_temperature") if sampling else None
     if sampling:
         g = torch.Generator(dev).manual_seed(seed)
-        continuation = tau_eval.sampled_continuation(target, prompt, num_tokens, eos, sampling, g)
+        continuation = sampler.sampled_continuation(target, prompt, num_tokens, eos, sampling, g)
     else:
         continuation = dflash.greedy_continuation(target, prompt, num_tokens, eos)
     ids = torch.tensor([prompt + continuation], device=dev)
     features, final = dflash.target_features(target, ids, cfg.target_layer_ids)  # the walk's one hooked pass
-    drafts, details = dflash.draft_every_anchor(drafter, target, features, ids, len(prompt), truth=True,
-                                                temperature=temperature)
-    if sampling and is_dflash2(drafter):
-        p_truth = tau_eval.truth_probs(target, final, len(prompt), continuation, sampling)
-        lengths = dflash.import_tool("dflash2", "a DFlash2 drafter").sampled_lengths(
-            continuation, p_truth, details["q"], torch.Generator().manual_seed(accept_seed))
-    else:
-        lengths = dflash.tau_walk(continuation, drafts.tolist())
+    walks, drafts, details = dflash.walk_continuation(drafter, target, prompt, continuation, features,
+                                                      temperature=temperature)  # eval.py's walk
+    lengths, drafts = walks["tau"], torch.tensor(drafts, dtype=torch.long, device=dev).view(-1, cfg.block_size - 1)
+    if sampling and "q" in details:  # a rule that samples its block (DFlash2's selector): rejection-sampled
+        p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
+        lengths = sampler.sampled_lengths(continuation, p_truth, details["q"],
+                                          torch.Generator().manual_seed(accept_seed))
     starts = tau_eval.step_anchors(lengths)
     return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0],
             "starts": torch.tensor(starts, dtype=torch.long, device=dev),
