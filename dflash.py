@@ -1372,10 +1372,8 @@ def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all
         lines = [x for x in f if x.strip()]
     kept = []
     for line in lines:
-        try:
+        with suppress(ValueError, AttributeError, TypeError):  # not a record: dropped
             kept += [line] if json.loads(line).get("step", 0) <= step else []
-        except (ValueError, AttributeError, TypeError):
-            pass
     if len(kept) < len(lines):
         write_atomic(path, "".join(kept))
 
@@ -1646,8 +1644,7 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # Signals, devices and distributed set-up
 
 class StopFlag:
-    """`with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as nohup does) set stop.requested (finish the
-    step, save, exit); a second keeps the save; a third abandons it (SystemExit 128+signal; latest stays)."""
+    """`with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as by nohup) set stop.requested."""
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
@@ -1661,7 +1658,7 @@ class StopFlag:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def _handler(self, signum, frame):
+    def _handler(self, signum, frame):  # first: finish the step, save, exit; third: SystemExit 128+signal, latest kept
         self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
         name = signal.Signals(signum).name
         self.say(f"{name}: finishing this step, then saving a checkpoint" if self.count == 1 else
@@ -2074,13 +2071,10 @@ def append_metrics(out, record):
 # Batches: the same global batch for a step whatever the ranks; stats summed over them
 
 def collate(samples, pad_id, keys=None):  # right-padded (real positions kept); keys: a seed per sample (anchors, noise)
-    S = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
-    for r, (ids, mask) in enumerate(samples):
-        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    keys = keys if keys is not None else list(range(len(samples)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
+    ids, masks = zip(*samples)
+    pad = lambda rows, v: nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], True, v)
+    return {"input_ids": pad(ids, pad_id), "loss_mask": pad(masks, 0), "tokens": sum(map(len, ids)),
+            "keys": list(range(len(samples))) if keys is None else keys}
 
 class Batches:  # epoch-shuffled global batches; micro-step m of rank r its slice; the data position is the step
 
@@ -2109,7 +2103,6 @@ def all_reduce_sum(stats, world):
             dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return stats
 
-# -----------------------------------------------------------------------------
 # Held-out evaluation at a step: the loss and tau estimate (evaluate) and the walked tau (walk_tau), logged
 
 def rank_share(items, rank, world):  # rank r's items (r, r+world, ...) and ceil(len/world), which a short rank pads to
@@ -2149,9 +2142,7 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
-# -----------------------------------------------------------------------------
 # How a walked tau was measured, in training's records and eval.py's reports: no tau compared with another unknowingly
-
 def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
     turn = [{"role": "user", "content": "hi"}]
     try:
@@ -2164,12 +2155,10 @@ def generation_prompt(tokenizer, kw):  # what the template adds to a user turn t
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
     """What a walked tau depends on besides the drafter: thinking, max_new_tokens, serving, template and prompts."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
-    if "enable_thinking" in template and enable_thinking is not None:
-        thinking = "on" if enable_thinking else "off"
-    elif "enable_thinking" in template:  # the template's default: which generation prompt it renders
-        default = generation_prompt(tokenizer, {})
-        thinking = next(("on" if v else "off" for v in (True, False)
-                         if default == generation_prompt(tokenizer, {"enable_thinking": v})), "template default")
+    if "enable_thinking" in template:  # unset: the template's default, found by the generation prompt it renders
+        on = enable_thinking if enable_thinking is not None else next((v for v in (True, False) if generation_prompt(
+            tokenizer, {}) == generation_prompt(tokenizer, {"enable_thinking": v})), None)
+        thinking = {True: "on", False: "off", None: "template default"}[on]
     if template:
         prompt = generation_prompt(tokenizer, template_kwargs(tokenizer, enable_thinking))
         template = hashlib.sha256(f"{template}\n--- generation prompt ---\n{prompt}".encode()).hexdigest()[:12]
