@@ -1328,10 +1328,9 @@ def complete_checkpoints(out):  # the complete step_N directories of out, the ne
     return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
 def latest_checkpoint(out):  # the checkpoint <out>/latest names, checked a complete step_N of out; None: no latest
-    latest = os.path.join(out, "latest")
+    latest, name = os.path.join(out, "latest"), ""
     if not os.path.isfile(latest):
         return None
-    name = ""
     with suppress(OSError, UnicodeDecodeError), open(latest, "rb") as f:
         name = f.read(4096).decode().strip()
     need(re.fullmatch(r"step_\d+", name), f"{latest} is corrupt ({name[:60]!r} is no step_N directory of {out})")
@@ -1355,9 +1354,7 @@ def write_atomic(path, text):  # written aside, synced, renamed: never a partial
     try:
         remove_stale(os.path.dirname(path) or ".", re.escape(os.path.basename(path)))
         with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(text), f.flush(), os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -1643,8 +1640,7 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
 
-class StopFlag:
-    """`with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as by nohup) set stop.requested."""
+class StopFlag:  # `with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as by nohup) set stop.requested
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
@@ -1744,8 +1740,7 @@ def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):  # m
 def check_out_dir(out):  # --out: a writable directory, with nothing but files where latest and metrics.jsonl go
     need(out, "--out is empty; give a directory")
     need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
-    metrics = os.path.join(out, "metrics.jsonl")
-    for p in (os.path.join(out, "latest"), metrics):
+    for p in (os.path.join(out, "latest"), metrics := os.path.join(out, "metrics.jsonl")):
         need(not os.path.exists(p) or os.path.isfile(p), f"{p} is in the way; remove it or give another --out")
     check_writable_dir(out, f"--out {out!r}", subdirs=True)
     try:  # metrics.jsonl is appended to: opened as the log will open it
@@ -2052,9 +2047,8 @@ def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss=
     m, mem = summarize(total, drafter), peak_memory_mb(device)
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
             f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
-    record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
-    return line, record
+    return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
+                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
 
 def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
     shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
@@ -2098,12 +2092,11 @@ def add_stats(total, stats):
     return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
 
 def all_reduce_sum(stats, world):
-    if world > 1:
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    for v in stats.values() if world > 1 else []:
+        dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return stats
 
-# Held-out evaluation at a step: the loss and tau estimate (evaluate) and the walked tau (walk_tau), logged
+# Held-out evaluation at a step: the loss and tau estimate (evaluate), the walked tau (walk_tau), said and logged
 
 def rank_share(items, rank, world):  # rank r's items (r, r+world, ...) and ceil(len/world), which a short rank pads to
     return items[rank::world], -(-len(items) // world)
@@ -2125,7 +2118,6 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     return summarize(all_reduce_sum(total, world), drafter)
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
     if not eval_samples:
         return
     drafter.eval()
@@ -2142,18 +2134,16 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
-# How a walked tau was measured, in training's records and eval.py's reports: no tau compared with another unknowingly
+# How a walked tau was measured (all it depends on beyond the drafter), in records and reports: none compared blindly
 def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
-    turn = [{"role": "user", "content": "hi"}]
     try:
-        base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
-                      for g in (False, True))
+        base, full = (tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                    add_generation_prompt=g, **kw) for g in (False, True))
     except Exception:  # a template that refuses the probe turn: its text alone is hashed
         return None
     return full[len(base):] if full.startswith(base) else full
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """What a walked tau depends on besides the drafter: thinking, max_new_tokens, serving, template and prompts."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
     if "enable_thinking" in template:  # unset: the template's default, found by the generation prompt it renders
         on = enable_thinking if enable_thinking is not None else next((v for v in (True, False) if generation_prompt(
