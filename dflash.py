@@ -1362,8 +1362,7 @@ def write_atomic(path, text):  # written aside, synced, renamed: never a partial
         raise
 
 def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all) and lines a kill cut: logged anew
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(path):
+    if not os.path.isfile(path := os.path.join(out, "metrics.jsonl")):
         return
     with open(path) as f:
         lines = [x for x in f if x.strip()]
