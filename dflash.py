@@ -1304,8 +1304,7 @@ def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, ref
         raise DFlashError(f"cannot resume {d}: its optimizer state does not fit the drafter ({first_line(e)}); "
                           f"the checkpoint is corrupt") from None
 
-def checkpoint_problem(d):
-    """None if d is a complete step_N checkpoint (each of its files opens), else what is wrong with it."""
+def checkpoint_problem(d):  # None if d is a complete step_N checkpoint (each of its files opens), else what is wrong
     try:
         need(os.path.isdir(d), "it does not exist")
         read_drafter_config(d), read_train_state(d), read_safetensors(d, load=False)
@@ -1316,17 +1315,14 @@ def step_of(name):
     m = re.fullmatch(r"step_(\d+)", os.path.basename(os.path.normpath(name)))
     return int(m[1]) if m else None
 
-def complete_checkpoints(out):
-    """The complete step_N directories of out, the newest first."""
+def complete_checkpoints(out):  # the complete step_N directories of out, the newest first
     steps = sorted({step_of(n) for n in (os.listdir(out) if os.path.isdir(out) else [])} - {None}, reverse=True)
     return [d for d in (os.path.join(out, f"step_{n}") for n in steps) if checkpoint_problem(d) is None]
 
-def latest_checkpoint(out):
-    """The checkpoint <out>/latest names, checked a complete step_N of out; None if there is no latest."""
-    latest = os.path.join(out, "latest")
+def latest_checkpoint(out):  # the checkpoint <out>/latest names, checked a complete step_N of out; None: no latest
+    latest, name = os.path.join(out, "latest"), ""
     if not os.path.isfile(latest):
         return None
-    name = ""
     with suppress(OSError, UnicodeDecodeError), open(latest, "rb") as f:
         name = f.read(4096).decode().strip()
     need(re.fullmatch(r"step_\d+", name), f"{latest} is corrupt ({name[:60]!r} is no step_N directory of {out})")
@@ -1334,47 +1330,38 @@ def latest_checkpoint(out):
     need(why is None, f"{latest} names {os.path.join(out, name)}, which is incomplete or corrupt: {why}")
     return os.path.join(out, name)
 
-def last_complete(out):
-    """What a run that stops now leaves behind: the checkpoint <out>/latest names (read, not checked)."""
+def last_complete(out):  # what a run that stops now leaves behind: the checkpoint <out>/latest names (not checked)
     with suppress(OSError, UnicodeDecodeError), open(os.path.join(out, "latest")) as f:
         return f"the last complete checkpoint is {os.path.join(out, f.read(4096).strip())} (resume it with --resume)"
     return f"no complete checkpoint in {out} yet"
 
-def remove_stale(d, names):
-    """Remove killed writes' <name>.tmp<pid> (not beside its .old) and .old<pid> (<name> back) in d, the pid gone."""
+def remove_stale(d, names):  # killed writes' <name>.tmp<pid> (not beside .old<pid>), .old<pid> (<name> back), in d
     for m in [re.fullmatch(rf"({names})\.(tmp|old)(\d+)", n) for n in os.listdir(d) if os.path.isdir("/proc/self")]:
         p, other = m and os.path.join(d, m[0]), m and os.path.join(d, m[1] if m[2] == "old" else f"{m[1]}.old{m[3]}")
         if m and not os.path.exists(f"/proc/{m[3]}") and os.path.exists(other) == (m[2] == "old"):
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
 
-def write_atomic(path, text):
-    """path := text, written aside, synced, then renamed: never a partial file (a failure leaves the old one)."""
+def write_atomic(path, text):  # written aside, synced, renamed: never a partial file (a failure leaves the old one)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         remove_stale(os.path.dirname(path) or ".", re.escape(os.path.basename(path)))
         with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+            f.write(text), f.flush(), os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
 
-def keep_metrics(out, step):
-    """Drop metrics.jsonl's records after `step` (-1: all) and a line a kill cut short: a resumed run logs them anew."""
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.isfile(path):
+def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all) and lines a kill cut: logged anew
+    if not os.path.isfile(path := os.path.join(out, "metrics.jsonl")):
         return
     with open(path) as f:
         lines = [x for x in f if x.strip()]
     kept = []
     for line in lines:
-        try:
+        with suppress(ValueError, AttributeError, TypeError):  # not a record: dropped
             kept += [line] if json.loads(line).get("step", 0) <= step else []
-        except (ValueError, AttributeError, TypeError):
-            pass
     if len(kept) < len(lines):
         write_atomic(path, "".join(kept))
 
@@ -1644,9 +1631,7 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
 
-class StopFlag:
-    """`with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as nohup does) set stop.requested (finish the
-    step, save, exit); a second keeps the save; a third abandons it (SystemExit 128+signal; latest stays)."""
+class StopFlag:  # `with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as by nohup) set stop.requested
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
@@ -1660,7 +1645,7 @@ class StopFlag:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
 
-    def _handler(self, signum, frame):
+    def _handler(self, signum, frame):  # first: finish the step, save, exit; third: SystemExit 128+signal, latest kept
         self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
         name = signal.Signals(signum).name
         self.say(f"{name}: finishing this step, then saving a checkpoint" if self.count == 1 else
@@ -1733,8 +1718,7 @@ def broadcast(obj, world):  # rank 0's object on every rank (e.g. the data's dig
 # -----------------------------------------------------------------------------
 # The run's checks and set-up: outputs, resume, the drafter config, data, the trackers
 
-def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):
-    """d can take our outputs: created, then a file (with subdirs: a directory) made and removed in it."""
+def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):  # made; a file (subdirs: a dir) made in it
     try:
         os.makedirs(d, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".probe", dir=d)
@@ -1744,12 +1728,10 @@ def check_writable_dir(d, what, subdirs=False, fix="give a writable path"):
     except OSError as e:
         raise DFlashError(f"{what} cannot be written ({e.strerror}: {e.filename or d}); {fix}") from None
 
-def check_out_dir(out):
-    """--out: a writable directory, with nothing but files where latest and metrics.jsonl go."""
+def check_out_dir(out):  # --out: a writable directory, with nothing but files where latest and metrics.jsonl go
     need(out, "--out is empty; give a directory")
     need(not os.path.exists(out) or os.path.isdir(out), f"--out {out!r} is a file, not a directory; give a directory")
-    metrics = os.path.join(out, "metrics.jsonl")
-    for p in (os.path.join(out, "latest"), metrics):
+    for p in (os.path.join(out, "latest"), metrics := os.path.join(out, "metrics.jsonl")):
         need(not os.path.exists(p) or os.path.isfile(p), f"{p} is in the way; remove it or give another --out")
     check_writable_dir(out, f"--out {out!r}", subdirs=True)
     try:  # metrics.jsonl is appended to: opened as the log will open it
@@ -1760,8 +1742,7 @@ def check_out_dir(out):
 
 OUT_LOCKS = {}  # --out (real path) -> the open directory this process holds a lock on
 
-def lock_out(out):
-    """One writer per --out from its first check: made, flocked till the process ends (if flock works); remove_stale."""
+def lock_out(out):  # one writer per --out from its first check: made, flocked till the process ends; remove_stale
     try:
         import fcntl
         os.makedirs(key := os.path.realpath(out), exist_ok=True)
@@ -1775,22 +1756,19 @@ def lock_out(out):
     except (ImportError, OSError):
         pass
 
-def earlier_run(out):
-    """What out holds of an earlier run: None (nothing), or a phrase naming its latest step."""
+def earlier_run(out):  # what out holds of an earlier run: None (nothing), or a phrase naming its latest step
     names = os.listdir(out) if os.path.isdir(out) else []
     steps = [step_of(n) for n in names if step_of(n) is not None and os.path.isdir(os.path.join(out, n))]
     if steps or "latest" in names or os.path.isfile(m := os.path.join(out, "metrics.jsonl")) and os.path.getsize(m):
         return f"checkpoints up to step {max(steps)}" if steps else "a run without a complete checkpoint"
 
-def path_digest(path):
-    """{size, sha256} of a data file (a save_to_disk dir: formats.py), kept in checkpoints: a resume sees a change."""
+def path_digest(path):  # {size, sha256} of a data file (a save_to_disk dir: formats.py): a resume sees a change
     if os.path.isdir(path):
         return import_tool("formats", f"--data {path!r}").dir_digest(path)
     with open(path, "rb") as f:
         return {"size": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
-def resume_point(args, data_digest, master=True):
-    """(checkpoint, its train state) to continue, or (None, None) to start (auto too in a worker torchrun restarted)."""
+def resume_point(args, data_digest, master=True):  # (checkpoint, its train state) to continue, or (None, None): a start
     mode, out, why = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
@@ -1894,8 +1872,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     return cfg
 
 @dataclass
-class RunSetup:
-    """What check_run found (cfg None for --show_data)."""
+class RunSetup:  # what check_run found (cfg None for --show_data)
     cfg: DFlashConfig | None = None
     resume_dir: str | None = None
     state: dict | None = None
@@ -1984,8 +1961,7 @@ def as_variant(variant, cfg=None, drafter=None):
     new.load_state_dict(drafter.state_dict(), strict=False)
     return new
 
-def check_resume(out, run, global_batch, master):
-    """The checkpoint has this run's drafter and global batch; rank 0 cuts metrics.jsonl back to its step (or all)."""
+def check_resume(out, run, global_batch, master):  # this run's drafter and global batch; metrics cut back to its step
     d, state = run.resume_dir, run.state
     if state:
         saved, arch = read_drafter_config(d), run.cfg.architecture
@@ -2001,8 +1977,7 @@ def check_resume(out, run, global_batch, master):
     if master:
         keep_metrics(out, state["step"] if state else -1)
 
-def read_data(args, target, say, cfg=None):
-    """(train, held-out samples), checked against the target (mask token unused, lengths); --show_data: (all, None)."""
+def read_data(args, target, say, cfg=None):  # (train, held-out samples), checked (mask token, lengths); or (all, None)
     kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
     if args.show_data:
@@ -2017,28 +1992,24 @@ def read_data(args, target, say, cfg=None):
     say(f"data: {len(train_samples)} train / {len(eval_samples)} held-out samples{split}")
     return train_samples, eval_samples
 
-class NoTrackers:
-    """What the loop logs to without --report_to (dflash_tools/trackers.py has the real ones)."""
+class NoTrackers:  # what the loop logs to without --report_to (dflash_tools/trackers.py has the real ones)
     wandb_id = None
     log = close = staticmethod(lambda *a: None)
 
 def report_to(args):  # the trackers asked for, in order, each once (--report_to may repeat; none is none)
     return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
 
-def start_trackers(args, run, master):
-    """Rank 0's --report_to trackers (none elsewhere, nor for --show_data), continuing a resumed run's curves."""
+def start_trackers(args, run, master):  # rank 0's --report_to trackers (not for --show_data), going on a resumed run's
     if not (master and run.cfg and report_to(args)):
         return NoTrackers()
     config = {"args": vars(args), "drafter": asdict(run.cfg)}
     return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, config, run.state)
 
-def progress_bar(total_steps, step, master, args):
-    """Rank 0's tqdm bar of the steps, on a terminal only (redirected: the log lines alone; or --no_progress)."""
+def progress_bar(total_steps, step, master, args):  # rank 0's tqdm bar, on a terminal only (or --no_progress)
     off = not master or args.no_progress or not sys.stderr.isatty()
     return tqdm(total=total_steps, initial=step, desc="train", disable=off, dynamic_ncols=True)
 
-def load_run_target(args, run, world, device):
-    """The target (sharded with --shard_target) and its record, which a drafter to go on must have been trained on."""
+def load_run_target(args, run, world, device):  # (target, its record): a drafter to go on must be trained on it
     shard = args.shard_target and world > 1
     target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)
@@ -2068,14 +2039,12 @@ def settle(seen, bad, tokens, step, args, say):
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):
-    """The console line and the metrics.jsonl record of a logged step (total: its summed stats; loss: --loss)."""
+def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):  # (console line, metrics record)
     m, mem = summarize(total, drafter), peak_memory_mb(device)
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
             f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
-    record = {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-              "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
-    return line, record
+    return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
+                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
 
 def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
     shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
@@ -2091,25 +2060,17 @@ def append_metrics(out, record):
 # -----------------------------------------------------------------------------
 # Batches: the same global batch for a step whatever the ranks; stats summed over them
 
-def collate(samples, pad_id, keys=None):
-    """Right-pad to the longest sample (never changes a causal target's real positions); keys: one random key per
-    sample for its anchors and noise."""
-    S = max(len(ids) for ids, _ in samples)
-    input_ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(len(samples), S, dtype=torch.long)
-    for r, (ids, mask) in enumerate(samples):
-        input_ids[r, :len(ids)], loss_mask[r, :len(mask)] = torch.tensor(ids), torch.tensor(mask)
-    keys = keys if keys is not None else list(range(len(samples)))
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "keys": keys, "tokens": sum(len(i) for i, _ in samples)}
+def collate(samples, pad_id, keys=None):  # right-padded (real positions kept); keys: a seed per sample (anchors, noise)
+    ids, masks = zip(*samples)
+    pad = lambda rows, v: nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], True, v)
+    return {"input_ids": pad(ids, pad_id), "loss_mask": pad(masks, 0), "tokens": sum(map(len, ids)),
+            "keys": list(range(len(samples))) if keys is None else keys}
 
-class Batches:
-    """Epoch-shuffled global batches of batch_size * grad_accum * world samples, micro-step m of rank r its slice:
-    deterministic for a seed, so the data position is the step number."""
+class Batches:  # epoch-shuffled global batches; micro-step m of rank r its slice; the data position is the step
 
     def __init__(self, samples, batch_size, grad_accum, rank, world, seed, pad_id):
-        self.samples, self.bs, self.accum, self.rank, self.world = samples, batch_size, grad_accum, rank, world
-        self.seed, self.pad_id = seed, pad_id
-        self.global_batch = batch_size * grad_accum * world
+        self.samples, self.bs, self.rank, self.world = samples, batch_size, rank, world
+        self.seed, self.pad_id, self.global_batch = seed, pad_id, batch_size * grad_accum * world
         self.steps_per_epoch = len(samples) // self.global_batch
         need(self.steps_per_epoch, f"{len(samples)} samples < one global batch; lower --batch_size or --grad_accum")
         self._order = (None, None)
@@ -2127,17 +2088,13 @@ def add_stats(total, stats):
     return {k: total[k] + v for k, v in stats.items()} if total else dict(stats)
 
 def all_reduce_sum(stats, world):
-    if world > 1:
-        for v in stats.values():
-            dist.all_reduce(v, op=dist.ReduceOp.SUM)
+    for v in stats.values() if world > 1 else []:
+        dist.all_reduce(v, op=dist.ReduceOp.SUM)
     return stats
 
-# -----------------------------------------------------------------------------
-# Held-out evaluation at a step: the loss and tau estimate (evaluate) and the walked tau (walk_tau), logged
+# Held-out evaluation at a step: the loss and tau estimate (evaluate), the walked tau (walk_tau), said and logged
 
-def rank_share(items, rank, world):
-    """Rank r's items (r, r + world, ...) and ceil(len / world), the count a short rank pads to (a sharded target's
-    every forward is a collective)."""
+def rank_share(items, rank, world):  # rank r's items (r, r+world, ...) and ceil(len/world), which a short rank pads to
     return items[rank::world], -(-len(items) // world)
 
 @torch.no_grad()
@@ -2157,7 +2114,6 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
     return summarize(all_reduce_sum(total, world), drafter)
 
 def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    """The held-out figures at a step (evaluate, walk_tau), said and logged with how the walk was measured."""
     if not eval_samples:
         return
     drafter.eval()
@@ -2174,27 +2130,21 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
-# -----------------------------------------------------------------------------
-# How a walked tau was measured, in training's records and eval.py's reports: no tau compared with another unknowingly
-
+# How a walked tau was measured (all it depends on beyond the drafter), in records and reports: none compared blindly
 def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
-    turn = [{"role": "user", "content": "hi"}]
     try:
-        base, full = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=g, **kw)
-                      for g in (False, True))
+        base, full = (tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                                    add_generation_prompt=g, **kw) for g in (False, True))
     except Exception:  # a template that refuses the probe turn: its text alone is hashed
         return None
     return full[len(base):] if full.startswith(base) else full
 
 def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
-    """What a walked tau depends on besides the drafter: thinking, max_new_tokens, serving, template and prompts."""
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
-    if "enable_thinking" in template and enable_thinking is not None:
-        thinking = "on" if enable_thinking else "off"
-    elif "enable_thinking" in template:  # the template's default: which generation prompt it renders
-        default = generation_prompt(tokenizer, {})
-        thinking = next(("on" if v else "off" for v in (True, False)
-                         if default == generation_prompt(tokenizer, {"enable_thinking": v})), "template default")
+    if "enable_thinking" in template:  # unset: the template's default, found by the generation prompt it renders
+        on = enable_thinking if enable_thinking is not None else next((v for v in (True, False) if generation_prompt(
+            tokenizer, {}) == generation_prompt(tokenizer, {"enable_thinking": v})), None)
+        thinking = {True: "on", False: "off", None: "template default"}[on]
     if template:
         prompt = generation_prompt(tokenizer, template_kwargs(tokenizer, enable_thinking))
         template = hashlib.sha256(f"{template}\n--- generation prompt ---\n{prompt}".encode()).hexdigest()[:12]
