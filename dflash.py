@@ -579,9 +579,8 @@ def accepted_prefix(drafts, truth):
     return next((n for n, (d, t) in enumerate(zip(drafts, truth)) if d != t), min(len(drafts), len(truth)))
 
 def tau_walk(continuation, drafts):
-    """Acceptance lengths of greedy speculative decoding along the target's continuation s (s[0] comes with the
-    prefill, so the first block is anchored at s[0]; drafts[k]: the block anchored at s[k]). Each step accepts the
-    longest prefix of its drafts equal to s, then the target adds one token: accepted + 1 tokens per step."""
+    """Acceptance lengths along the target's continuation s (drafts[k]: the block anchored at s[k]; s[0] comes with the
+    prefill): each step accepts the longest prefix of its drafts equal to s, then the target adds one token."""
     return walk_steps(continuation, lambda k, truth: accepted_prefix(drafts[k], truth))
 
 def walk_steps(continuation, accept):
@@ -596,21 +595,10 @@ def acceptance_counts(lengths, B):  # steps per acceptance length L = 1..B; step
     return [lengths.count(L) for L in range(1, B + 1)], [sum(n > k for n in lengths) for k in range(1, B)]
 
 @torch.no_grad()
-def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation, up to an eos token (sharded: until every rank ends), with the logits
-    processors that move the argmax (a hub generation_config's repetition penalty, ...) off: verification accepts it."""
-    ids, eos = torch.tensor([prompt], device=target.lm_head.weight.device), sorted(eos)
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos or None,
-                                max_new_tokens=max_new_tokens, pad_token_id=eos[0] if eos else 0, min_new_tokens=0,
-                                repetition_penalty=1.0, no_repeat_ngram_size=0, synced_gpus=target.sharded)
-    return out[0, len(prompt):].tolist()
-
-@torch.no_grad()
 def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, rule=None, temperature=0.0):
-    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each block seeing only context < a.
-    context_features (1, S, m*D). rule(logits, h, anchor_ids, truth, temperature) -> (drafts, {name: tensor}) is
-    the draft rule (drafter.draft; tree verification's keeps the top-K too), truth (n, B) the block's true tokens.
-    Returns drafts (S-1-first, B-1), row k for anchor first+k, and the rule's tensors, each with rows alike."""
+    """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each seeing context < a (features (1,
+    S, m*D)), through the draft rule (drafter.draft, or trees' top-K) given the true tokens (n, B): drafts (S-1-first,
+    B-1), row k anchored at first+k, and the rule's tensors, rows alike."""
     cfg, flex, rule = drafter.cfg, drafter.attention == "flex", rule or drafter.draft
     B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
     anchors = torch.arange(first, S - 1, device=ids.device)
@@ -633,9 +621,8 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEM
 
 @torch.no_grad()
 def walk_continuation(drafter, target, prompt, continuation, features=None, B=None, trees=(), temperature=0.0):
-    """One drafting pass walked every way: {"tau": the chain of the drafter's draft rule, "tree": {N: tree verification
-    with N draft nodes}, each of its WALKS: those drafts} of acceptance lengths; the drafts and the rule's tensors, at
-    offsets 1..B-1. features: the context's (default: a hooked target pass); temperature: the rule's (eval.py's)."""
+    """One drafting pass walked every way, acceptance lengths {"tau": the draft rule's chain, "tree": {N: N-node tree
+    verification}, each WALKS name}; the drafts, the rule's tensors (offsets 1..B-1). features default: target pass."""
     ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
     features = target_features(target, ids, drafter.cfg.target_layer_ids)[0] if features is None else features
     tree, keep = import_tool("tree", "tree verification") if trees else None, (B or drafter.cfg.block_size) - 1
@@ -645,27 +632,6 @@ def walk_continuation(drafter, target, prompt, continuation, features=None, B=No
     walks = {k: tau_walk(continuation, more[k].tolist()) for k in getattr(drafter, "WALKS", ()) if k in more}
     walks["tree"] = {b: tree.walk(continuation, more["logq"], more["tokens"], b) for b in trees}
     return {"tau": tau_walk(continuation, drafts), **walks}, drafts, more
-
-def walk_prompts(samples, num_prompts):
-    """The prompts (the tokens before the first loss token) of the first num_prompts samples that have one."""
-    return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
-
-def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say=lambda *a: None):
-    """This rank's share of the walk set (None when off): held-out prompts and the target's greedy continuations."""
-    if not num_prompts:
-        return None
-    prompts = walk_prompts(samples, num_prompts)
-    mine, per_rank = rank_share(prompts, rank, world)
-    # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
-    extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    todo, walked, t0 = mine + extra, [], time.time()
-    say(f"held-out walk: generating the greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
-    for p in todo:
-        walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
-        if len(walked) == 1 < len(todo):
-            say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
-                f"for the other {len(todo) - 1}")
-    return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world, tree=0):
@@ -687,7 +653,7 @@ def walk_tau(drafter, target, walk, world, tree=0):
     return tau(0), acceptance, {name: tau(2 * j) for j, name in enumerate(names, 1)}
 
 # -----------------------------------------------------------------------------
-# Training: the step, held-out evaluation, the drafter's build, the batches, the loop
+# Training: the step, the drafter's build, the loop
 
 def lr_at(step, total_steps, lr, warmup_ratio):
     """Linear warmup over warmup_ratio of the run, then cosine decay to 0."""
@@ -698,9 +664,8 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
-    """One optimizer step over the micro-batches: returns the stats summed over ranks, the grad norm, and whether the
-    update was taken (a non-finite loss or grad norm skips it on every rank alike). The anchors are drawn before any
-    forward, so every micro-step's loss is normalised by the whole global batch's (the loss's normaliser)."""
+    """One optimizer step over the micro-batches -> stats summed over ranks, grad norm, whether the update was taken (a
+    non-finite one is skipped on every rank). Anchors come first: each micro-step divides by the global batch's norm."""
     device = target.lm_head.weight.device
     anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
     weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
@@ -732,7 +697,7 @@ def build_drafter(args, run, target, world, device, say=print):
     attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg, state, source = run.cfg, run.state, run.resume_dir or run.init_from
+    cfg, source = run.cfg, run.resume_dir or run.init_from
     drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
     if run.variant:  # the variant's own set-up from its flags
         v = run.variant
@@ -740,16 +705,7 @@ def build_drafter(args, run, target, world, device, say=print):
     if not source and tied(target):
         start_off_mask(drafter, target)
         say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
-    drafter.grad_checkpoint = args.grad_checkpoint
-    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
-    if args.zero and world > 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **kw)
-    else:
-        optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
-    if state:
-        resume_optimizer(optimizer, state, run.resume_dir)
-        say(f"resumed from {run.resume_dir} at step {state['step']}")
+    drafter.grad_checkpoint, optimizer = args.grad_checkpoint, make_optimizer(drafter, args, run, world, device, say)
     drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
     model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
         drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
@@ -1294,6 +1250,18 @@ def read_train_state(d):
     bad = next((k for k, v in ok.items() if not v), None)
     need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
+
+def make_optimizer(drafter, args, run, world, device, say):  # AdamW (--zero: split over the ranks), resumed
+    kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
+    if args.zero and world > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(drafter.parameters(), optimizer_class=torch.optim.AdamW, **kw)
+    else:
+        optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
+    if run.state:
+        resume_optimizer(optimizer, run.state, run.resume_dir)
+        say(f"resumed from {run.resume_dir} at step {run.state['step']}")
+    return optimizer
 
 def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, refused in one line unless it fits
     try:
@@ -2096,6 +2064,37 @@ def all_reduce_sum(stats, world):
 
 def rank_share(items, rank, world):  # rank r's items (r, r+world, ...) and ceil(len/world), which a short rank pads to
     return items[rank::world], -(-len(items) // world)
+
+def walk_prompts(samples, num_prompts):
+    """The prompts (the tokens before the first loss token) of the first num_prompts samples that have one."""
+    return [ids[:mask.index(1)] for ids, mask in samples if 1 in mask and mask.index(1) > 0][:num_prompts]
+
+@torch.no_grad()
+def greedy_continuation(target, prompt, max_new_tokens, eos):
+    """The target's own cached greedy generation, up to an eos token (sharded: until every rank ends), with the logits
+    processors that move the argmax (a hub generation_config's repetition penalty, ...) off: verification accepts it."""
+    ids, eos = torch.tensor([prompt], device=target.lm_head.weight.device), sorted(eos)
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos or None,
+                                max_new_tokens=max_new_tokens, pad_token_id=eos[0] if eos else 0, min_new_tokens=0,
+                                repetition_penalty=1.0, no_repeat_ngram_size=0, synced_gpus=target.sharded)
+    return out[0, len(prompt):].tolist()
+
+def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say=lambda *a: None):
+    """This rank's share of the walk set (None when off): held-out prompts and the target's greedy continuations."""
+    if not num_prompts:
+        return None
+    prompts = walk_prompts(samples, num_prompts)
+    mine, per_rank = rank_share(prompts, rank, world)
+    # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
+    extra = prompts[:per_rank - len(mine)] if target.sharded else []
+    todo, walked, t0 = mine + extra, [], time.time()
+    say(f"held-out walk: generating the greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
+    for p in todo:
+        walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
+        if len(walked) == 1 < len(todo):
+            say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
+                f"for the other {len(todo) - 1}")
+    return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
 
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
