@@ -120,10 +120,6 @@ class DFlashConfig:
     def dflash_config_keys(self):  # a variant's own keys of config.json's dflash_config
         return {}
 
-    def rope_type(self):
-        s = self.rope_scaling or {}
-        return s.get("rope_type", s.get("type", "default"))
-
     def layer_kind(self, i):
         """(causal, window) of layer i: what its attention mask depends on."""
         sliding = self.layer_types[i] == "sliding_attention"
@@ -351,10 +347,6 @@ class DFlashDrafter(nn.Module):
         return {}
 
 DFlashConfig.Drafter = DFlashDrafter  # the model a config builds: cfg.Drafter(cfg); a variant's config names its own
-
-def tied(target):
-    """Whether the target's lm_head is its input embedding (Llama-3.2, Qwen3-0.6B..4B, Gemma3)."""
-    return target.lm_head.weight is target.embed.weight
 
 # -----------------------------------------------------------------------------
 # The target: frozen; forward hooks capture the context features h[t] and the final hidden state f, whose greedy
@@ -702,7 +694,7 @@ def build_drafter(args, run, target, world, device, say=print):
     if run.variant:  # the variant's own set-up from its flags
         v = run.variant
         drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
-    if not source and tied(target):
+    if not source and target.lm_head.weight is target.embed.weight:  # tied (Llama-3.2, Qwen3-0.6B..4B, Gemma3)
         start_off_mask(drafter, target)
         say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
     drafter.grad_checkpoint, optimizer = args.grad_checkpoint, make_optimizer(drafter, args, run, world, device, say)
@@ -1051,7 +1043,8 @@ def config_problems(c):  # every problem at once, one line each
         (real(c.rope_theta), f"rope_theta must be a positive finite number, got {c.rope_theta!r}"),
         (isinstance(c.attention_bias, bool), f"attention_bias must be true or false, got {c.attention_bias!r}"),
         (c.is_causal in (None, True, False), f"is_causal must be null, true or false, got {c.is_causal!r}"),
-        (c.rope_scaling is None or isinstance(c.rope_scaling, dict) and c.rope_type() == "yarn",
+        (c.rope_scaling is None or isinstance(c.rope_scaling, dict)
+         and c.rope_scaling.get("rope_type", c.rope_scaling.get("type")) == "yarn",
          f"rope_scaling {c.rope_scaling!r} is not supported (plain RoPE or yarn)")] if not ok]
 
 def engine_problems(cfg):  # legal drafters one engine would serve as another drafter, each with the flag fixing it
