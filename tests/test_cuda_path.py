@@ -4,6 +4,7 @@ size), the compiled flex stays the module's one compiled kernel, the frozen targ
 length under --compile on, q/k/v reach flex in one dtype under autocast, block masks are compiled the
 non-deprecated way, and eval.py sizes its anchor chunks for the attention path in use."""
 import inspect
+import os
 import random
 import warnings
 
@@ -152,6 +153,16 @@ def test_target_runs_unpadded_under_compile_on(tmp_path, monkeypatch, one_thread
     assert pads and set(pads) == {dflash.padded_length(64)}
 
 
+def test_compile_flex_leaves_room_for_every_walk_length():
+    """The default run's stand-in for the six-length walk below (12 flex compiles, minutes on a CPU: it runs with
+    DFLASH_SLOW_TESTS=1): compile_flex raises dynamo's recompile limit past what walks compile, 2 layer kinds x a
+    power-of-two bucket from 128 to 262,144 positions (dynamo's default, 8, is too few)."""
+    dflash.compile_flex()
+    buckets = {dflash.padded_length(2 ** k) for k in range(1, 19)}
+    assert len(buckets) == 12 and torch._dynamo.config.recompile_limit >= 2 * len(buckets)
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_SLOW_TESTS"), reason="12 flex compiles; DFLASH_SLOW_TESTS=1 runs it")
 def test_walk_over_six_lengths_never_falls_back_to_unfused_flex(setup):
     """The walk pads each prompt to a power of two: 6 lengths in 6 buckets x 2 layer kinds are 12 compiled flex
     kernels, past dynamo's default recompile limit of 8, beyond which flex runs unfused with full score matrices.
