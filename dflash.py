@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import namedtuple
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 from dataclasses import asdict, dataclass, field, fields
@@ -1872,16 +1873,9 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         say(rope_note)
     return cfg
 
-@dataclass
-class RunSetup:  # what check_run found (cfg None for --show_data)
-    cfg: DFlashConfig | None = None
-    resume_dir: str | None = None
-    state: dict | None = None
-    data_digest: dict | None = None
-    init_from: str | None = None
-    variant: object = None  # the variant's module, or None
-    stage: object = None    # --stage's module, or None
-    stage_state: dict = field(default_factory=dict)  # what a --stage keeps between steps: saved, and resumed
+# what check_run found (cfg None for --show_data); stage_state: what a --stage keeps between steps, saved and resumed
+RunSetup = namedtuple("RunSetup", "cfg resume_dir state data_digest init_from variant stage stage_state",
+                      defaults=[None] * 8)  # variant, stage: their modules, or None
 
 def check_run(args, world, device, master):
     """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
