@@ -52,6 +52,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -59,6 +60,7 @@ import sys
 import tempfile
 import time
 import zlib
+from collections import namedtuple
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
 from dataclasses import asdict, dataclass, field, fields
@@ -1832,16 +1834,9 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         say(rope_note)
     return cfg
 
-@dataclass
-class RunSetup:  # what check_run found (cfg None for --show_data)
-    cfg: DFlashConfig | None = None
-    resume_dir: str | None = None
-    state: dict | None = None
-    data_digest: dict | None = None
-    init_from: str | None = None
-    variant: object = None  # the variant's module, or None
-    stage: object = None    # --stage's module, or None
-    stage_state: dict = field(default_factory=dict)  # what a --stage keeps between steps: saved, and resumed
+# what check_run found (cfg None for --show_data); stage_state: what a --stage keeps between steps, saved and resumed
+RunSetup = namedtuple("RunSetup", "cfg resume_dir state data_digest init_from variant stage stage_state",
+                      defaults=[None] * 8)  # variant, stage: their modules, or None
 
 def check_run(args, world, device, master):
     """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
@@ -1867,9 +1862,8 @@ def check_run(args, world, device, master):
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
-    if writes and master:  # this run is --out's one writer from the first check that writes, before it
-        lock_out(args.out)
-    if writes:
+    if writes:  # rank 0 is --out's one writer from the first check that writes, before it
+        lock_out(args.out) if master else None
         check_out_dir(args.out)
     if writes and report_to(args):
         import_tool("trackers", "--report_to").check_trackers(report_to(args), args.out)
@@ -1897,8 +1891,7 @@ def check_run(args, world, device, master):
         spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
         variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
         variant = None if variant is sys.modules[__name__] else variant
-        if variant:
-            cfg = variant.configure(cfg, args) if hasattr(variant, "configure") else as_variant(variant, cfg)
+        cfg = getattr(variant, "configure", lambda c, a: as_variant(variant, c))(cfg, args) if variant else cfg
         check_compatible(cfg, meta)
     except DFlashError as e:
         problems += str(e).splitlines()
@@ -2205,8 +2198,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
         if getattr(self, "plugins", False):  # dflash.py's: a fresh parser with the flags of the plug-ins argv names
-            fresh = get_parser()
-            fresh.plugins = False
+            fresh = get_parser(plugins=False)
             try:
                 for title, module in chosen_plugins(argv, every="-h" in argv or "--help" in argv):
                     module.add_flags(fresh.add_argument_group(title))
@@ -2229,8 +2221,7 @@ def tool_plugins():
     `architecture: ClassVar[str]` line, a loss module LOSSES, a training stage a train_step."""
     found = []
     for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
-        with open(os.path.join(TOOLS, f), errors="replace") as file:
-            text = file.read() if f.endswith(".py") else ""
+        text = pathlib.Path(TOOLS, f).read_text(errors="replace") if f.endswith(".py") else ""
         arch = re.search(r'^ +architecture: ClassVar\[str\] = "(\w+)"', text, re.M)
         kind = "--variant" if arch else "--loss" if re.search(r"^LOSSES = ", text, re.M) else "--stage" if re.search(
             r"^def train_step\(", text, re.M) else None
@@ -2289,9 +2280,9 @@ DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("blo
                  "target_layer_ids", "sliding_window", "layer_types")}, "num_heads": "num_attention_heads",
                  "num_kv_heads": "num_key_value_heads", **{k: k for k in ("head_dim", "intermediate_size")}}  # -> field
 
-def get_parser():
+def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-ins argv names
     p = ArgumentParser(description="Train a DFlash block-diffusion drafter against a frozen target LLM.")
-    p.plugins = True
+    p.plugins = plugins
     g = p.add_argument_group("run")
     flag(g, "--target", help="target model: a local directory or a hub id (loaded with AutoModelForCausalLM)")
     flag(g, "--data", help="JSONL/JSON/Parquet/save_to_disk of messages|conversations|prompt+response|text|input_ids")
