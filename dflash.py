@@ -1839,8 +1839,7 @@ RunSetup = namedtuple("RunSetup", "cfg resume_dir state data_digest init_from va
                       defaults=[None] * 8)  # variant, stage: their modules, or None
 
 def check_run(args, world, device, master):
-    """Set-up before any weights load: data, --out, resume point, the drafter config from the target on the meta
-    device (every problem of the flags at once), the memory plan."""
+    """Set-up before any weights load: data, --out, resume point, drafter config (meta target; all problems at once)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
     data = [(p, flag) for p, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")) if p and not args.plan]
@@ -1904,8 +1903,7 @@ def check_run(args, world, device, master):
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
 
 def as_variant(variant, cfg=None, drafter=None):
-    """What a variant without configure() or prepare() gets: its Config holding cfg's DFlash fields, or its Drafter
-    holding the drafter's weights (its own new ones as initialised)."""
+    """A variant's default configure, prepare: its Config holding cfg's DFlash fields, its Drafter drafter's weights."""
     if drafter is None:
         return cfg if isinstance(cfg, variant.Config) else variant.Config(**{
             f.name: getattr(cfg, f.name) for f in fields(DFlashConfig)})
@@ -1980,8 +1978,7 @@ def run_summary(args, target, total_steps, global_batch, world, device):
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
 def settle(seen, bad, tokens, step, args, say):
-    """One host sync reads the steps up to `step` not read yet (seen, emptied): a non-finite one (update skipped) is
-    said and counted (--max_bad_steps in a row end the run), all ranks' tokens added. Returns both counts."""
+    """One host sync reads the unread steps (seen, emptied): a non-finite one said, counted; all ranks' tokens added."""
     for k, (ok, loss, grad, n) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
         bad, tokens = 0 if ok else bad + 1, tokens + n
         if not ok:
@@ -2217,8 +2214,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return args
 
 def tool_plugins():
-    """dflash_tools/' plug-ins (flag, module, architecture), read off their files: a variant's Config has an
-    `architecture: ClassVar[str]` line, a loss module LOSSES, a training stage a train_step."""
+    """dflash_tools/' (flag, module, architecture): a Config names its architecture; a loss: LOSSES; a stage: train_step"""
     found = []
     for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
         text = pathlib.Path(TOOLS, f).read_text(errors="replace") if f.endswith(".py") else ""
