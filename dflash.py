@@ -2214,7 +2214,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return args
 
 def tool_plugins():
-    """dflash_tools/' (flag, module, architecture): a Config names its architecture; a loss: LOSSES; a stage: train_step"""
+    """dflash_tools/' (flag, module, architecture): a Config names an architecture, a loss LOSSES, a stage train_step"""
     found = []
     for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
         text = pathlib.Path(TOOLS, f).read_text(errors="replace") if f.endswith(".py") else ""
