@@ -109,8 +109,7 @@ class DFlashConfig:
     architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's architectures; a variant names its own
 
     def __post_init__(self):
-        """Every config passes here: all its problems at once. is_causal is kept only where it differs from its
-        default rule (causal iff sliding), so equal masks mean equal configs."""
+        """Every config passes here: all its problems at once; is_causal kept only where not causal iff sliding."""
         bad = self.problems()
         need(not bad, "\n".join(bad))
         if self.is_causal is not None and all((t == "sliding_attention") == self.is_causal for t in self.layer_types):
@@ -169,8 +168,7 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
     return mask_mod
 
 def dense_masks(mask_mod, b, N, S, B, device):
-    """The rule where the dense path computes scores: block queries against the S context keys, (b, N, B, S), and
-    against their own block's B keys, (b, N, B, B); other blocks' keys are never visible."""
+    """The rule where dense scores are: block queries x S context keys (b, N, B, S), x own B keys (b, N, B, B)."""
     q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
     ctx_idx = torch.arange(S, device=device)                    # context key j
     own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
@@ -246,8 +244,7 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.hk, self.hd))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        """x (b, N, B, D) normed block hidden states; k_ctx/v_ctx (b, S, hk, hd) context keys/values;
-        mask: a BlockMask (flex) or build_masks' (ctx_visible, own_visible, spans) (dense)."""
+        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: a BlockMask or build_masks' dense triple."""
         b, N, B, _ = x.shape
         h, hk, hd = self.h, self.hk, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
@@ -292,8 +289,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """No embedding and no lm_head: both are the target's. attention: "flex" (block-sparse, CUDA) or "dense"
-    (two_part_attention; anywhere, also backward on CPU). A variant overrides Layer, draft, block_loss, summary."""
+    """No embedding, no lm_head (the target's); attention flex (CUDA) or dense (anywhere). Hooks: Layer, draft, ..."""
     Layer = DecoderLayer
 
     def __init__(self, cfg, attention="dense"):
@@ -321,8 +317,7 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, context_features, block_embeds, anchors, anchor_valid):
-        """Every block of every sequence in one call: context_features (b, S, m*D), block_embeds (b, N, B, D) =
-        embed([tok[a], M, ..., M]), anchors/anchor_valid (b, N) -> final-normed hidden states (b, N, B, D)."""
+        """All blocks at once: features (b, S, m*D), block embeds (b, N, B, D), anchors (b, N) -> (b, N, B, D)."""
         kv = self.context_kv(context_features)
         return self.blocks(block_embeds, anchors, anchor_valid, kv, context_features.shape[1])
 
@@ -337,8 +332,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def draft(self, logits, h, anchor_ids, truth=None, temperature=0.0):
-        """The draft rule: logits (n, B-1, V) of offsets 1..B-1 -> drafts (n, B-1), the argmax, and a variant's
-        diagnostics {name: (n, B-1)} (h: their hidden states; truth (n, B): the true tokens)."""
+        """The draft rule: logits (n, B-1, V) -> drafts (n, B-1), the argmax; a variant's {name: (n, B-1)} too"""
         return logits.argmax(-1), {}
 
     def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
@@ -392,16 +386,14 @@ def capture_hidden(target, layer_ids):
 
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
-    """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], and f (b, S, D). Right padding needs
-    no attention mask: pads only follow real tokens."""
+    """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], f (b, S, D) (right pads need no mask)."""
     with capture_hidden(target, layer_ids) as store:
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
 
 @torch.no_grad()
 def greedy_labels(final, lm_head, chunk=None):
-    """y[j] = argmax lm_head(f[j-1]): the target's greedy token at j, exactly what greedy verification accepts.
-    final (b, S, D) -> (b, S) long; y[0] = -1 (never a label)."""
+    """y[j] = argmax lm_head(f[j-1]), what greedy verification accepts: final (b, S, D) -> (b, S), y[0] = -1."""
     b, S, D = final.shape
     f = final[:, :-1].reshape(-1, D)
     chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
@@ -412,8 +404,7 @@ def greedy_labels(final, lm_head, chunk=None):
 # Anchors, block inputs and labels, context noise
 
 def mix_seed(*keys):
-    """A 63-bit seed from ints: randomness keyed by (seed, epoch, sample), not by rank, so any split of the global
-    batch over ranks and micro-steps draws the same anchors and noise."""
+    """A 63-bit seed from ints: randomness keyed by (seed, epoch, sample), the same on any split over ranks."""
     h = 1469598103934665603
     for k in keys:
         h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
@@ -425,8 +416,7 @@ def anchor_candidates(loss_mask):
     return (m[:-1] & m[1:]).nonzero().squeeze(1)
 
 def sample_anchors(loss_mask, num_anchors, generator):
-    """loss_mask (S,) -> anchors, valid (num_anchors,): candidates drawn uniformly without replacement, padded to a
-    fixed count (fixed shapes for torch.compile)."""
+    """loss_mask (S,) -> anchors, valid (num_anchors,): candidates drawn without replacement, padded."""
     cand = anchor_candidates(loss_mask)
     pick = cand[torch.randperm(len(cand), generator=generator)[:num_anchors]].sort().values
     anchors, valid = torch.zeros(num_anchors, dtype=torch.long), torch.zeros(num_anchors, dtype=torch.bool)
@@ -496,8 +486,7 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
 class CE:
-    """The method's loss as a --loss states it: per token of fp32 logits (T, V); the weights from the method's w and
-    the drafter's log q of each label (no gradient); the denominator, summed over the global batch."""
+    """The method's loss, as a --loss states it: per token of fp32 logits (T, V); weights; the global denominator."""
     def token_loss(self, logits, labels):
         return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
@@ -508,8 +497,7 @@ class CE:
         return w.sum()
 
 def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
-    """sum(w * loss) (CE unless --loss says) of the block tokens through the frozen lm_head, its stats to all-reduce;
-    hidden (b, N, B, D), labels/weights (b, N, B). [tokens, V] logits never exist: ChunkedLMHead (Part II)."""
+    """sum(w * loss) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once."""
     loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
     sel, weights = sel.to(hidden.device), weights.to(hidden.device)
     y = labels.flatten()[sel].clamp(min=0)
@@ -525,8 +513,7 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
                   **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
 def accuracy_stats(correct, valid):
-    """correct, valid (b, N, B) -> correct/count per offset, accepted (the leading runs of correct drafts: what
-    greedy verification accepts), blocks (those whose first draft is valid)."""
+    """correct, valid (b, N, B) -> per offset correct/count; accepted (leading correct drafts), blocks."""
     blocks = valid[..., 1]
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
     return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
@@ -573,8 +560,7 @@ def accepted_prefix(drafts, truth):
     return next((n for n, (d, t) in enumerate(zip(drafts, truth)) if d != t), min(len(drafts), len(truth)))
 
 def tau_walk(continuation, drafts):
-    """Acceptance lengths along the target's continuation s (drafts[k]: the block anchored at s[k]; s[0] comes with the
-    prefill): each step accepts the longest prefix of its drafts equal to s, then the target adds one token."""
+    """Acceptance lengths along continuation s (drafts[k] anchored at s[k]): longest equal prefix, then one token."""
     return walk_steps(continuation, lambda k, truth: accepted_prefix(drafts[k], truth))
 
 def walk_steps(continuation, accept):
@@ -629,8 +615,7 @@ def walk_continuation(drafter, target, prompt, continuation, features=None, B=No
 
 @torch.no_grad()
 def walk_tau(drafter, target, walk, world, tree=0):
-    """Pooled tau of the walk over every rank's prompts, [P(draft k accepted), k = 1..B-1] over all steps, {name: pooled
-    tau} of its other walks (trees of `tree` nodes, or a variant's WALKS); None where there are no steps or no walk."""
+    """Pooled tau of every rank's walk, P(draft k accepted) for k = 1..B-1, {name: tau} of trees/WALKS; None: no walk"""
     if walk is None:
         return None, None, {}
     B, names = drafter.cfg.block_size, ["tree"] if tree else list(getattr(drafter, "WALKS", ()))
@@ -686,8 +671,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     return total, grad_norm, ok
 
 def build_drafter(args, run, target, world, device, say=print):
-    """The drafter (new, --init_from's or the checkpoint's), its AdamW (--zero: split over the ranks), the model the
-    loop calls (compiled, in DDP under torchrun), and the loss's keyword arguments."""
+    """The drafter (new, --init_from's or resumed), its AdamW, the model the loop calls, the loss's kwargs."""
     attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
     compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -716,8 +700,7 @@ def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anc
     return min(args.num_anchors, args.max_len - 1)
 
 def train(args):
-    """A training run: set-up (inputs checked, then target, data, drafter, optimizer, resume), the loop (lr, step,
-    log, held-out eval, save, stop on SIGTERM), the end (final eval and checkpoint). Returns drafter, cfg, target."""
+    """A run: set-up (inputs checked, then target, data, drafter, resume), the loop, the end -> drafter, cfg, target"""
     # --- set-up: everything that can be checked without loading weights is checked first
     rank, world, device = setup_distributed(args.device)
     master = rank == 0
@@ -805,9 +788,8 @@ def train(args):
 # =============================================================================
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
-    """Each block's queries attend to [context ; own block]: one softmax over both in two parts sharing one max per
-    row, the context keys/values never copied per block. q (b, N, B, h, hd); k_ctx, v_ctx (b, S, hk, hd); k_blk, v_blk
-    (b, N, B, hk, hd); ctx_visible (b, N, B, S), own_visible (b, N, B, B). A row that sees nothing gives 0."""
+    """Each block's queries attend to [context ; own block]: one softmax, two parts sharing the row max, the context
+    not copied per block. q (b, N, B, h, hd), k/v_ctx (b, S, hk, hd), k/v_blk (b, N, B, hk, hd); all-masked rows: 0"""
     b, N, B, h, hd = q.shape
     S, hk = k_ctx.shape[1], k_ctx.shape[2]
     g = h // hk  # GQA: query head kk*g + gg reads kv head kk, so the g query heads of a kv head share its keys
@@ -834,8 +816,7 @@ def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
 CONTEXT_TILE = 256  # context keys per group of blocks in the dense path (context_spans)
 
 def context_spans(ctx_visible):
-    """~S / CONTEXT_TILE groups of consecutive blocks (n0, n1) with the span [lo, hi) of context keys they see: sorted
-    anchors need only their span (~half for full layers, the band for sliding ones). Compiled: one group."""
+    """~S / CONTEXT_TILE groups of blocks (n0, n1) with the context span [lo, hi) they see; compiled: one."""
     b, N, B, S = ctx_visible.shape
     G = min(N, S // CONTEXT_TILE)
     if G <= 1 or torch.compiler.is_compiling():
@@ -867,8 +848,7 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     return max(1, budget // vocab_size)
 
 class ChunkedLMHead(torch.autograd.Function):
-    """A loss per token, log q of the label and the argmax of lm_head(h), in chunks of rows, with the gradient w.r.t.
-    h (d loss/d logits @ W) formed in the same pass (CE's in place, another's by autograd): only (T, D) is kept."""
+    """Per-token loss, log q(label), argmax of lm_head(h) in row chunks, d/dh formed in the same pass."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, loss):
@@ -907,8 +887,7 @@ class ChunkedLMHead(torch.autograd.Function):
         return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None
 
 def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
-    """Blocks to draft at once so the largest intermediates stay near `budget` elements: the MLP and the logits,
-    and on the dense path the scores (heads, B, S+B) per block, alive twice, with the mask beside them."""
+    """Blocks drafted at once so the MLP, logits and (dense) scores stay near `budget` elements."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
     if attention == "dense":
@@ -916,8 +895,7 @@ def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
     return max(1, budget // per_anchor)
 
 def yarn_inv_freq(cfg, inv_freq):
-    """yarn as Hugging Face computes it: low frequencies interpolated by `factor`, high ones kept (a linear ramp
-    between beta_fast and beta_slow rotations over the original context), cos/sin scaled by the attention factor."""
+    """yarn as Hugging Face computes it: low frequencies / factor, high kept, a ramp between; cos/sin scale."""
     dim, base = cfg.head_dim, cfg.rope_theta
     s, max_pos = cfg.rope_scaling, cfg.max_position_embeddings
     original_max = s.get("original_max_position_embeddings") or max_pos
@@ -984,8 +962,7 @@ TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
 TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported: named by a flag, or --trust_variant_code
 
 def plugin(spec, why):
-    """A variant, loss or stage module: dflash_tools/<spec>.py, or (when TRUSTED) an importable module or a .py path,
-    whose DFLASH_MODULE config.json records to find it again."""
+    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (its DFLASH_MODULE: config.json's)."""
     if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
         return import_tool(spec, why)
     need(spec in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --trust_variant_code to import it")
@@ -2054,8 +2031,7 @@ def walk_prompts(samples, num_prompts):
 
 @torch.no_grad()
 def greedy_continuation(target, prompt, max_new_tokens, eos):
-    """The target's own cached greedy generation, up to an eos token (sharded: until every rank ends), with the logits
-    processors that move the argmax (a hub generation_config's repetition penalty, ...) off: verification accepts it."""
+    """The target's cached greedy generation to an eos (sharded: till all ranks end), no argmax-moving processor"""
     ids, eos = torch.tensor([prompt], device=target.lm_head.weight.device), sorted(eos)
     out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos or None,
                                 max_new_tokens=max_new_tokens, pad_token_id=eos[0] if eos else 0, min_new_tokens=0,
@@ -2225,8 +2201,7 @@ def tool_plugins():
     return found
 
 def chosen_plugins(argv, every=False):
-    """[(title, module)] of the plug-ins with flags that argv's --variant (--dflash2), --loss, --stage name (every:
-    all of dflash_tools/'); TRUSTED: the modules the flags name, everything with --trust_variant_code."""
+    """[(title, module)] of the plug-ins argv names (every: all dflash_tools/'), setting TRUSTED to those."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name in ("--variant", "--loss", "--stage", "--dflash2", "--trust_variant_code"):
         p.add_argument(name, action="store_true" if name in ("--dflash2", "--trust_variant_code") else "store")
