@@ -524,7 +524,7 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     """The corrected DFlash loss of one batch: target pass -> labels -> drafter over every block -> weighted CE.
     model: the drafter or its compiled/DDP wrapper (raw_model: the drafter); labels: "target" (its greedy token at a+i,
     what verification accepts) or "data". Returns sum(w * CE) / weight_total (the global batch's: undiluted), stats."""
-    dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where it was built: token_selection)
+    dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where built: selected there)
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
@@ -968,7 +968,7 @@ def plugin(spec, why):
     need(spec in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --trust_variant_code to import it")
     need(not spec.endswith(".py") or os.path.isfile(spec), f"{why}: {spec} does not exist; give a .py file or a module")
     sys.modules.setdefault("dflash", sys.modules[__name__])
-    path, name = os.path.abspath(spec), "dflash_plugin_" + hashlib.sha256(spec.encode()).hexdigest()[:12]
+    name = "dflash_plugin_" + hashlib.sha256((path := os.path.abspath(spec)).encode()).hexdigest()[:12]  # one a file
     try:
         module = importlib.import_module(spec) if not spec.endswith(".py") else sys.modules.get(name)
     except ModuleNotFoundError as e:
@@ -2181,8 +2181,7 @@ class ArgumentParser(argparse.ArgumentParser):
         args, extra = self.parse_known_args(argv, namespace)
         if extra:  # an unknown flag names the plug-in that has it, or the closest one
             bad = next((a.split("=")[0] for a in extra if a.startswith("--")), extra[0])
-            owner = next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0)
-            if owner:
+            if owner := next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0):
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
             self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
@@ -2213,8 +2212,9 @@ def chosen_plugins(argv, every=False):
     TRUSTED.clear()
     TRUSTED.update({v for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
     if loss:
-        (module, name), known = loss_plugin(loss), ", ".join(getattr(loss_plugin(loss)[0], "LOSSES", {})) or "none"
-        need(name in getattr(module, "LOSSES", {}), f"--loss {loss}: no such loss; give ce or one of {known}")
+        module, name = loss_plugin(loss)
+        known = getattr(module, "LOSSES", {})
+        need(name in known, f"--loss {loss}: no such loss; give ce or one of {', '.join(known) or 'none'}")
     chosen = {(f, m) for f, m, _ in tool_plugins()} if every else {(f, m) for f, m in given.items() if m}
     modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
     return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules

@@ -546,7 +546,7 @@ def run_gpu(args):
     measure("target forward + greedy labels", fwd, t_flops, reps=3)
 
     batch = dflash.collate([(inp.input_ids[0].tolist(), [1] * S_real)], 0, keys=[0])
-    kw = dict(noise_std=0.0, labels="target", raw_model=drafter, reweight=None, pad_to=S)
+    kw = dict(noise_std=0.0, labels="target", raw_model=drafter, pad_to=S)  # (loss: the method's CE)
 
     def whole_step():  # what dflash.train runs per step, loss and all
         total = dflash.train_step(compiled, opt, target, cfg, [batch], 1e-5, N, 1.0, 1, 4.0, **kw)[0]

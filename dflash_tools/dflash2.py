@@ -290,7 +290,7 @@ def dflash2_weighted_ce(hidden, lm_head, labels, weights, cfg, selector, pred, a
         "sel_w": (w[sel] * covered).sum().detach()}
 
 class ChunkedLMHeadTopK(torch.autograd.Function):
-    """ChunkedLMHeadCE on the unary logits z' (see unary_logits), also returning their top-k (values, differentiable
+    """ChunkedLMHead's CE on the unary logits z' (see unary_logits), also returning their top-k (values, differentiable
     w.r.t. h, and ids) from the same chunked pass: no (T, V) tensor is kept."""
 
     @staticmethod

@@ -122,7 +122,7 @@ def test_toy_variant_and_loss_train_resume_walk_and_eval(forker, capsys):
     ev.main(argv + ["--trust_variant_code", "--json", str(out)])
     report = json.loads(out.read_text())
     assert report["results"][0]["tau"] >= 1
-    # the same drafter drafts otherwise without its bonus: the variant's draft rule is the one walked
+    # what eval.py walked: the toy's own Drafter (its draft rule) and config, found by config.json's dflash_module
     loaded = dflash.load_drafter(drafter)
     assert type(loaded).__name__ == "Drafter" and loaded.cfg.anchor_bonus == 0.5
 
