@@ -407,6 +407,28 @@ def one_error(capsys, main, argv, *needles, progress=False):
     return err[0]
 
 
+def refused(fn, *needles):
+    """fn() raises one DFlashError line holding every needle."""
+    with pytest.raises(dflash.DFlashError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    for n in needles:
+        assert n in msg, (n, msg)
+    return msg
+
+
+def tree_bytes(d):
+    """{relative path: bytes} of every file under d: what a refused run must leave as it was."""
+    out = {}
+    for root, _, files in os.walk(d):
+        for f in files:
+            p = os.path.join(root, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, d)] = fh.read()
+    return out
+
+
 # -----------------------------------------------------------------------------
 # Flags
 
@@ -431,6 +453,15 @@ def flag_edges(action):
 
 V, D, HD, B, W = (TINY_CFG[k] for k in ("vocab_size", "hidden_size", "head_dim", "block_size", "sliding_window"))
 MASK_ID = TINY_CFG["mask_token_id"]
+
+
+def randomize(module, seed, scale=0.3):
+    """Every parameter of module drawn N(0, scale^2) from its own generator (in place): no identity left anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return module
 
 
 def randomized(cfg, seed=0):

@@ -16,7 +16,7 @@ from safetensors import safe_open
 import dflash
 import eval as ev
 from conftest import (ANCHORS, DENSE_DRAFTER, DENSE_TARGET, S, SMALL, TINY_CFG, VALID, ZL, block_ids, cache_kv,
-                      one_error, randomized, ref_attention, ref_rms, reference_greedy, tiny_cfg,
+                      one_error, randomize, randomized, ref_attention, ref_rms, reference_greedy, tiny_cfg,
                       tiny_qwen3, torch_threads, train_on_continuations, write_data, write_zlab_dir, zlab_config,
                       zlab_tensors)
 from dflash import DFlashDrafter, DFlashError
@@ -26,14 +26,6 @@ from dflash_tools.dflash2 import (CandidateSelector, ChunkedLMHeadTopK, GroupedC
 from eval import NeuralDrafter
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")  # tiny models: one thread is fastest on a shared CPU
-
-
-def randomize(module, seed, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return module
 
 
 # -----------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 import dflash
 import eval as ev
-from conftest import (ROOT, VOCAB, ZL, build_qwen3, fails_with, one_error, replace, tiny_qwen3, write_lines,
-                      write_zlab_dir, zlab_config, zlab_tensors)
+from conftest import (ROOT, VOCAB, ZL, build_qwen3, fails_with, one_error, replace, tiny_qwen3, tree_bytes,
+                      write_lines, write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -427,16 +427,6 @@ def test_non_finite_steps_are_skipped_and_never_reach_weights(w, monkeypatch, tm
 # Faults of a long run: outputs that cannot be written, a used --out, lost ranks and torchrun restarts, resume across
 # a change of ranks, --zero or data, a full disk during a checkpoint, repeated signals, input files of the wrong kind
 
-def listing(out):
-    """Every file of out with its bytes: what a refused or failed run must leave exactly as it was."""
-    found = {}
-    for d, _, files in os.walk(out):
-        for f in files:
-            with open(os.path.join(d, f), "rb") as fh:
-                found[os.path.relpath(os.path.join(d, f), out)] = fh.read()
-    return found
-
-
 def latest_name(out):
     with open(os.path.join(out, "latest")) as f:
         return f.read().strip()
@@ -490,14 +480,14 @@ def test_a_used_out_is_never_clobbered(w, trained, capsys, tmp_path, monkeypatch
     nothing in it changes; --resume auto continues it, and so does a worker torchrun restarted."""
     out = str(tmp_path / "run")
     shutil.copytree(trained, out)
-    before = listing(out)
+    before = tree_bytes(out)
     argv = replace(w["base"], "--target", str(tmp_path / "no_target")) + ["--out", out]
     one_error(capsys, dflash.main, argv, "already holds a run", "step 2", "--resume", "new --out")
     only_metrics = tmp_path / "only_metrics"  # a run stopped before its first checkpoint is a run too
     os.makedirs(only_metrics)
     shutil.copy(os.path.join(out, "metrics.jsonl"), only_metrics)
     one_error(capsys, dflash.main, argv[:-1] + [str(only_metrics)], "already holds a run", "without a complete")
-    assert listing(out) == before
+    assert tree_bytes(out) == before
     # --resume auto: continues from latest (one more step), and starts afresh where there is none
     dflash.main(w["base"] + ["--out", out, "--resume", "auto", "--max_steps", "3"])
     assert "resumed from" in capsys.readouterr().out and latest_name(out) == "step_3"
@@ -528,7 +518,7 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
         f.write(json.dumps({"input_ids": [1, 2, 3, 4, 5]}) + "\n")
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:  # logged after the last checkpoint (then killed)
         f.write(json.dumps({"step": 3, "loss": 1.0}) + "\n")
-    before = listing(out)  # a refused resume leaves all of it, the log too
+    before = tree_bytes(out)  # a refused resume leaves all of it, the log too
     resume = replace(replace(w["base"], "--data", data), "--target", str(tmp_path / "no_target")) + \
         ["--out", out, "--resume"]
     one_error(capsys, dflash.main, resume, "cannot resume", "step_2", data, "changed", "--allow_data_change")
@@ -536,7 +526,7 @@ def test_resume_refuses_changed_data_and_order_flags(w, trained, capsys, tmp_pat
               ["--out", out, "--resume", "--seed", "7"], "cannot resume", "--seed 0", "--seed 7")
     fails_with(capsys, replace(w["base"], "--batch_size", "4") + ["--out", out, "--resume"], "cannot resume",
                "global batch was 2, now 4", "batch_size x grad_accum x ranks")  # another global batch: refused
-    assert listing(out) == before
+    assert tree_bytes(out) == before
     dflash.main(replace(w["base"], "--data", data) + ["--out", out, "--resume", "--allow_data_change",
                                                       "--max_steps", "3"])
     assert latest_name(out) == "step_3"
@@ -634,11 +624,11 @@ def test_the_demo_reruns_in_its_own_out_and_refuses_another_used_out(w, capsys, 
     quick = ["--demo", "--max_steps", "2", "--batch_size", "2", "--mask_token_id", str(VOCAB - 1),
              "--target_layer_ids", "1,2", "--eval_fraction", "0", "--eval_walk_prompts", "0"]
     demo.main(quick)
-    first = listing(demo.DEMO_OUT)
+    first = tree_bytes(demo.DEMO_OUT)
     assert "demo_eval.json" in first and latest_name(demo.DEMO_OUT) == "step_2"
     demo.main(quick)
     assert f"removing the previous demo run in {demo.DEMO_OUT}" in capsys.readouterr().out
-    assert sorted(listing(demo.DEMO_OUT)) == sorted(first)
+    assert sorted(tree_bytes(demo.DEMO_OUT)) == sorted(first)
     kept = str(tmp_path / "kept")
     shutil.copytree(demo.DEMO_OUT, kept)
     one_error(capsys, demo.main, quick + ["--out", kept], "already holds a run", "--resume")

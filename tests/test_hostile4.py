@@ -14,36 +14,14 @@ import torch
 
 import dflash
 import eval as ev
-from conftest import (ROOT, VOCAB, ZL, fails_with, one_error, replace, tiny_cfg, tiny_qwen35, tiny_tokenizer,
-                      write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors)
+from conftest import (ROOT, VOCAB, ZL, fails_with, one_error, refused, replace, tiny_cfg, tiny_qwen35, tiny_tokenizer,
+                      tree_bytes, write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 EOS = [4]  # <|end|> of conftest's tiny tokenizer
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good day"}]
-
-
-def refused(fn, *needles):
-    """fn() raises one DFlashError line holding every needle."""
-    with pytest.raises(DFlashError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, (n, msg)
-    return msg
-
-
-def tree_bytes(d):
-    """{relative path: bytes} of every file under d: what a refused run must leave as it was."""
-    out = {}
-    for root, _, files in os.walk(d):
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, d)] = fh.read()
-    return out
 
 
 def copy_run(trained, tmp_path, name="run"):

@@ -14,31 +14,9 @@ import torch
 
 import dflash
 import eval as ev
-from conftest import ROOT, fails_with, one_error, write_data, write_lines
-from dflash import DFlashError
+from conftest import ROOT, fails_with, refused, tree_bytes, write_data, write_lines
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
-
-
-def refused(fn, *needles):
-    """fn() raises one DFlashError line holding every needle."""
-    with pytest.raises(DFlashError) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert n in msg, (n, msg)
-    return msg
-
-
-def tree_bytes(d):
-    """{relative path: bytes} of every file under d."""
-    out = {}
-    for root, _, files in os.walk(d):
-        for f in files:
-            with open(os.path.join(root, f), "rb") as fh:
-                out[os.path.relpath(os.path.join(root, f), d)] = fh.read()
-    return out
 
 
 def copy_run(trained, tmp_path, name="run"):

@@ -15,22 +15,14 @@ import torch.nn.functional as F
 
 import dflash
 import eval as ev
-from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, reference_greedy, tiny_cfg, tiny_qwen3,
-                      torch_threads, train_on_continuations, write_data)
+from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, randomize, reference_greedy, tiny_cfg,
+                      tiny_qwen3, torch_threads, train_on_continuations, write_data)
 from dflash_tools import dflash2, onpolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 V2 = dict(conv_kernel_size=2, conv_group_size=4, selector_rank=4, selector_top_k=5)
 TOKENS = 20
-
-
-def randomize(module, seed, scale=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return module
 
 
 @pytest.fixture(scope="module")
