@@ -143,7 +143,7 @@ def pack(rollouts, cfg, device):
     """Rollouts -> padded tensors: ids (b, S), context (b, S, m*D), final (b, S, D), then region_weights' first
     arguments: lengths (b,), anchors, valid, accepted (b, N), with N the most blocks of a row (padding anchors are
     invalid)."""
-    b, S = len(rollouts), max(len(r["ids"]) for r in rollouts)
+    S = max(len(r["ids"]) for r in rollouts)
     N = max(1, max(len(r["starts"]) for r in rollouts))
     pad = lambda t, n: F.pad(t, (0, 0) * (t.dim() - 1) + (0, n - t.shape[0]))  # noqa: E731
     ids = torch.stack([pad(r["ids"], S) for r in rollouts]).to(device)

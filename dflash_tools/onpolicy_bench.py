@@ -24,7 +24,6 @@ and one process each; --seeds 2 --budget_sft_steps 40 (the device time held no m
 import argparse
 import glob
 import json
-import math
 import os
 import subprocess
 import sys

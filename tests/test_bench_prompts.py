@@ -8,7 +8,6 @@ import types
 
 import pytest
 
-import dflash
 import eval as ev
 from conftest import tiny_qwen3, tiny_tokenizer
 from dflash import DFlashError

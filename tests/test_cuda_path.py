@@ -14,7 +14,6 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import dflash
-import eval as ev
 from conftest import SMALL, VOCAB, tiny_cfg, tiny_qwen3, write_data
 
 EAGER_FLEX = "flex_attention called without torch.compile"  # what flex warns when it runs unfused
