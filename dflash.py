@@ -688,6 +688,8 @@ def build_drafter(args, run, target, world, device, say=print):
     model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
         drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
     model = torch.compile(model) if compile_ else model
+    if compile_ and device.type == "cuda":  # the chunked CE's pointwise work fused around its two matmuls
+        ChunkedLMHead.rows = torch.compile(loss_rows, dynamic=True)
     say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
         f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
         f"{attention}, compile {compile_}")
@@ -847,36 +849,36 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
+def loss_rows(hs, weight, bias, ys, grad: bool, loss):
+    """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits."""
+    logits = F.linear(hs.to(weight.dtype), weight, bias).float()                 # (chunk, V)
+    lse = logits.logsumexp(-1)
+    logq, pred, p = logits.gather(1, ys[:, None]).squeeze(1) - lse, logits.argmax(-1), None
+    if type(loss).token_loss is not CE.token_loss:  # another loss: its gradient by autograd
+        with torch.enable_grad():
+            tl = loss.token_loss(logits.requires_grad_(grad), ys)
+            p = torch.autograd.grad(tl.sum(), logits)[0] if grad else None
+        return tl.detach(), logq, pred, None if p is None else p.to(weight.dtype) @ weight
+    if grad:  # the method's CE, -log q: its gradient in place, one (chunk, V) buffer, not three
+        p = logits.sub_(lse[:, None]).exp_()
+        p[torch.arange(len(ys), device=hs.device), ys] -= 1.0
+        p = p.to(weight.dtype) @ weight
+    return -logq, logq, pred, p
+
 class ChunkedLMHead(torch.autograd.Function):
     """Per-token loss, log q(label), argmax of lm_head(h) in row chunks, d/dh formed in the same pass."""
+    rows = staticmethod(loss_rows)  # build_drafter's torch.compile(loss_rows) when the drafter is compiled on CUDA
 
     @staticmethod
     def forward(ctx, h, weight, bias, labels, chunk, loss):
-        T = h.shape[0]
-        out, logq = torch.empty(T, device=h.device), torch.empty(T, device=h.device)  # fp32
-        pred = torch.empty(T, dtype=torch.long, device=h.device)
-        grad = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        for s in range(0, T, chunk):
-            hs, ys = h[s:s + chunk].to(weight.dtype), labels[s:s + chunk]
-            logits = F.linear(hs, weight, bias).float()                          # (chunk, V)
-            lse = logits.logsumexp(-1)
-            logq[s:s + chunk] = logits.gather(1, ys[:, None]).squeeze(1) - lse
-            pred[s:s + chunk] = logits.argmax(-1)
-            if type(loss).token_loss is CE.token_loss:  # the method's CE: -log q, its gradient in place
-                out[s:s + chunk], p = -logq[s:s + chunk], None
-                if grad is not None:
-                    p = logits.sub_(lse[:, None]).exp_()  # one (chunk, V) buffer, not three
-                    p[torch.arange(len(ys), device=h.device), ys] -= 1.0
-            else:
-                with torch.enable_grad():
-                    z = logits.requires_grad_(grad is not None)
-                    tl = loss.token_loss(z, ys)
-                    p = torch.autograd.grad(tl.sum(), z)[0] if grad is not None else None
-                out[s:s + chunk] = tl.detach()
-                del z, tl
-            if grad is not None:
-                grad[s:s + chunk] = (p.to(weight.dtype) @ weight).to(h.dtype)
-            del logits, p  # free this chunk's (chunk, V) buffers before the next ones are allocated
+        T, want = h.shape[0], ctx.needs_input_grad[0]
+        out, logq, pred = (torch.empty(T, dtype=d, device=h.device) for d in (torch.float, torch.float, torch.long))
+        grad = torch.empty_like(h) if want else None
+        for s in range(0, T, chunk):  # a chunk's (chunk, V) buffers are freed before the next ones are allocated
+            c = slice(s, s + chunk)
+            out[c], logq[c], pred[c], g = ChunkedLMHead.rows(h[c], weight, bias, labels[c], want, loss)
+            if want:
+                grad[c] = g.to(h.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(logq, pred)
         return out, logq, pred
@@ -1088,8 +1090,7 @@ def expected_shapes(cfg):  # built on the meta device: no memory, no init
 
 def read_json(path, what):
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
+        return json.loads(pathlib.Path(path).read_bytes())
     except OSError as e:
         raise DFlashError(f"cannot read {path}: {e.strerror}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
@@ -1296,9 +1297,7 @@ def write_atomic(path, text):  # written aside, synced, renamed: never a partial
 def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all) and lines a kill cut: logged anew
     if not os.path.isfile(path := os.path.join(out, "metrics.jsonl")):
         return
-    with open(path) as f:
-        lines = [x for x in f if x.strip()]
-    kept = []
+    lines, kept = [x for x in pathlib.Path(path).read_text().splitlines(keepends=True) if x.strip()], []
     for line in lines:
         with suppress(ValueError, AttributeError, TypeError):  # not a record: dropped
             kept += [line] if json.loads(line).get("step", 0) <= step else []

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import dflash  # noqa: E402
-from dflash_tools import demo, onpolicy  # noqa: E402
+from dflash_tools import demo, onpolicy, sampling as sampler  # noqa: E402
 
 ARMS = {"A": "continued SFT", "B": "SFT on rollout sequences", "C": "on-policy blocks, CE only", "D": "full objective"}
 BATCH, ANCHORS, LR, ROLLOUT_T, TOKENS, PROMPTS = 8, 32, 3e-4, 1.0, 64, demo.DEMO_PROMPTS
@@ -89,12 +89,12 @@ def held_out_set(target, target_path, path):
     for i, p in enumerate(prompts):
         for j in range(3):  # j = 0: greedy; 1, 2: T = 1
             g = torch.Generator().manual_seed(dflash.mix_seed(7, i, j))
-            cont = dflash.greedy_continuation(target, p, TOKENS, eos) if j == 0 else ev.sampled_continuation(
+            cont = dflash.greedy_continuation(target, p, TOKENS, eos) if j == 0 else sampler.sampled_continuation(
                 target, p, TOKENS, eos, s, g)
             ids = torch.tensor([p + cont])
             feats, final = dflash.target_features(target, ids, [0, 1, 2])
             items.append({"prompt": torch.tensor(p), "cont": torch.tensor(cont), "features": feats[0], "j": j,
-                          "p_truth": ev.truth_probs(target, final, len(p), cont, s) if j else torch.ones(1),
+                          "p_truth": sampler.truth_probs(target, final, len(p), cont, s) if j else torch.ones(1),
                           "seed": dflash.mix_seed(7, i, j, 1)})
     torch.save(items, path)
     return items
@@ -103,7 +103,7 @@ def held_out_set(target, target_path, path):
 @torch.no_grad()
 def evaluate(drafter, target, items):
     """Pooled tau greedy and at T = 1 (DFlash: its argmax along the sampled continuation; DFlash2: its selector's
-    rejection sampling, dflash2.sampled_lengths), and P(draft k accepted) greedy, k = 1..B-1."""
+    rejection sampling, sampling.sampled_lengths), and P(draft k accepted) greedy, k = 1..B-1."""
     from dflash_tools import dflash2
     drafter.eval()
     B = drafter.cfg.block_size
@@ -115,7 +115,7 @@ def evaluate(drafter, target, items):
         drafts, more = dflash.draft_every_anchor(drafter, target, it["features"][None], ids, len(p), truth=True,
                                                  temperature=T)
         if T and isinstance(drafter, dflash2.Drafter):
-            ls = dflash2.sampled_lengths(cont, it["p_truth"], more["q"], torch.Generator().manual_seed(it["seed"]))
+            ls = sampler.sampled_lengths(cont, it["p_truth"], more["q"], torch.Generator().manual_seed(it["seed"]))
         else:
             ls = dflash.tau_walk(cont, drafts.tolist())
         lengths[min(it["j"], 1)] += ls
@@ -165,7 +165,7 @@ def run_one(work, variant, arm, seed, budget, results=None):
                 rows = []
                 for r, p in onpolicy.prompts_of(mb):
                     g = torch.Generator().manual_seed(dflash.mix_seed(seed, step, mb["keys"][r]))
-                    c = ev.sampled_continuation(target, p, TOKENS, target.eos_ids(), ev.Sampling(ROLLOUT_T), g)
+                    c = sampler.sampled_continuation(target, p, TOKENS, target.eos_ids(), ev.Sampling(ROLLOUT_T), g)
                     rows.append((p + c, [0] * len(p) + [1] * len(c)))
                     tokens += len(p) + len(c) - 1
                 mb = dflash.collate(rows, 0, [mb["keys"][r] for r, _ in onpolicy.prompts_of(mb)])

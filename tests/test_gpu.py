@@ -2,10 +2,11 @@
 drafter geometry (DFlashConfig() defaults: 4 sliding + 1 full layer) and the Qwen3-8B drafter shape: one graph and
 no recompile over fresh anchors, peak memory with fused AdamW, flex's gradients against eager dense, bf16 q/k/v in
 both directions, held-out evaluation compiling flex once, dflash.py end to end with --resume and under torchrun,
-tau on the GPU equal to the CPU's, one compiled step with --grad_checkpoint equal to the step without, and the memory
-plan against torch.cuda.max_memory_allocated. Skipped without CUDA; `bash dflash_tools/bench_gpu.sh` runs them on one
-H200 (a few minutes) after the timing. Every big tensor is built on the GPU, and one drafter is built and compiled
-once for the tests that share it: no dynamo reset between them (each would compile it again)."""
+tau on the GPU equal to the CPU's, the compiled chunked CE against the eager one, one compiled step with
+--grad_checkpoint equal to the step without, and the memory plan against torch.cuda.max_memory_allocated. Skipped
+without CUDA; `bash dflash_tools/bench_gpu.sh` runs them on one H200 (a few minutes) after the timing. Every big
+tensor is built on the GPU, and one drafter is built and compiled once for the tests that share it: no dynamo reset
+between them (each would compile it again)."""
 import json
 import os
 import subprocess
@@ -121,6 +122,42 @@ def test_compiled_flex_gradients_equal_eager_dense(big):
     rel = worst_relative(flex, dense)
     assert rel < 5e-2, f"worst per-tensor relative L2 difference {rel:.2e}"
 
+
+
+def test_compiled_chunked_ce_equals_eager_in_less_memory(monkeypatch):
+    """The chunked CE as build_drafter compiles it on CUDA (torch.compile(dflash.loss_rows, dynamic=True)) at the
+    Qwen3-8B lm_head (V 151,936, D 4,096, bf16) on 7,669 weighted tokens: the eager loss and gradient, at a lower
+    peak (no fp32 copy of a chunk's logits), and no recompile for a second token count."""
+    V, D, T = 151936, 4096, 7669
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        head = torch.nn.Linear(D, V, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        torch.nn.init.normal_(head.weight, std=0.02)
+        hidden = torch.randn(1, T + 100, 1, D, dtype=torch.bfloat16)
+        labels = torch.randint(0, V, (1, T + 100, 1))
+    compiled = torch.compile(dflash.loss_rows, dynamic=True)
+
+    def run(rows, n=T):
+        monkeypatch.setattr(dflash.ChunkedLMHead, "rows", rows)
+        weights = torch.zeros(1, T + 100, 1)
+        weights[:, :n] = 1.0
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        h = hidden.clone().requires_grad_(True)
+        loss = dflash.weighted_ce(h, head, labels, weights)[0] / n
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.item(), h.grad.float(), torch.cuda.max_memory_allocated() - base
+
+    run(compiled, T + 37)  # compiles (dynamic: the next count must not recompile)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = run(compiled)
+    ref = run(dflash.loss_rows)
+    print(f"chunked CE peak: compiled {got[2] / 2**20:.0f} MiB, eager {ref[2] / 2**20:.0f} MiB")
+    assert abs(got[0] - ref[0]) <= 1e-3 * abs(ref[0])
+    assert (got[1] - ref[1]).norm() <= 1e-2 * ref[1].norm()
+    assert got[2] < ref[2], f"compiled peak {got[2] / 2**20:.0f} MiB >= eager {ref[2] / 2**20:.0f} MiB"
 
 def test_flex_gets_bf16_both_ways(big, monkeypatch):
     """Under autocast the fp32 norm weights would promote q and k: flex must get bf16 q/k/v forward, and bf16

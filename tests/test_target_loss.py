@@ -382,6 +382,47 @@ def test_chunked_loss_equals_unchunked(chunk):
     assert torch.equal(h1.grad[weights == 0], torch.zeros_like(h1.grad[weights == 0]))
 
 
+
+def test_compiled_chunk_rows_equal_eager(monkeypatch):
+    """On CUDA build_drafter compiles the chunked CE's per-chunk function (dflash.loss_rows: its pointwise work fused
+    around the two matmuls, no fp32 copy of the logits), with dynamic shapes: the last chunk is ragged and the
+    weighted token count changes every step. Here through dynamo with aot_eager (the CPU cannot afford inductor in the
+    default run): CE traces as one graph (fullgraph: no break that would leave work unfused), gives the eager loss,
+    statistics and gradient with and without a gradient, and compiles once per gradient mode, not per chunk size or
+    token count."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    lm_head = nn.Linear(16, 300, bias=True).requires_grad_(False)
+    with torch.no_grad():
+        lm_head.weight.normal_(generator=g)
+        lm_head.bias.normal_(generator=g)
+    hidden = torch.randn(2, 6, 4, 16, generator=g)
+    labels = torch.randint(0, 300, (2, 6, 4), generator=g)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(dflash.loss_rows, dynamic=True, backend=counter, fullgraph=True)
+
+    def run(rows, weights, grad):
+        monkeypatch.setattr(dflash.ChunkedLMHead, "rows", rows)
+        h = hidden.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            loss, stats = dflash.weighted_ce(h, lm_head, labels, weights, chunk=5)
+        if grad:
+            loss.backward()
+        return loss, h.grad, stats
+
+    offsets = torch.arange(48) % 4  # the 48 block tokens' offsets; offset 0 (the anchor) weighs 0
+    for n in (23, 17, 14):  # 3 token counts, each with a ragged last chunk (not of 1 row: dynamo specializes 1)
+        pick = torch.nonzero(offsets > 0).squeeze(1)[torch.randperm(36, generator=g)[:n]]
+        weights = torch.zeros(48).index_put((pick,), torch.rand(n, generator=g) + 0.1).view(2, 6, 4)
+        for grad in (True, False):
+            (loss, dh, stats), (ref, ref_dh, ref_stats) = run(compiled, weights, grad), run(dflash.loss_rows, weights, grad)
+            assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item())
+            assert torch.equal(stats["correct"], ref_stats["correct"]) and torch.equal(stats["w"], ref_stats["w"])
+            if grad:
+                assert (dh - ref_dh).abs().max() <= 1e-6 * ref_dh.abs().max()
+    assert counter.frame_count == 2, f"{counter.frame_count} compiles: one per gradient mode expected"
+
 def peak_cpu_bytes(fn):
     """Peak of the bytes allocated by fn (net of what existed before), from the profiler's allocation events."""
     from torch.profiler import ProfilerActivity, profile
