@@ -40,6 +40,7 @@ from dflash_tools import demo, onpolicy, sampling as sampler  # noqa: E402
 ARMS = {"A": "continued SFT", "B": "SFT on rollout sequences", "C": "on-policy blocks, CE only", "D": "full objective"}
 BATCH, ANCHORS, LR, ROLLOUT_T, TOKENS, PROMPTS = 8, 32, 3e-4, 1.0, 64, demo.DEMO_PROMPTS
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+LAYER_IDS = [int(x) for x in demo.DEMO_FLAGS[demo.DEMO_FLAGS.index("--target_layer_ids") + 1].split(",")]
 
 
 # -----------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def held_out_set(target, target_path, path):
             cont = dflash.greedy_continuation(target, p, TOKENS, eos) if j == 0 else sampler.sampled_continuation(
                 target, p, TOKENS, eos, s, g)
             ids = torch.tensor([p + cont])
-            feats, final = dflash.target_features(target, ids, [0, 1, 2])
+            feats, final = dflash.target_features(target, ids, LAYER_IDS)
             items.append({"prompt": torch.tensor(p), "cont": torch.tensor(cont), "features": feats[0], "j": j,
                           "p_truth": sampler.truth_probs(target, final, len(p), cont, s) if j else torch.ones(1),
                           "seed": dflash.mix_seed(7, i, j, 1)})
@@ -102,27 +103,24 @@ def held_out_set(target, target_path, path):
 
 @torch.no_grad()
 def evaluate(drafter, target, items):
-    """Pooled tau greedy and at T = 1 (DFlash: its argmax along the sampled continuation; DFlash2: its selector's
-    rejection sampling, sampling.sampled_lengths), and P(draft k accepted) greedy, k = 1..B-1."""
-    from dflash_tools import dflash2
+    """Pooled tau greedy and at T = 1 (eval.py's walk, dflash.walk_continuation: DFlash's argmax along the sampled
+    continuation; a rule that samples its block, DFlash2's selector, by sampling.sampled_lengths), and P(draft k
+    accepted) greedy, k = 1..B-1."""
     drafter.eval()
-    B = drafter.cfg.block_size
     lengths = {0: [], 1: []}
     for it in items:
         p, cont = it["prompt"].tolist(), it["cont"].tolist()
-        ids = torch.tensor([p + cont])
         T = 1.0 if it["j"] else 0.0
-        drafts, more = dflash.draft_every_anchor(drafter, target, it["features"][None], ids, len(p), truth=True,
-                                                 temperature=T)
-        if T and isinstance(drafter, dflash2.Drafter):
+        walks, _, more = dflash.walk_continuation(drafter, target, p, cont, features=it["features"][None],
+                                                  temperature=T)
+        ls = walks["tau"]
+        if T and "q" in more:
             ls = sampler.sampled_lengths(cont, it["p_truth"], more["q"], torch.Generator().manual_seed(it["seed"]))
-        else:
-            ls = dflash.tau_walk(cont, drafts.tolist())
         lengths[min(it["j"], 1)] += ls
     drafter.train()
     g = lengths[0]
     return {"tau_greedy": sum(g) / len(g), "tau_t1": sum(lengths[1]) / len(lengths[1]),
-            "depth": [sum(n > k for n in g) / len(g) for k in range(1, B)]}
+            "depth": [c / len(g) for c in dflash.acceptance_counts(g, drafter.cfg.block_size)[1]]}
 
 
 # -----------------------------------------------------------------------------
@@ -132,6 +130,12 @@ def flops_per_token(target, drafter):
     pt = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
     pd = sum(p.numel() for n, p in drafter.named_parameters() if "codebook" not in n) + target.lm_head.weight.numel()
     return 2 * pt, 2 * pd
+
+
+def budget_of(target, drafter, sft_steps):
+    """sft_steps steps of arm A: the target's tokens of a batch (48-token prompts), its anchors' blocks fwd and bwd."""
+    ft, fd = flops_per_token(target, drafter)
+    return sft_steps * (ft * BATCH * (48 + TOKENS) + fd * 3 * BATCH * ANCHORS * drafter.cfg.block_size)
 
 
 def run_one(work, variant, arm, seed, budget, results=None):
@@ -194,7 +198,8 @@ def run_one(work, variant, arm, seed, budget, results=None):
 
 def report(work, png):
     runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(work, "runs", "*.json")))]
-    lines = ["| drafter | arm | seeds | steps | τ greedy | τ T=1 | P(draft k accepted) greedy, k = 1..7 |",
+    B = len(runs[0]["curve"][0]["depth"]) + 1
+    lines = [f"| drafter | arm | seeds | steps | τ greedy | τ T=1 | P(draft k accepted) greedy, k = 1..{B - 1} |",
              "|---|---|---|---|---|---|---|"]
     stat = lambda xs: (sum(xs) / len(xs), (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0)  # noqa: E731
     for variant in ("dflash", "dflash2"):
@@ -215,7 +220,9 @@ def report(work, png):
                          f"| {g[0]:.3f} ± {g[1]:.3f} | {t[0]:.3f} ± {t[1]:.3f} | "
                          + " ".join(f"{x:.3f}" for x in depth) + " |")
     # the README's table: one row per arm, both drafters side by side, P(draft k accepted) at k = 1, 4, 7
-    short = ["| arm | DFlash τ greedy | τ T=1 | P(k acc.) k=1,4,7 | DFlash2 τ greedy | τ T=1 | P(k acc.) k=1,4,7 |",
+    ks = sorted({0, (B - 2) // 2, B - 2})  # of the B - 1 offsets: the first, the middle and the last
+    head = "P(k acc.) k=" + ",".join(str(k + 1) for k in ks)
+    short = [f"| arm | DFlash τ greedy | τ T=1 | {head} | DFlash2 τ greedy | τ T=1 | {head} |",
              "|---|---|---|---|---|---|---|"]
     for arm in ("SFT", *ARMS):
         cells = []
@@ -227,7 +234,7 @@ def report(work, png):
                 continue
             g, t = stat([c["tau_greedy"] for c in last]), stat([c["tau_t1"] for c in last])
             pm = lambda x: f"{x[0]:.3f}" + (f" ± {x[1]:.3f}" if len(last) > 1 else "")  # noqa: E731
-            cells += [pm(g), pm(t), " ".join(f"{stat([c['depth'][k] for c in last])[0]:.2f}" for k in (0, 3, 6))]
+            cells += [pm(g), pm(t), " ".join(f"{stat([c['depth'][k] for c in last])[0]:.2f}" for k in ks)]
         name = "SFT checkpoint" if arm == "SFT" else f"{arm} {ARMS[arm]}"
         short.append(f"| {name} | " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n\n" + "\n".join(short)
@@ -295,10 +302,8 @@ def main():
     held_out_set(target, target_path, os.path.join(a.work, "heldout.pt"))
     assert all(p.wait() == 0 for p in procs), "an SFT run failed: see sft_*.log"
     print(f"SFT {time.time() - t0:.0f}s", flush=True)
-    # the budget: budget_sft_steps steps of arm A (target tokens of a batch, its anchors' blocks forward and back)
-    d = dflash.load_drafter(dflash.latest_checkpoint(os.path.join(a.work, "sft_dflash")))
-    ft, fd = flops_per_token(target, d)
-    budget = a.budget_sft_steps * (ft * BATCH * (48 + TOKENS) + fd * 3 * BATCH * ANCHORS * d.cfg.block_size)
+    budget = budget_of(target, dflash.load_drafter(dflash.latest_checkpoint(os.path.join(a.work, "sft_dflash"))),
+                       a.budget_sft_steps)
     jobs = [(v, arm, s) for s in range(a.seeds) for v in ("dflash", "dflash2") for arm in ARMS]
     running = []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

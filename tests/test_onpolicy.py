@@ -285,3 +285,44 @@ def test_stage_needs_a_trained_drafter_and_its_flags_need_the_stage(cli, capsys)
               "--init_from", progress=True)
     one_error(capsys, dflash.main, [*cli["base"], "--onpolicy_every", "2", "--out", str(cli["dir"] / "y")],
               "--onpolicy_every", progress=True)
+
+
+# -----------------------------------------------------------------------------
+# dflash_tools/onpolicy_bench.py: every arm runs from the SFT checkpoint to the budget and the report reads them
+
+
+def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
+    """The measurement's pieces on the tiny run (2 held-out prompts, 8-token continuations, a budget of 6 SFT steps):
+    the held-out set, one run of each arm A-D, and the table. Each arm reaches each fraction of its budget; an
+    on-policy step costs more than an SFT step, and D's (the SFT term's blocks besides) more than C's."""
+    from dflash_tools import onpolicy_bench as ob
+    from dflash_tools import tiny_target
+    d, work = cli["dir"], tmp_path / "work"
+    os.makedirs(work / "cache")
+    os.makedirs(work / "runs")
+    os.symlink(d / "q3", work / "cache" / "tiny_qwen35")
+    shutil.copy(d / "data.jsonl", work / "cache" / "demo_data.jsonl")
+    shutil.copytree(d / "sft", work / "sft_dflash")
+    for name, value in dict(TOKENS=8, PROMPTS=2, BATCH=2, ANCHORS=6, LAYER_IDS=[1, 2]).items():
+        monkeypatch.setattr(ob, name, value)
+    target = dflash.load_target(str(work / "cache" / "tiny_qwen35"))
+    prompts = [json.loads(line)["input_ids"][:6] for line in open(d / "data.jsonl")][:2]
+    monkeypatch.setattr(tiny_target, "heldout_prompts", lambda path, num_prompts: prompts[:num_prompts])
+    items = ob.held_out_set(target, str(work / "cache" / "tiny_qwen35"), str(work / "heldout.pt"))
+    assert [it["j"] for it in items] == [0, 1, 2] * 2 and all(len(it["cont"]) == 8 for it in items)
+    budget = ob.budget_of(target, dflash.load_drafter(str(d / "sft" / "step_2")), 6)
+    with torch_threads(1):
+        for arm in ob.ARMS:
+            ob.run_one(str(work), "dflash", arm, 0, budget)
+            torch.set_num_threads(1)  # (run_one sets one thread, as the bench's processes run)
+    runs = {arm: json.load(open(work / "runs" / f"dflash_{arm}_0.json")) for arm in ob.ARMS}
+    for arm, r in runs.items():
+        assert [c["compute"] >= f * budget for c, f in zip(r["curve"][1:], ob.FRACTIONS)] == [True] * 4, arm
+        assert r["curve"][0]["tau_greedy"] >= 1 and r["curve"][-1]["tau_t1"] >= 1
+    per_step = {arm: r["curve"][-1]["compute"] / r["curve"][-1]["step"] for arm, r in runs.items()}
+    assert per_step["A"] < per_step["C"] < per_step["D"], per_step  # D adds the SFT term's blocks to C's rollouts
+    pytest.importorskip("matplotlib")  # (the plot; requirements.txt installs it)
+    ob.report(str(work), str(tmp_path / "plot.png"))
+    table = (work / "table.md").read_text()
+    assert all(f"{arm}: {ob.ARMS[arm]} | 1 |" in table for arm in ob.ARMS) and "k=1,2,3" in table
+    assert os.path.getsize(tmp_path / "plot.png") > 0
