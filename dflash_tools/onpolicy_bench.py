@@ -10,7 +10,8 @@
 3. arms, from the SFT checkpoint, each run until the same compute budget, evaluated at fractions of it:
    A continued SFT on the same data; B SFT on rollout sequences (the target's T = 1 continuations of the step's
    prompts, seeded as the on-policy arms'); C on-policy blocks (T = 1 rollouts) with CE only; D the full objective;
-   with --arms, C0 and D0: C and D from greedy rollouts (the serving walk of greedy decoding);
+   with --arms, C0 and D0: C and D from greedy rollouts (the serving walk of greedy decoding), E0: D0 without its
+   reverse KL on the rejected drafts;
 4. a JSON per run, the README table (held-out tau greedy, at T = 1, P(draft k accepted) greedy; mean and spread
    over seeds) and the plot of tau against compute.
 
@@ -39,7 +40,8 @@ import dflash  # noqa: E402
 from dflash_tools import demo, onpolicy, sampling as sampler  # noqa: E402
 
 ARMS = {"A": "continued SFT", "B": "SFT on rollout sequences", "C": "on-policy blocks, CE only", "D": "full objective",
-        "C0": "C, greedy rollouts", "D0": "D, greedy rollouts"}  # (C0, D0: --arms; B at T = 0 would be A's data)
+        "C0": "C, greedy rollouts", "D0": "D, greedy rollouts", "E0": "D0 without the rejected term"}
+# (C0, D0, E0: --arms; B at T = 0 would be A's data)
 BATCH, ANCHORS, LR, ROLLOUT_T, TOKENS, PROMPTS = 8, 32, 3e-4, 1.0, 64, demo.DEMO_PROMPTS
 FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 LAYER_IDS = [int(x) for x in demo.DEMO_FLAGS[demo.DEMO_FLAGS.index("--target_layer_ids") + 1].split(",")]
@@ -158,6 +160,8 @@ def run_one(work, variant, arm, seed, budget, results=None):
     kw = dict(gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
     args = argparse.Namespace(**{k: None for k in onpolicy.DEFAULTS}, seed=seed, out=None)
     args.onpolicy_temperature, args.onpolicy_tokens = 0.0 if arm.endswith("0") else ROLLOUT_T, TOKENS
+    if arm.startswith("E"):
+        args.onpolicy_rejected = "none"
     if arm.startswith("C"):
         args.onpolicy_accepted, args.onpolicy_rejected, args.onpolicy_sft_weight = "ce", "none", 0.0
     state, spent, step, t0 = {}, 0.0, 0, time.time()
@@ -248,7 +252,7 @@ def report(work, png):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "tau_greedy", "held-out τ, greedy"), (axes[1], "tau_t1", "held-out τ, T = 1")):
         for variant, style in (("dflash", "-"), ("dflash2", "--")):
-            for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5")):
+            for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")):
                 rs = [r for r in runs if r["variant"] == variant and r["arm"] == arm]
                 if not rs:
                     continue
