@@ -20,9 +20,9 @@ passes) at the target's non-embedding parameters plus its lm_head, drafter forwa
 drafting included) at the drafter's parameters (without DFlash2's codebooks, which are lookups) plus the lm_head,
 and drafter backward tokens at twice that.
 
-The README's figures: one H200 machine (16 cores) with torch 2.11 and transformers 5.17 (whose output names eval.py's
-`cache` `past_key_values`: renamed there for the run), pretraining and SFT on the GPU, the arms on the CPU, one thread
-and one process each; --seeds 2 --budget_sft_steps 40 (the device time held no more)."""
+The README's figures: this project's 2-core AMD EPYC (torch 2.13, transformers 5.24), everything on the CPU, the
+runs two or three at a time with one thread each: --seeds 3 --budget_sft_steps 48, then --arms C0,D0 and E0
+(build 3 min, the two SFT runs 15 min, the 42 runs 35 min)."""
 import argparse
 import glob
 import json
