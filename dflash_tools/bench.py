@@ -525,7 +525,7 @@ def run_gpu(args):
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
         report["gpu"].append(row)
         save_json(report, args.json)  # a hard timeout later keeps what was measured
-        print(f"  {name:<36} " + (row.get("error") or
+        print(f"  {name:<50} " + (row.get("error") or
               f"first call {row['first_call_seconds']:6.1f}s  step {1e3 * row['seconds']:8.1f} ms (median of {reps})"
               f"  {row['tflops']:7.1f} TFLOP/s" + (f"  MFU {100 * row['mfu']:5.1f}% ({100 * row['of_matmul_rate']:.0f}%"
                                                     f" of matmul)  peak {row['peak_mb'] / 1024:6.1f} GiB" if not cpu
@@ -564,7 +564,7 @@ def run_gpu(args):
         if cpu and p == "flex":
             continue
         if time.time() - t_start > args.budget:
-            print(f"  {name:<36} skipped (--budget {args.budget:g}s)")
+            print(f"  {name:<50} skipped (--budget {args.budget:g}s)")
             continue
         drafter.attention = p
         measure(name + ", drafter step", lambda: drafter_step(model), flops, reps=3)
