@@ -1297,7 +1297,7 @@ def write_atomic(path, text):  # written aside, synced, renamed: never a partial
 def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all) and lines a kill cut: logged anew
     if not os.path.isfile(path := os.path.join(out, "metrics.jsonl")):
         return
-    lines, kept = [x for x in pathlib.Path(path).read_text().splitlines(keepends=True) if x.strip()], []
+    lines, kept = [x for x in re.split(r"(?<=\n)", pathlib.Path(path).read_text()) if x.strip()], []  # as `for x in f`
     for line in lines:
         with suppress(ValueError, AttributeError, TypeError):  # not a record: dropped
             kept += [line] if json.loads(line).get("step", 0) <= step else []

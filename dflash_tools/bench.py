@@ -533,9 +533,9 @@ def run_gpu(args):
               flush=True)
         return row
 
-    compiled = torch.compile(drafter, backend="aot_eager") if cpu else torch.compile(drafter)
-    # the chunked CE compiled as build_drafter compiles it on CUDA (the rows after train_step's run it eagerly)
     backend = {"backend": "aot_eager"} if cpu else {}
+    compiled = torch.compile(drafter, **backend)
+    # the chunked CE compiled as build_drafter compiles it on CUDA (the rows after train_step's run it eagerly)
     dflash.ChunkedLMHead.rows = torch.compile(dflash.loss_rows, dynamic=True, **backend)
     measure(f"{path} + compile(model), drafter step", lambda: drafter_step(compiled), flops)
 

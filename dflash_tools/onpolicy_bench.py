@@ -204,6 +204,8 @@ def run_one(work, variant, arm, seed, budget, results=None):
 
 def report(work, png):
     runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(work, "runs", "*.json")))]
+    if not runs:
+        raise SystemExit(f"error: no finished runs in {os.path.join(work, 'runs')}")
     B = len(runs[0]["curve"][0]["depth"]) + 1
     lines = [f"| drafter | arm | seeds | steps | τ greedy | τ T=1 | P(draft k accepted) greedy, k = 1..{B - 1} |",
              "|---|---|---|---|---|---|---|"]
@@ -225,7 +227,7 @@ def report(work, png):
             lines.append(f"| {variant} | {arm}: {ARMS[arm]} | {len(rs)} | {round(stat([c['step'] for c in last])[0])} "
                          f"| {g[0]:.3f} ± {g[1]:.3f} | {t[0]:.3f} ± {t[1]:.3f} | "
                          + " ".join(f"{x:.3f}" for x in depth) + " |")
-    # the README's table: one row per arm, both drafters side by side, P(draft k accepted) at k = 1, 4, 7
+    # the README's table: one row per arm, both drafters side by side, P(draft k accepted) at 3 depths
     ks = sorted({0, (B - 2) // 2, B - 2})  # of the B - 1 offsets: the first, the middle and the last
     head = "P(k acc.) k=" + ",".join(str(k + 1) for k in ks)
     short = [f"| arm | DFlash τ greedy | τ T=1 | {head} | DFlash2 τ greedy | τ T=1 | {head} |",

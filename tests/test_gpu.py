@@ -123,7 +123,6 @@ def test_compiled_flex_gradients_equal_eager_dense(big):
     assert rel < 5e-2, f"worst per-tensor relative L2 difference {rel:.2e}"
 
 
-
 def test_compiled_chunked_ce_equals_eager_in_less_memory(monkeypatch):
     """The chunked CE as build_drafter compiles it on CUDA (torch.compile(dflash.loss_rows, dynamic=True)) at the
     Qwen3-8B lm_head (V 151,936, D 4,096, bf16) on 7,669 weighted tokens: the eager loss and gradient, at a lower
@@ -158,6 +157,7 @@ def test_compiled_chunked_ce_equals_eager_in_less_memory(monkeypatch):
     assert abs(got[0] - ref[0]) <= 1e-3 * abs(ref[0])
     assert (got[1] - ref[1]).norm() <= 1e-2 * ref[1].norm()
     assert got[2] < ref[2], f"compiled peak {got[2] / 2**20:.0f} MiB >= eager {ref[2] / 2**20:.0f} MiB"
+
 
 def test_flex_gets_bf16_both_ways(big, monkeypatch):
     """Under autocast the fp32 norm weights would promote q and k: flex must get bf16 q/k/v forward, and bf16

@@ -313,8 +313,7 @@ def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
     budget = ob.budget_of(target, dflash.load_drafter(str(d / "sft" / "step_2")), 6)
     with torch_threads(1):
         for arm in ob.ARMS:
-            ob.run_one(str(work), "dflash", arm, 0, budget)
-            torch.set_num_threads(1)  # (run_one sets one thread, as the bench's processes run)
+            ob.run_one(str(work), "dflash", arm, 0, budget)  # (one thread, as the bench's processes run)
     runs = {arm: json.load(open(work / "runs" / f"dflash_{arm}_0.json")) for arm in ob.ARMS}
     for arm, r in runs.items():
         assert [c["compute"] >= f * budget for c, f in zip(r["curve"][1:], ob.FRACTIONS)] == [True] * 4, arm

@@ -382,7 +382,6 @@ def test_chunked_loss_equals_unchunked(chunk):
     assert torch.equal(h1.grad[weights == 0], torch.zeros_like(h1.grad[weights == 0]))
 
 
-
 def test_compiled_chunk_rows_equal_eager(monkeypatch):
     """On CUDA build_drafter compiles the chunked CE's per-chunk function (dflash.loss_rows: its pointwise work fused
     around the two matmuls, no fp32 copy of the logits), with dynamic shapes: the last chunk is ragged and the
@@ -416,12 +415,14 @@ def test_compiled_chunk_rows_equal_eager(monkeypatch):
         pick = torch.nonzero(offsets > 0).squeeze(1)[torch.randperm(36, generator=g)[:n]]
         weights = torch.zeros(48).index_put((pick,), torch.rand(n, generator=g) + 0.1).view(2, 6, 4)
         for grad in (True, False):
-            (loss, dh, stats), (ref, ref_dh, ref_stats) = run(compiled, weights, grad), run(dflash.loss_rows, weights, grad)
+            loss, dh, stats = run(compiled, weights, grad)
+            ref, ref_dh, ref_stats = run(dflash.loss_rows, weights, grad)
             assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item())
             assert torch.equal(stats["correct"], ref_stats["correct"]) and torch.equal(stats["w"], ref_stats["w"])
             if grad:
                 assert (dh - ref_dh).abs().max() <= 1e-6 * ref_dh.abs().max()
     assert counter.frame_count == 2, f"{counter.frame_count} compiles: one per gradient mode expected"
+
 
 def peak_cpu_bytes(fn):
     """Peak of the bytes allocated by fn (net of what existed before), from the profiler's allocation events."""
