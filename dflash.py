@@ -403,13 +403,6 @@ def greedy_labels(final, lm_head, chunk=None):
 # -----------------------------------------------------------------------------
 # Anchors, block inputs and labels, context noise
 
-def mix_seed(*keys):
-    """A 63-bit seed from ints: randomness keyed by (seed, epoch, sample), the same on any split over ranks."""
-    h = 1469598103934665603
-    for k in keys:
-        h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
-    return h
-
 def anchor_candidates(loss_mask):
     """The usable anchors of a loss_mask (S,): a with loss_mask[a] = loss_mask[a+1] = 1 (used everywhere)."""
     m = torch.as_tensor(loss_mask) > 0
@@ -458,22 +451,8 @@ def add_context_noise(context, noise_std, num_context_layers, keys):
         mix_seed(k, 7))) for k in keys])
     return (x + noise_std * rms * noise).flatten(-2).to(context.dtype)
 
-@torch.no_grad()
-def start_off_mask(drafter, target):
-    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
-    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
-    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
-    M = drafter.cfg.mask_token_id
-    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
-    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
-    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
-        g = torch.ones_like(u)
-        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
-
 # -----------------------------------------------------------------------------
 # The corrected loss: hard cross-entropy weighted by block offset, normalised over the whole global batch
-
-MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
 
 def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     """w[b, n, i] = exp(-(i-1)/gamma) * valid for i = 1..B-1, 0 at offset 0 (the anchor is given, not drafted);
@@ -571,11 +550,8 @@ def walk_steps(continuation, accept):
         k += lengths[-1]
     return lengths
 
-def acceptance_counts(lengths, B):  # steps per acceptance length L = 1..B; steps accepting >= k drafts, k = 1..B-1
-    return [lengths.count(L) for L in range(1, B + 1)], [sum(n > k for n in lengths) for k in range(1, B)]
-
 @torch.no_grad()
-def draft_every_anchor(drafter, target, context_features, ids, first, budget=MEMORY_BUDGET, rule=None, temperature=0.0):
+def draft_every_anchor(drafter, target, context_features, ids, first, budget=None, rule=None, temperature=0.0):
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each seeing context < a (features (1,
     S, m*D)), through the draft rule (drafter.draft, or trees' top-K) given the true tokens (n, B): drafts (S-1-first,
     B-1), row k anchored at first+k, and the rule's tensors, rows alike."""
@@ -612,24 +588,6 @@ def walk_continuation(drafter, target, prompt, continuation, features=None, B=No
     walks = {k: tau_walk(continuation, more[k].tolist()) for k in getattr(drafter, "WALKS", ()) if k in more}
     walks["tree"] = {b: tree.walk(continuation, more["logq"], more["tokens"], b) for b in trees}
     return {"tau": tau_walk(continuation, drafts), **walks}, drafts, more
-
-@torch.no_grad()
-def walk_tau(drafter, target, walk, world, tree=0):
-    """Pooled tau of every rank's walk, P(draft k accepted) for k = 1..B-1, {name: tau} of trees/WALKS; None: no walk"""
-    if walk is None:
-        return None, None, {}
-    B, names = drafter.cfg.block_size, ["tree"] if tree else list(getattr(drafter, "WALKS", ()))
-    total = torch.zeros(2 + 2 * len(names) + B - 1, device=target.lm_head.weight.device)  # (sum, steps) per walk; >= k
-    for prompt, continuation in zip(*walk):
-        w = walk_continuation(drafter, target, prompt, continuation, trees=(tree,) if tree else ())[0]
-        runs = [w["tau"], *([w["tree"][tree]] if tree else [w[k] for k in names])]
-        total += torch.tensor([x for r in runs for x in (sum(r), len(r))] + acceptance_counts(w["tau"], B)[1],
-                              device=total.device)
-    if world > 1:
-        dist.all_reduce(total)
-    tau = lambda i: (total[i] / total[i + 1]).item() if total[i + 1] > 0 else None  # noqa: E731
-    acceptance = (total[2 + 2 * len(names):] / total[1]).tolist() if total[1] > 0 else None
-    return tau(0), acceptance, {name: tau(2 * j) for j, name in enumerate(names, 1)}
 
 # -----------------------------------------------------------------------------
 # Training: the step, the drafter's build, the loop
@@ -845,6 +803,8 @@ def padded_length(S):
     """The one padding rule for flex shapes: the next power of two, at least 128 (flex's tile size)."""
     return max(128, 1 << (S - 1).bit_length())
 
+MEMORY_BUDGET = 2**27  # elements of the largest intermediate: a chunk of logits, or of drafted blocks in the walk
+
 def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
@@ -888,13 +848,13 @@ class ChunkedLMHead(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None
 
-def anchors_per_chunk(cfg, S, attention, budget=MEMORY_BUDGET):
+def anchors_per_chunk(cfg, S, attention, budget=None):
     """Blocks drafted at once so the MLP, logits and (dense) scores stay near `budget` elements."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
     if attention == "dense":
         per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
-    return max(1, budget // per_anchor)
+    return max(1, (budget or MEMORY_BUDGET) // per_anchor)
 
 def yarn_inv_freq(cfg, inv_freq):
     """yarn as Hugging Face computes it: low frequencies / factor, high kept, a ramp between; cos/sin scale."""
@@ -1375,6 +1335,18 @@ def check_compatible(cfg, target, where="drafter"):
     for what, ours, theirs in (("hidden size", cfg.hidden_size, target.hidden_size), ("vocab", cfg.vocab_size,
                                target.vocab_size), ("num_target_layers", cfg.num_target_layers, target.num_layers)):
         need(ours == theirs, f"{where} {what} {ours} != the target's {theirs}; it was made for another target")
+
+@torch.no_grad()
+def start_off_mask(drafter, target):
+    """Under a tied lm_head a fresh drafter, whose output at a masked offset is mostly its input e_M, would draft
+    the mask token everywhere (tau 1 for tens of steps). So its final norm's weight starts at g = 1 - (1.u/u.u) u,
+    u = W_M * rmsnorm(e_M): the mask token's logit W_M . (g * rmsnorm(e_M)) is 0. Nothing else changes."""
+    M = drafter.cfg.mask_token_id
+    e = embed_blocks(target, torch.tensor([M], device=target.lm_head.weight.device))[0].float()  # (D,), as served
+    u = (target.lm_head.weight[M].float() * e * torch.rsqrt(e.pow(2).mean() + drafter.cfg.rms_norm_eps)).cpu()
+    if u @ u > 0:  # (a zero mask row gives a zero output: nothing to start off)
+        g = torch.ones_like(u)
+        drafter.norm.weight.copy_(g - (g @ u) / (u @ u) * u)
 
 # -----------------------------------------------------------------------------
 # Data: JSONL (other formats: dflash_tools/formats.py) -> (input_ids, loss_mask) per sample with exact chat loss
@@ -1987,6 +1959,13 @@ def append_metrics(out, record):
 # -----------------------------------------------------------------------------
 # Batches: the same global batch for a step whatever the ranks; stats summed over them
 
+def mix_seed(*keys):
+    """A 63-bit seed from ints: randomness keyed by (seed, epoch, sample), the same on any split over ranks."""
+    h = 1469598103934665603
+    for k in keys:
+        h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
 def collate(samples, pad_id, keys=None):  # right-padded (real positions kept); keys: a seed per sample (anchors, noise)
     ids, masks = zip(*samples)
     pad = lambda rows, v: nn.utils.rnn.pad_sequence([torch.tensor(r, dtype=torch.long) for r in rows], True, v)
@@ -2053,6 +2032,27 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
             say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
                 f"for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
+
+def acceptance_counts(lengths, B):  # steps per acceptance length L = 1..B; steps accepting >= k drafts, k = 1..B-1
+    return [lengths.count(L) for L in range(1, B + 1)], [sum(n > k for n in lengths) for k in range(1, B)]
+
+@torch.no_grad()
+def walk_tau(drafter, target, walk, world, tree=0):
+    """Pooled tau of every rank's walk, P(draft k accepted) for k = 1..B-1, {name: tau} of trees/WALKS; None: no walk"""
+    if walk is None:
+        return None, None, {}
+    B, names = drafter.cfg.block_size, ["tree"] if tree else list(getattr(drafter, "WALKS", ()))
+    total = torch.zeros(2 + 2 * len(names) + B - 1, device=target.lm_head.weight.device)  # (sum, steps) per walk; >= k
+    for prompt, continuation in zip(*walk):
+        w = walk_continuation(drafter, target, prompt, continuation, trees=(tree,) if tree else ())[0]
+        runs = [w["tau"], *([w["tree"][tree]] if tree else [w[k] for k in names])]
+        total += torch.tensor([x for r in runs for x in (sum(r), len(r))] + acceptance_counts(w["tau"], B)[1],
+                              device=total.device)
+    if world > 1:
+        dist.all_reduce(total)
+    tau = lambda i: (total[i] / total[i + 1]).item() if total[i + 1] > 0 else None  # noqa: E731
+    acceptance = (total[2 + 2 * len(names):] / total[1]).tolist() if total[1] > 0 else None
+    return tau(0), acceptance, {name: tau(2 * j) for j, name in enumerate(names, 1)}
 
 @torch.no_grad()
 def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, rank, world, gamma, **loss_kw):
