@@ -176,7 +176,8 @@ def dense_masks(mask_mod, b, N, S, B, device):
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per (causal, window) layer kind: a BlockMask (flex), or dense_masks' pair and its context_spans."""
+    """One mask per (causal, window) layer kind: plain's table, a BlockMask (flex), or dense_masks' pair and its
+    context_spans (dense)."""
     b, N = anchors.shape
     B, masks = cfg.block_size, {}
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
@@ -185,6 +186,9 @@ def build_masks(cfg, anchors, anchor_valid, S, attention):
             compile_flex()  # (a no-op once a flex drafter was built; here for one switched to flex later)
             make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
             masks[kind] = make(mod, b, None, N * B, S + N * B, device=anchors.device)
+        elif attention == "plain":  # the whole (b, N*B, S+N*B) table, quadratic in anchors: for reading and tests
+            i = partial(torch.arange, device=anchors.device)
+            masks[kind] = mod(i(b)[:, None, None], 0, i(N * B)[:, None], i(S + N * B))
         else:
             ctx_visible, own_visible = dense_masks(mod, b, N, S, B, anchors.device)
             masks[kind] = ctx_visible, own_visible, context_spans(ctx_visible)
@@ -226,6 +230,14 @@ def apply_rope(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos.unsqueeze(-2) + torch.cat([-x2, x1], dim=-1) * sin.unsqueeze(-2)
 
+def plain_attention(q, k, v, visible):
+    """softmax(q k^T / sqrt(hd)) v over the keys the mask rule shows, as nanoGPT writes it: what both fast paths
+    compute (tested). q (b, h, T, hd), k/v (b, hk, K, hd): query head j reads kv head j // (h/hk); visible (b, T, K)"""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])                         # (b, h, T, K)
+    att = att.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+    return att.nan_to_num(0.0) @ v  # a padding anchor sees nothing: 0 (its NaNs, gradient too, are masked out)
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -244,22 +256,24 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.hk, self.hd))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: a BlockMask or build_masks' dense triple."""
+        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' (plain's table, flex's BlockMask,
+        or the dense path's triple)."""
         b, N, B, _ = x.shape
         h, hk, hd = self.h, self.hk, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
         k_blk, v_blk = self.keys_values(x, cos, sin)                                  # (b, N, B, hk, hd)
         # the fp32 norm weights promote q and k under autocast while v stays bf16: one dtype for the kernel
         q, k_blk, k_ctx, v_ctx = (t.to(v_blk.dtype) for t in (q, k_blk, k_ctx, v_ctx))
-        if isinstance(mask, BlockMask):
-            # all blocks as one query sequence against [context ; all blocks]; the BlockMask skips the rest
+        if not isinstance(mask, tuple):  # all blocks as one query sequence against [context ; all blocks]
             q = q.reshape(b, N * B, h, hd).transpose(1, 2)
             k = torch.cat([k_ctx, k_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
             v = torch.cat([v_ctx, v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
+            if isinstance(mask, BlockMask):  # the fast path on CUDA: flex skips the tiles the BlockMask hides
+                out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
+            else:
+                out = plain_attention(q, k, v, mask)                                    # (b, h, N*B, hd)
             out = out.transpose(1, 2).reshape(b, N, B, h * hd)
-        else:
-            # each group of blocks against its span of the context (context_spans) and its own keys
+        else:  # the dense fast path: each group of blocks against its span of the context and its own keys
             ctx_visible, own_visible, spans = mask
             out = torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
                                                 v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])

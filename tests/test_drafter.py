@@ -172,6 +172,33 @@ def test_flex_equals_dense(setup, mode, monkeypatch):
         assert (a_d - a_f).abs().max().item() < 1e-5
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_plain_attention_is_what_both_fast_paths_compute(setup, monkeypatch, one_thread):
+    """Part I's plain attention (softmax(q k^T / sqrt(hd)) v over the mask rule's whole table) against the dense path
+    and flex's forward (eager: it runs on CPU): every layer's attention output and the drafter's, padding anchors 0;
+    and the dense path's gradients, finite."""
+    from torch.nn.attention.flex_attention import flex_attention
+    monkeypatch.setattr(dflash, "compiled_flex_attention", flex_attention)
+    drafter = setup["drafter"]
+    plain, plain_attn = attention_outputs(drafter, setup, "plain")
+    assert len(plain_attn) == TINY_CFG["num_hidden_layers"] and plain.abs().max() > 0.1
+    for path in ("dense", "flex"):
+        fast, fast_attn = attention_outputs(drafter, setup, path)
+        assert (plain - fast).abs().max().item() < 1e-5, f"plain attention != the {path} path"
+        for a_p, a_f in zip(plain_attn, fast_attn):
+            assert torch.equal(a_p[~VALID], torch.zeros_like(a_p[~VALID]))
+            assert (a_p - a_f).abs().max().item() < 1e-5, f"a layer's plain attention != the {path} path"
+    grads = {}
+    for path in ("plain", "dense"):
+        d = randomized(setup["cfg"]).train()
+        d.attention = path
+        (d(setup["ctx"], setup["x"], ANCHORS, VALID) * VALID[..., None, None]).square().sum().backward()
+        grads[path] = {k: p.grad for k, p in d.named_parameters()}
+    for k, g in grads["plain"].items():
+        assert torch.isfinite(g).all(), f"non-finite plain gradient in {k}"
+        torch.testing.assert_close(g, grads["dense"][k], atol=1e-4, rtol=1e-4)
+
+
 # -----------------------------------------------------------------------------
 # The mask rule against a brute-force table: context strictly before the anchor, then the own block
 
