@@ -291,7 +291,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, index):  # index: layer 0..n-1 (a variant's Layer may mix layer kinds by it)
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -303,17 +303,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """No embedding, no lm_head (the target's); attention flex (CUDA) or dense (anywhere). Hooks: Layer, draft, ..."""
+    """No embedding, no lm_head (the target's); attention flex (CUDA), dense (anywhere) or plain (the reference).
+    Hooks, as the module docstring gives them: Layer, context_kv, blocks, draft, block_loss, summary."""
     Layer = DecoderLayer
 
     def __init__(self, cfg, attention="dense"):
         super().__init__()
         self.cfg, self.attention, self.grad_checkpoint = cfg, attention, False
+        need(type(self).forward is DFlashDrafter.forward, f"{type(self).__name__} overrides forward, which the walk "
+             f"and eval.py never call (they call context_kv and blocks); override blocks instead")
         if attention == "flex":
             compile_flex()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(self.Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.Layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         inv_freq, self.rope_scale = rope_inv_freq(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
@@ -331,12 +334,14 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, context_features, block_embeds, anchors, anchor_valid):
-        """All blocks at once: features (b, S, m*D), block embeds (b, N, B, D), anchors (b, N) -> (b, N, B, D)."""
+        """Training's call, all blocks at once: features (b, S, m*D), block embeds (b, N, B, D), anchors (b, N) ->
+        (b, N, B, D). Not a hook: the walk and eval.py call context_kv and blocks themselves."""
         kv = self.context_kv(context_features)
         return self.blocks(block_embeds, anchors, anchor_valid, kv, context_features.shape[1])
 
     def blocks(self, x, anchors, anchor_valid, kv, S):
-        """The decoder layers over the blocks, given per-layer context keys/values for S positions."""
+        """The final hidden state, the one hook training, the walk and eval.py all call: the decoder layers and norm
+        over the blocks x (b, N, B, D), given per-layer context keys/values kv for S positions -> (b, N, B, D)."""
         pos = block_positions(anchors, self.cfg.block_size)                                # (b, N, B): a+i
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, pos, x.dtype)
         masks = build_masks(self.cfg, anchors, anchor_valid, S, self.attention)

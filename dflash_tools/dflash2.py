@@ -109,8 +109,8 @@ class DFlash2DecoderLayer(DecoderLayer):
     residual branch after the pre-norm: x + conv1(attn(conv0(norm(x)))), then the same around the MLP. The block's
     queries, keys and values come from the convolved input; the context keys/values are untouched."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, index):
+        super().__init__(cfg, index)
         self.attention_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = GroupedCausalConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 

@@ -200,6 +200,83 @@ def test_plain_attention_is_what_both_fast_paths_compute(setup, monkeypatch, one
 
 
 # -----------------------------------------------------------------------------
+# The hooks a variant overrides: blocks (the final hidden state) and Layer(cfg, index)
+
+
+class OffsetBias(DFlashDrafter):
+    """A toy variant changing the final hidden state through blocks: a random vector per block offset added."""
+
+    def __init__(self, cfg, attention="dense"):
+        super().__init__(cfg, attention)
+        g = torch.Generator().manual_seed(3)
+        self.offset_bias = nn.Parameter(10 * torch.randn(cfg.block_size, cfg.hidden_size, generator=g))
+
+    def blocks(self, x, anchors, anchor_valid, kv, S):
+        return super().blocks(x, anchors, anchor_valid, kv, S) + self.offset_bias
+
+
+def test_overriding_blocks_changes_what_is_trained_and_measured_alike(dense, one_thread):
+    """One hook for the final hidden state: training's loss, the walk's drafts and eval.py's per-block drafts all go
+    through blocks, so the toy's override moves all three, and the walk drafts what training's forward gives."""
+    from conftest import loss_of
+    target, base = dense["target"], dense["drafter"]
+    toy = OffsetBias(base.cfg).eval()
+    toy.load_state_dict(base.state_dict(), strict=False)
+    prompt, cont = dense["prompts"][0], dense["continuations"][0]
+    batch = dflash.collate([(prompt + cont, [0] * len(prompt) + [1] * len(cont))], 0)
+    anchors, valid = dflash.batch_anchors(batch, 8)
+    with torch.no_grad():
+        assert loss_of(toy, target, batch, anchors, valid)[0] != loss_of(base, target, batch, anchors, valid)[0]
+    walked = {d: dflash.walk_continuation(d, target, prompt, cont)[1] for d in (base, toy)}
+    assert walked[toy] != walked[base]
+    ids = torch.tensor([prompt + cont])
+    context, _ = dflash.target_features(target, ids, toy.cfg.target_layer_ids)
+    every = torch.arange(len(prompt), ids.shape[1] - 1)[None]  # the walk's anchors, through training's forward
+    with torch.no_grad():
+        x = dflash.embed_blocks(target, dflash.block_input_ids(ids, every, toy.cfg.block_size, toy.cfg.mask_token_id))
+        hidden = toy(context, x, every, torch.ones_like(every, dtype=torch.bool))
+    assert target.lm_head(hidden[0, :, 1:]).argmax(-1).tolist() == walked[toy]
+    cache = NeuralDrafter(toy)  # eval.py's loop: one block over an incremental cache
+    cache.start(target, prompt, context[:, :len(prompt)])
+    assert cache.draft(cont[0], toy.cfg.block_size - 1) == walked[toy][0]  # the block anchored at s[0]
+
+
+def test_a_variant_layer_gets_its_index():
+    """Layer(cfg, index): a variant mixes layer kinds by index (here: layer 1 skips its MLP)."""
+    class NoMLP(dflash.DecoderLayer):
+        def __init__(self, cfg, index):
+            super().__init__(cfg, index)
+            self.index = index
+            if index == 1:
+                self.mlp = None
+
+        def forward(self, x, *a):
+            return super().forward(x, *a) if self.mlp else x + self.self_attn(self.input_layernorm(x), *a)
+
+    class Mixed(DFlashDrafter):
+        Layer = NoMLP
+
+    cfg = tiny_cfg()
+    torch.manual_seed(0)
+    drafter = Mixed(cfg)
+    assert [layer.index for layer in drafter.layers] == list(range(cfg.num_hidden_layers))
+    assert not any(k.startswith("layers.1.mlp.") for k in drafter.state_dict())
+    assert any(k.startswith("layers.0.mlp.") for k in drafter.state_dict())
+    g = torch.Generator().manual_seed(0)
+    ctx, x = torch.randn(1, S, 2 * D, generator=g), torch.randn(1, 2, B, D, generator=g)
+    assert torch.isfinite(drafter(ctx, x, torch.tensor([[3, 7]]), torch.ones(1, 2, dtype=torch.bool))).all()
+
+
+def test_overriding_forward_is_refused():
+    class Forward(DFlashDrafter):
+        def forward(self, *a):
+            return super().forward(*a) * 2
+
+    with pytest.raises(DFlashError, match="Forward overrides forward, which the walk and eval.py never call"):
+        Forward(tiny_cfg())
+
+
+# -----------------------------------------------------------------------------
 # The mask rule against a brute-force table: context strictly before the anchor, then the own block
 
 
