@@ -11,36 +11,56 @@ Quick start
     torchrun --max_restarts=3 ... dflash.py ... [--resume]   # continue <out>/latest (a restarted worker does)
     python eval.py --target Qwen/Qwen3-8B --drafter runs/q3-8b/step_6000   # tau of a checkpoint
 
-This file is DFlash, trained and resumed safely; copied alone into an empty directory it trains, walks held-out tau
-and resumes. Part I is the method in reading order (a learner may stop after it), Part II the exact fast paths,
-Part III the operations a run needs.
+This file is DFlash, trained and resumed safely, and runs copied alone. Part I is the method in reading order (a
+learner may stop after it), Part II the exact fast paths, Part III the operations a run needs.
 
 The method in ten lines
     The target runs as usual. The drafter proposes the next B-1 tokens in ONE forward pass: its input is a block
     [tok[a], M, M, ..., M] (the anchor token a, then B-1 mask tokens) embedded with the target's embedding, and its
-    output at block offset i goes through the target's lm_head to predict the token at position a+i. It conditions on
-    context features: the outputs h[t] of a few target layers t in target_layer_ids, concatenated and projected by
-    fc+hidden_norm into one hidden vector per position, which every drafter layer sees as extra keys/values. Visibility
-    (pictured above make_mask_mod): a block token sees the context positions j < a (when drafting, the target has no
-    hidden state for the anchor yet) and its own block (only offsets up to its own in a causal layer); sliding layers
-    drop keys W or more positions away. Training draws many anchors per sequence and runs every block in one call. The
-    loss is hard cross-entropy against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i
-    (early offsets matter most: one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the global batch.
+    output at block offset i goes through the target's lm_head to predict the token at position a+i. One target forward
+    verifies a block: it accepts the longest prefix of drafts equal to its own greedy tokens, plus one token of its own.
+    tau (the acceptance length) = tokens committed per target forward = accepted + 1, what the walk (tau_walk) measures.
+    The drafter conditions on context features: the outputs h[t] of a few target layers t in target_layer_ids,
+    concatenated and projected by fc+hidden_norm into one hidden vector per position, which every drafter layer sees
+    as extra keys/values. Visibility (pictured above make_mask_mod): a block token sees the context positions j < a
+    (the target has no hidden state for the anchor yet) and its own block (only offsets up to its own in a causal
+    layer); sliding layers drop keys W or more positions away. Training runs the blocks of many anchors in one call;
+    the loss is hard cross-entropy against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i
+    (one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the global batch.
 
-Extending it: a variant, a loss or a training stage is one module, and nothing here is edited. Each is named by
-its flag as a dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags
-with flag(g, ...), accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
-- A variant (--variant NAME; --dflash2 is --variant dflash2): `class Config(DFlashConfig)` with its fields, problems()
-  and dflash_config_keys(), its `architecture: ClassVar[str] = "XDraftModel"` on one line (how config.json's
-  architectures find a dflash_tools/ module); `class Drafter(DFlashDrafter)` overriding the hooks it changes: Layer,
-  draft (the draft rule), block_loss, summary; `Config.Drafter = Drafter`. Optional configure(cfg, args) -> cfg and
-  prepare(drafter, cfg, args) -> drafter (default: the DFlash fields and weights carried over). A checkpoint of a
+The contract: a variant, a loss or a training stage is one module, and nothing here is edited. Its flag names it as a
+dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags with flag(g, ...),
+accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
+- A variant (--variant NAME; --dflash2 is --variant dflash2). `class Config(DFlashConfig)`: its fields; problems()
+  (super()'s plus one line per problem); dflash_config_keys() -> {field: value} of each field it adds, under its own
+  name (config.json's dflash_config; one left out loads back at its default); `architecture: ClassVar[str] =
+  "XDraftModel"` on one line (how a checkpoint finds its dflash_tools/ module); `Config.Drafter = Drafter`.
+  `class Drafter(DFlashDrafter)` overrides the hooks it changes, which training, the walk and eval.py call alike
+  (not forward, which is context_kv then blocks: overriding it is refused):
+    Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
+    context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
+    blocks(x (b, N, B, D) block embeddings, anchors (b, N), anchor_valid (b, N), kv, S) -> the final-normed hidden
+      state (b, N, B, D) the lm_head reads: the one hook that changes it
+    draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
+      {name: (n, B-1, ...)} ({} without truth): "q" (n, B-1), P(its sampled block holds the true token), makes
+      eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked as drafts too
+    block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or
+      (step, total)) -> sum(w * loss), stats {name: tensor} summed over micro-batches and ranks (same names and
+      shapes on every rank): at least weighted_ce's w, ce_w, correct and count (B,), accepted, blocks
+    summary(summed stats) -> {name: number}, logged beside loss, tau and acc
+  An nn.Linear with identity_init = True keeps the weights its module gave it. The step runs model (maybe compiled
+  or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
+  args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
+  prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over). A checkpoint of a
   variant outside dflash_tools/ names its module in config.json (dflash_module); loading it takes
   --trust_variant_code unless --variant names it.
 - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
   f(args) -> an object with CE's token_loss, weights, normaliser. It keeps the DFlash architecture: engines serve it.
-- A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved
-  in each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
+- A stage's state (in every checkpoint, checked at each save): None, bool, int, float, str, torch tensors, and
+  lists, tuples and dicts of them.
+
+A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved in
+each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
 """
 
 import argparse
@@ -176,8 +196,7 @@ def dense_masks(mask_mod, b, N, S, B, device):
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per (causal, window) layer kind: plain's table, a BlockMask (flex), or dense_masks' pair and its
-    context_spans (dense)."""
+    """One mask per (causal, window) layer kind: plain's table, flex's BlockMask, or dense's pair and context_spans"""
     b, N = anchors.shape
     B, masks = cfg.block_size, {}
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
@@ -256,8 +275,7 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.hk, self.hd))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' (plain's table, flex's BlockMask,
-        or the dense path's triple)."""
+        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' plain table, BlockMask or triple."""
         b, N, B, _ = x.shape
         h, hk, hd = self.h, self.hk, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
@@ -303,8 +321,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """No embedding, no lm_head (the target's); attention flex (CUDA), dense (anywhere) or plain (the reference).
-    Hooks, as the module docstring gives them: Layer, context_kv, blocks, draft, block_loss, summary."""
+    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: the module docstring's"""
     Layer = DecoderLayer
 
     def __init__(self, cfg, attention="dense"):
@@ -334,14 +351,12 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def forward(self, context_features, block_embeds, anchors, anchor_valid):
-        """Training's call, all blocks at once: features (b, S, m*D), block embeds (b, N, B, D), anchors (b, N) ->
-        (b, N, B, D). Not a hook: the walk and eval.py call context_kv and blocks themselves."""
+        """Training's call, all blocks at once (not a hook: the walk and eval.py call context_kv and blocks)."""
         kv = self.context_kv(context_features)
         return self.blocks(block_embeds, anchors, anchor_valid, kv, context_features.shape[1])
 
     def blocks(self, x, anchors, anchor_valid, kv, S):
-        """The final hidden state, the one hook training, the walk and eval.py all call: the decoder layers and norm
-        over the blocks x (b, N, B, D), given per-layer context keys/values kv for S positions -> (b, N, B, D)."""
+        """The final hidden state (b, N, B, D): the layers over block embeddings x given the context's kv (S keys)"""
         pos = block_positions(anchors, self.cfg.block_size)                                # (b, N, B): a+i
         cos, sin = rope_cos_sin(self.inv_freq, self.rope_scale, pos, x.dtype)
         masks = build_masks(self.cfg, anchors, anchor_valid, S, self.attention)
@@ -551,7 +566,12 @@ def summarize(stats, drafter=None):
 # Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
 # needs no decode loop (nor rolling back a hybrid target's recurrent state): the target generates s once, one hooked
 # pass over prompt + s gives every context feature, the drafter drafts the block anchored at every position of s at
-# once (each sees only the context before its anchor, by the mask rule), and tau_walk walks them along s.
+# once (each sees only the context before its anchor, by the mask rule), and tau_walk walks them along s, one
+# verification step at a time. One step, B = 4, along s = [the, cat, sat, on, the, mat]:
+#   the block anchored at s[0] "the" drafts   cat  sat  in
+#   the target's greedy tokens s[1:4] are     cat  sat  on    -> 2 drafts accepted ("in" != "on")
+#   one target forward commits them plus its own "on": 3 tokens, the step's acceptance length (tau_walk's first 3);
+#   the next block is anchored at s[3] "on", and tau is the mean length over all steps.
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""

@@ -1,5 +1,6 @@
 """What a learner sees of the visibility rule: the text picture above make_mask_mod and the README's figure
-(dflash_tools/plot.py --mask) are both drawn from dflash.make_mask_mod itself, and say what dense_masks computes."""
+(dflash_tools/plot.py --mask) are both drawn from dflash.make_mask_mod itself, and say what dense_masks computes. And
+the worked verification step at the walk is what tau_walk computes."""
 import os
 
 import pytest
@@ -65,3 +66,15 @@ def test_mask_figure_and_command(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plot.main([])
     assert capsys.readouterr().err.strip() == "error: give a run's OUT directory, or --mask PNG (one of the two)"
+
+
+def test_the_worked_verification_step_is_what_tau_walk_computes():
+    """The example above tau_walk: along s = [the, cat, sat, on, the, mat] the block anchored at s[0] drafts [cat,
+    sat, in]: 2 accepted plus the target's "on", 3 tokens; the next block is anchored at s[3] (the walk reads no
+    other block: the drafts are a dict holding only blocks 0 and 3)."""
+    src = open(dflash.__file__).read()
+    assert "One step, B = 4, along s = [the, cat, sat, on, the, mat]:" in src
+    s = ["the", "cat", "sat", "on", "the", "mat"]
+    assert dflash.accepted_prefix(["cat", "sat", "in"], s[1:]) == 2
+    lengths = dflash.tau_walk(s, {0: ["cat", "sat", "in"], 3: ["the", "mat", "."]})
+    assert lengths == [3, 3]  # block 3: the rest of s, 2 drafts, accepted, plus the target's own next token
