@@ -31,19 +31,18 @@ The method in ten lines
 The contract: a variant, a loss or a training stage is one module, and nothing here is edited. Its flag names it as a
 dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags with flag(g, ...),
 accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
-- A variant (--variant NAME; --dflash2 is --variant dflash2). `class Config(DFlashConfig)`: its fields; problems()
-  (super()'s plus one line per problem); dflash_config_keys() -> {field: value} of each field it adds, under its own
-  name (config.json's dflash_config; one left out loads back at its default); `architecture: ClassVar[str] =
-  "XDraftModel"` on one line (how a checkpoint finds its dflash_tools/ module); `Config.Drafter = Drafter`.
-  `class Drafter(DFlashDrafter)` overrides the hooks it changes, which training, the walk and eval.py call alike
-  (not forward, which is context_kv then blocks: overriding it is refused):
+- A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
+  problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
+  dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
+  (how a checkpoint finds its dflash_tools/ module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)`
+  overrides the hooks it changes; training, the walk and eval.py call them alike (forward is not one, refused):
     Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
     context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
     blocks(x (b, N, B, D) block embeddings, anchors (b, N), anchor_valid (b, N), kv, S) -> the final-normed hidden
       state (b, N, B, D) the lm_head reads: the one hook that changes it
     draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
-      {name: (n, B-1, ...)} ({} without truth): "q" (n, B-1), P(its sampled block holds the true token), makes
-      eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked as drafts too
+      {name: (n, B-1, ...)} ({} without truth); "q": its chance of drafting each true token (the truth before given)
+      makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked as drafts too
     block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or
       (step, total)) -> sum(w * loss), stats {name: tensor} summed over micro-batches and ranks (same names and
       shapes on every rank): at least weighted_ce's w, ce_w, correct and count (B,), accepted, blocks
@@ -52,12 +51,12 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
   or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
   args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
   prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over). A checkpoint of a
-  variant outside dflash_tools/ names its module in config.json (dflash_module); loading it takes
+  variant outside dflash_tools/ names its module in config.json (dflash_module): loading it takes
   --trust_variant_code unless --variant names it.
 - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
   f(args) -> an object with CE's token_loss, weights, normaliser. It keeps the DFlash architecture: engines serve it.
-- A stage's state (in every checkpoint, checked at each save): None, bool, int, float, str, torch tensors, and
-  lists, tuples and dicts of them.
+- A stage's state (in every checkpoint, checked at each save): None, bool, int, float, str, torch tensors, and lists,
+  tuples and dicts of them.
 
 A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved in
 each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
@@ -98,8 +97,7 @@ from tqdm import tqdm
 # =============================================================================
 # PART I. THE METHOD
 #
-# Everything DFlash is, in reading order, each idea before its first use. What it calls from Part II (fast paths) and
-# Part III (operations) is named for what it does; a learner need not jump there.
+# Everything DFlash is, each idea before its first use; what it calls from Parts II and III is named for what it does.
 # =============================================================================
 
 # -----------------------------------------------------------------------------
@@ -187,14 +185,6 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
 
     return mask_mod
 
-def dense_masks(mask_mod, b, N, S, B, device):
-    """The rule where dense scores are: block queries x S context keys (b, N, B, S), x own B keys (b, N, B, B)."""
-    q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
-    ctx_idx = torch.arange(S, device=device)                    # context key j
-    own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
-    bi = torch.arange(b, device=device).view(b, 1, 1, 1)
-    return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
-
 def build_masks(cfg, anchors, anchor_valid, S, attention):
     """One mask per (causal, window) layer kind: plain's table, flex's BlockMask, or dense's pair and context_spans"""
     b, N = anchors.shape
@@ -250,8 +240,8 @@ def apply_rope(x, cos, sin):
     return x * cos.unsqueeze(-2) + torch.cat([-x2, x1], dim=-1) * sin.unsqueeze(-2)
 
 def plain_attention(q, k, v, visible):
-    """softmax(q k^T / sqrt(hd)) v over the keys the mask rule shows, as nanoGPT writes it: what both fast paths
-    compute (tested). q (b, h, T, hd), k/v (b, hk, K, hd): query head j reads kv head j // (h/hk); visible (b, T, K)"""
+    """softmax(q k^T / sqrt(hd)) v over the visible keys, nanoGPT's way, as both fast paths compute it (tested).
+    q (b, h, T, hd), k/v (b, hk, K, hd): query head j reads kv head j // (h/hk); visible (b, T, K)"""
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])                         # (b, h, T, K)
     att = att.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
@@ -327,8 +317,6 @@ class DFlashDrafter(nn.Module):
     def __init__(self, cfg, attention="dense"):
         super().__init__()
         self.cfg, self.attention, self.grad_checkpoint = cfg, attention, False
-        need(type(self).forward is DFlashDrafter.forward, f"{type(self).__name__} overrides forward, which the walk "
-             f"and eval.py never call (they call context_kv and blocks); override blocks instead")
         if attention == "flex":
             compile_flex()
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
@@ -553,25 +541,17 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     ce_w, stats = (raw_model or model).block_loss(hidden, target.lm_head, y, w, ids, **loss_kw)
     return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
 
-def summarize(stats, drafter=None):
-    """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
-    acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
-    return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
-            "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:],
-            **(drafter.summary(stats) if drafter is not None else {})}
-
 # -----------------------------------------------------------------------------
 # The exact tau walk (training's held-out walked tau, and eval.py's)
 #
 # Greedy speculative decoding is lossless: the accepted tokens are exactly the target's greedy continuation s. So tau
 # needs no decode loop (nor rolling back a hybrid target's recurrent state): the target generates s once, one hooked
-# pass over prompt + s gives every context feature, the drafter drafts the block anchored at every position of s at
-# once (each sees only the context before its anchor, by the mask rule), and tau_walk walks them along s, one
-# verification step at a time. One step, B = 4, along s = [the, cat, sat, on, the, mat]:
+# pass over prompt + s gives every context feature, the drafter drafts the block at every anchor of s at once (each
+# sees only the context before it), and tau_walk walks them along s. One step, B = 4, s = [the, cat, sat, on, ...]:
 #   the block anchored at s[0] "the" drafts   cat  sat  in
 #   the target's greedy tokens s[1:4] are     cat  sat  on    -> 2 drafts accepted ("in" != "on")
 #   one target forward commits them plus its own "on": 3 tokens, the step's acceptance length (tau_walk's first 3);
-#   the next block is anchored at s[3] "on", and tau is the mean length over all steps.
+#   the next block is anchored at s[3] "on"; tau is the mean length over all steps.
 
 def accepted_prefix(drafts, truth):
     """Number of leading drafts equal to the truth (compared only where the truth exists)."""
@@ -695,9 +675,6 @@ def build_drafter(args, run, target, world, device, say=print):
                    raw_model=drafter)
     return drafter, model, optimizer, loss_kw
 
-def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding
-    return min(args.num_anchors, args.max_len - 1)
-
 def train(args):
     """A run: set-up (inputs checked, then target, data, drafter, resume), the loop, the end -> drafter, cfg, target"""
     # --- set-up: everything that can be checked without loading weights is checked first
@@ -782,9 +759,17 @@ def train(args):
 # PART II. EXACT FAST PATHS
 #
 # What makes the method fast or bounded in memory without changing a number, each tested equal to the plain
-# computation: two-part dense attention over context spans, flex's compilation and padding, the chunked lm_head CE,
+# computation: dense attention (its masks, two parts, context spans), flex's compilation and padding, the chunked CE,
 # the walk's chunking, yarn RoPE. A reader may skip this part.
 # =============================================================================
+
+def dense_masks(mask_mod, b, N, S, B, device):
+    """The rule where dense scores are: block queries x S context keys (b, N, B, S), x own B keys (b, N, B, B)."""
+    q_idx = torch.arange(N * B, device=device).view(N, B, 1)  # query n*B + i
+    ctx_idx = torch.arange(S, device=device)                    # context key j
+    own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
+    bi = torch.arange(b, device=device).view(b, 1, 1, 1)
+    return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
     """Each block's queries attend to [context ; own block]: one softmax, two parts sharing the row max, the context
@@ -1008,7 +993,10 @@ def config_problems(c):  # every problem at once, one line each
     lists = isinstance(types, list)
     known = lists and all(t in LAYER_TYPES.values() for t in types)
     real = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf  # noqa: E731
-    return [msg for ok, msg in [(c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
+    drafter = c.Drafter  # training calls forward, the walk and eval.py its parts context_kv and blocks: not forward
+    return [msg for ok, msg in [(drafter.forward is DFlashDrafter.forward, f"{drafter.__name__} overrides forward, "
+                                 f"which the walk and eval.py never call; override blocks (the final hidden state)"),
+        (c.head_dim % 2 == 0, f"head_dim must be even (RoPE rotates pairs), got {c.head_dim}"),
         (c.block_size >= 2, f"block_size must be >= 2 (an anchor plus drafts), got {c.block_size}"),
         (H % KV == 0, f"num_attention_heads {H} % num_key_value_heads {KV} != 0; fix --num_heads or --num_kv_heads"),
         (is_int(m) and 0 <= m < V, f"mask_token_id {m!r} is outside the vocabulary [0, {V}); give an id in it"),
@@ -1974,6 +1962,13 @@ def settle(seen, bad, tokens, step, args, say):
     seen.clear()
     return bad, tokens
 
+def summarize(stats, drafter=None):
+    """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
+    acc = (stats["correct"] / stats["count"].clamp(min=1)).tolist()
+    return {"loss": (stats["ce_w"] / stats["w"].clamp(min=1e-9)).item(),
+            "tau": 1.0 + (stats["accepted"] / stats["blocks"].clamp(min=1)).item(), "acc": acc[1:],
+            **(drafter.summary(stats) if drafter is not None else {})}
+
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
 
@@ -2004,6 +1999,9 @@ def mix_seed(*keys):
     for k in keys:
         h = ((h ^ (int(k) & 0xFFFFFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
     return h
+
+def num_anchors(args):  # a sample of max_len tokens has at most max_len - 1 anchors: more would only be padding
+    return min(args.num_anchors, args.max_len - 1)
 
 def collate(samples, pad_id, keys=None):  # right-padded (real positions kept); keys: a seed per sample (anchors, noise)
     ids, masks = zip(*samples)
