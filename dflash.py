@@ -41,12 +41,12 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
     blocks(x (b, N, B, D) block embeddings, anchors (b, N), anchor_valid (b, N), kv, S) -> the final-normed hidden
       state (b, N, B, D) the lm_head reads: the one hook that changes it
     draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
-      {name: (n, B-1, ...)} ({} without truth); "q": its chance of drafting each true token (the truth before given)
-      makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked as drafts too
+      {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
+      given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
     block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or
       (step, total)) -> sum(w * loss), stats {name: tensor} summed over micro-batches and ranks (same names and
       shapes on every rank): at least weighted_ce's w, ce_w, correct and count (B,), accepted, blocks
-    summary(summed stats) -> {name: number}, logged beside loss, tau and acc
+    summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
   An nn.Linear with identity_init = True keeps the weights its module gave it. The step runs model (maybe compiled
   or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
   args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
