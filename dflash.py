@@ -514,7 +514,7 @@ def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
                   **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
 def accuracy_stats(correct, valid):
-    """correct, valid (b, N, B) -> per offset correct/count; accepted (leading correct drafts), blocks."""
+    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted: tau estimate 1 + accepted / blocks"""
     blocks = valid[..., 1]
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
     return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
