@@ -20,13 +20,12 @@ The method in ten lines
     output at block offset i goes through the target's lm_head to predict the token at position a+i. One target forward
     verifies a block: it accepts the longest prefix of drafts equal to its own greedy tokens, plus one token of its own.
     tau (the acceptance length) = tokens committed per target forward = accepted + 1, what the walk (tau_walk) measures.
-    The drafter conditions on context features: the outputs h[t] of a few target layers t in target_layer_ids,
-    concatenated and projected by fc+hidden_norm into one hidden vector per position, which every drafter layer sees
-    as extra keys/values. Visibility (pictured above make_mask_mod): a block token sees the context positions j < a
-    (the target has no hidden state for the anchor yet) and its own block (only offsets up to its own in a causal
-    layer); sliding layers drop keys W or more positions away. Training runs the blocks of many anchors in one call;
-    the loss is hard cross-entropy against the target's own greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i
-    (one wrong draft rejects the rest): loss = sum(w * CE) / sum(w) over the global batch.
+    The drafter conditions on context features: the outputs h[t] of target layers t in target_layer_ids, concatenated
+    and projected by fc+hidden_norm to one vector per position, which every drafter layer sees as extra keys/values.
+    Visibility (pictured above make_mask_mod): a block token sees the context j < a (the target has no hidden state
+    for the anchor yet) and its own block (offsets up to its own in a causal layer); sliding layers drop keys W or
+    more positions away. Training runs the blocks of many anchors in one call; the loss is hard cross-entropy against
+    the target's greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i: loss = sum(w * CE) / sum(w), global batch.
 
 The contract: a variant, a loss or a training stage is one module, and nothing here is edited. Its flag names it as a
 dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags with flag(g, ...),
@@ -38,8 +37,7 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
   overrides the hooks it changes; training, the walk and eval.py call them alike (forward is not one, refused):
     Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
     context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
-    blocks(x (b, N, B, D) block embeddings, anchors (b, N), anchor_valid (b, N), kv, S) -> the final-normed hidden
-      state (b, N, B, D) the lm_head reads: the one hook that changes it
+    blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
     draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
       {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
       given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
