@@ -26,13 +26,20 @@ import sys
 
 import torch
 
-from dflash import DFlashError, first_line, greedy_labels, need
+from dflash import DFlashError, first_line, flag, greedy_labels, int_list, need
 from dflash_tools.formats import optional_package, saved_dataset
 
 HS_FILE = re.compile(r"hs_(\d+)\.safetensors")         # speculators: one per dataset row
 CKPT_FILE = re.compile(r"data_(\d+)\.ckpt(\.gz)?")      # SpecForge: one per sample
 ROWS_DIR = re.compile(r"rows_\d+-\d+")                  # SpecForge: 2,000 samples a folder (--file-group-size)
 REDO = "delete it and rerun the capture (it writes the files that are missing)"
+
+
+def add_flags(g):  # what --features DIR needs beside it when DIR is a foreign dump (dflash_tools/features.py's flags)
+    flag(g, "--dump_layer_ids", None, "a foreign dump's layer ids as its capture took them, comma list (speculators: "
+         "launch_vllm.py --target-layer-ids; SpecForge: the draft config's target_layer_ids)", type=int_list)
+    flag(g, "--dump_data", None, "speculators: prepare_data.py's output, when --features is a hidden_states folder "
+         "kept elsewhere")
 
 
 def dump_kind(path):
@@ -75,9 +82,9 @@ def open_dump(path, layer_ids, dump_layer_ids, target_config, lm_head=None, norm
 OWNER = {"speculators": "speculators'", "specforge": "SpecForge's"}
 DEFAULT_IDS = {
     "speculators": lambda L: f"the ids given to launch_vllm.py --target-layer-ids; its default for this {L}-layer "
-                             f"target: {2} {L // 2} {L - 3} {L}",
+                             f"target: 2 {L // 2} {L - 3} {L}",
     "specforge": lambda L: f"the draft config's dflash_config.target_layer_ids, or eagle_aux_hidden_state_layer_ids "
-                           f"for EAGLE3 records (SGLang's default for this {L}-layer target: {1} {L // 2 - 1} {L - 4})",
+                           f"for EAGLE3 records (SGLang's default for this {L}-layer target: 1 {L // 2 - 1} {L - 4})",
 }
 
 
@@ -292,6 +299,7 @@ class SpecForgeDump(Dump):
              f"{tuple(rec[self.feature_key].shape)}, not (1, {S}, {n} x hidden); {REDO}")
         stack = feats.reshape(feats.shape[0], n, -1)
         self.check_stack(f, stack, S, n)
+        need(len(mask) == S, f"{f}: loss_mask has {len(mask)} entries for {S} tokens; {REDO}")
         final = None
         if self.final is not None and self.labels:
             need(self.final_key in rec, f"{f} has no {self.final_key}, as the dump's first file has; {REDO}")
@@ -299,4 +307,8 @@ class SpecForgeDump(Dump):
             final = final[0] if final.dim() == 3 else final
             need(tuple(final.shape) == (S, stack.shape[2]), f"{f}: {self.final_key} of shape "
                  f"{tuple(rec[self.final_key].shape)} for {S} tokens; {REDO}")
-        return ids, mask, stack, final
+        # prepare_hidden_states.py captures its batches' padded rows: token 0 without loss on the right, dropped here
+        # (no loss term reads them: the loss lies before them, and a block's context before its anchor)
+        real = ((ids != 0) | mask).nonzero()
+        S = int(real[-1]) + 1 if len(real) else S
+        return ids[:S], mask[:S], stack[:S], None if final is None else final[:S]

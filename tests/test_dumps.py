@@ -81,8 +81,12 @@ def write_speculators(root, target, samples, vllm_ids, dtype=torch.float32, rows
 def write_specforge(root, target, samples, layer_ids, record="dflash", compress=False, group=2000):
     """prepare_hidden_states.py's output: root/rows_{a}-{a+group}/data_{i}.ckpt(.gz), a torch.save dict a sample:
     input_ids, loss_mask and DFlash's hidden_states [1, S, m*D] (DSpark: plus target_last_hidden_states) or EAGLE3's
-    aux_hidden_state and hidden_state."""
+    aux_hidden_state and hidden_state; each a row of its padded batch (token 0, loss 0 on the right up to the
+    batch's longest, captured as well)."""
+    longest = max(len(s[0]) for s in samples)
     for i, (ids, mask) in enumerate(samples):
+        pad = longest - len(ids)
+        ids, mask = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([mask, mask.new_zeros(pad)])
         hs, final = hf_states(target, ids)
         aux = torch.cat([hs[k + 1] for k in sorted(layer_ids)], dim=-1)  # (1, S, m*D)
         rec = {"input_ids": ids.clone(), "loss_mask": mask.clone()}
