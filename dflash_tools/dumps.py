@@ -69,8 +69,11 @@ def open_dump(path, layer_ids, dump_layer_ids, target_config, lm_head=None, norm
     need(kind, f"--features {path!r} holds neither our features nor a dump we read (speculators' hs_{{i}}.safetensors,"
          f" SpecForge's rows_*/data_{{i}}.ckpt); give a directory of one of those")
     cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg  # a multimodal config.json's text model
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
     geometry = get("num_hidden_layers"), get("hidden_size"), get("vocab_size")
+    need(all(isinstance(x, int) for x in geometry), "open_dump needs the target's num_hidden_layers, hidden_size and "
+         "vocab_size (its config)")
     if not dump_layer_ids:
         raise DFlashError(f"--features {path!r}: {OWNER[kind]} files do not record which target layers they hold; name "
                           f"them as the capture took them ({DEFAULT_IDS[kind](geometry[0] or 0)})")
@@ -91,7 +94,7 @@ DEFAULT_IDS = {
 class Dump:
     """A foreign dump: len(dump) samples; sample(i) -> {input_ids, loss_mask, features, labels} or None for a sample
     skipped (NaN or inf in its hidden states: counted in .skipped, {file: why}, and said on stderr once)."""
-    kind = ""
+    kind, record = "", "extract_hidden_states"  # record: what the files hold (SpecForge: per training method)
 
     def __init__(self, path, dump_layer_ids, geometry, data):
         self.path, (self.L, self.D, self.V), self.data, self.skipped = path, geometry, data, {}
@@ -107,13 +110,13 @@ class Dump:
              f"does not hold (it holds our layers {have}: after decoder layer t); pick --target_layer_ids among "
              f"those, or capture again with them")
         need(not labels or self.final is not None, f"--features {self.path!r}: the dump holds no final hidden state, "
-             f"so the target's greedy labels cannot be derived; pass --labels data (the data's tokens, as "
-             f"SpecForge trains DFlash), or capture the final layer too")
+             f"so the target's greedy labels cannot be derived; pass --labels data (train on the data's "
+             f"tokens, as SpecForge's DFlash does), or capture the final layer too")
         need(not labels or (lm_head is not None and (norm is not None or not self.prenorm)),
              "labels from a dump need the target's lm_head (and its final norm where the dump's final layer is "
              "before it)")
         self.layer_ids, self.labels, self.lm_head, self.norm = layer_ids, labels, lm_head, norm
-        self.manifest = dict(kind=self.kind, target_layer_ids=layer_ids, dump_layer_ids=self.dump_ids,
+        self.manifest = dict(kind=self.kind, record=self.record, target_layer_ids=layer_ids, dump_layer_ids=self.dump_ids,
                              available_layer_ids=have, final=None if self.final is None else
                              "before the final norm" if self.prenorm else "after the final norm", hidden_size=self.D,
                              dtype=str(self.dtype).removeprefix("torch."), num_samples=len(self.files),
@@ -157,6 +160,9 @@ class Dump:
              f"was made with another target")
 
 
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
+
+
 def unreadable(f, e):
     return DFlashError(f"cannot read {f} ({first_line(e)}): truncated or corrupt; {REDO}")
 
@@ -198,13 +204,12 @@ class SpeculatorsDump(Dump):
             with safe_open(f, "pt") as h:
                 need("hidden_states" in h.keys(), f"{f} has no hidden_states: not a vLLM extract_hidden_states file")
                 sl = h.get_slice("hidden_states")
-                shape, self.dtype = sl.get_shape(), getattr(torch, {"BF16": "bfloat16", "F16": "float16",
-                                                                     "F32": "float32"}.get(sl.get_dtype(), "float32"))
+                shape, dtype = sl.get_shape(), sl.get_dtype()
         except DFlashError:
             raise
         except Exception as e:
             raise unreadable(f, e) from None
-        L = self.L
+        L, self.dtype = self.L, SAFETENSORS_DTYPES.get(dtype, dtype)
         need(len(shape) == 3, f"{f}: hidden_states of shape {tuple(shape)}, not (tokens, layers, hidden)")
         need(not self.D or shape[2] == self.D, f"{f}: hidden size {shape[2]}, but the target's is {self.D}: the dump "
              f"was made with another target")
@@ -276,7 +281,8 @@ class SpecForgeDump(Dump):
     def layout(self, ids):
         rec = self.load(self.files[0])
         if "hidden_states" in rec:  # DFlash, Domino; DSpark adds the final hidden state
-            self.feature_key, self.final_key, self.record = "hidden_states", "target_last_hidden_states", "dflash"
+            self.feature_key, self.final_key = "hidden_states", "target_last_hidden_states"
+            self.record = "dspark" if self.final_key in rec else "dflash"
         else:
             need("aux_hidden_state" in rec, f"{self.files[0]} holds neither hidden_states (DFlash) nor "
                  f"aux_hidden_state (EAGLE3): keys {sorted(rec)}")

@@ -169,7 +169,7 @@ def test_specforge_final_state_gives_our_labels(tmp_path, target, samples, recor
     """EAGLE3's hidden_state and DSpark's target_last_hidden_states are after the final norm: lm_head alone."""
     path = write_specforge(tmp_path / "hs", target, samples, [1, 2], record=record)
     dump = open_dump(path, [1, 2], [2, 1], CONFIG, lm_head=target.lm_head)
-    assert dump.manifest["final"] == "after the final norm"
+    assert (dump.manifest["final"], dump.manifest["record"]) == ("after the final norm", record)
     for i, (ids, _) in enumerate(samples):
         s = dump.sample(i)
         feats, labels = ours(target, ids, [1, 2])
