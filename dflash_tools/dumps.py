@@ -136,7 +136,7 @@ class Dump:
                               f"dump was made with another tokenizer or target")
         features = stack[:, [self.slots[t] for t in self.layer_ids]].reshape(S, -1)  # (S, m*D), ours in order
         final = final if self.labels else None
-        if not torch.isfinite(features).all() or (final is not None and not torch.isfinite(final).all()):
+        if not all_finite(features) or (final is not None and not all_finite(final)):
             if f not in self.skipped:
                 self.skipped[f] = "NaN or inf in its hidden states"
                 print(f"note: {f}: NaN or inf in its hidden states; skipped ({len(self.skipped)} so far)",
@@ -158,6 +158,11 @@ class Dump:
              f"; {REDO}")
         need(not self.D or shape[2] == self.D, f"{f}: hidden size {shape[2]}, but the target's is {self.D}: the dump "
              f"was made with another target")
+
+
+def all_finite(x):  # NaN and inf reach a row's sum, so a finite sum clears the row (~10x faster than isfinite on
+    # bf16); a sum that overflowed is checked entry by entry
+    return bool(torch.isfinite(x.sum(-1)).all()) or bool(torch.isfinite(x).all())
 
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
