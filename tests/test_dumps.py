@@ -243,9 +243,15 @@ def test_nan_sample_is_skipped_and_counted(tmp_path, target, samples, capsys):
     rec = torch.load(f)
     rec["hidden_states"][0, 3, 5] = float("nan")
     torch.save(rec, f)
+    g = os.path.join(path, "rows_0-2000", "data_0.ckpt")  # inf in the final state the labels come from
+    rec = torch.load(g)
+    rec["target_last_hidden_states"][0, 2, 7] = float("-inf")
+    torch.save(rec, g)
     dump = open_dump(path, [0, 2], [0, 2], CONFIG, lm_head=target.lm_head)
-    assert dump.sample(1) is None and dump.sample(1) is None
-    assert dump.skipped == {f: "NaN or inf in its hidden states"}
+    assert dump.sample(1) is None and dump.sample(1) is None and dump.sample(0) is None
+    assert dump.skipped == {f: "NaN or inf in its hidden states", g: "NaN or inf in its hidden states"}
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"note: {f}: NaN or inf in its hidden states; skipped (1 so far)"], err
+    assert err == [f"note: {f}: NaN or inf in its hidden states; skipped (1 so far)",
+                   f"note: {g}: NaN or inf in its hidden states; skipped (2 so far)"], err
+    assert open_dump(path, [0, 2], [0, 2], CONFIG, labels=False).sample(0) is not None  # no labels: its final unread
     assert torch.equal(dump.sample(2)["labels"], ours(target, samples[2][0], [0, 2])[1])
