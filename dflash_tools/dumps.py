@@ -116,11 +116,11 @@ class Dump:
              "labels from a dump need the target's lm_head (and its final norm where the dump's final layer is "
              "before it)")
         self.layer_ids, self.labels, self.lm_head, self.norm = layer_ids, labels, lm_head, norm
-        self.manifest = dict(kind=self.kind, record=self.record, target_layer_ids=layer_ids, dump_layer_ids=self.dump_ids,
-                             available_layer_ids=have, final=None if self.final is None else
-                             "before the final norm" if self.prenorm else "after the final norm", hidden_size=self.D,
-                             dtype=str(self.dtype).removeprefix("torch."), num_samples=len(self.files),
-                             missing=self.missing, target=None, path=self.path)
+        final = None if self.final is None else "before the final norm" if self.prenorm else "after the final norm"
+        self.manifest = dict(kind=self.kind, record=self.record, target_layer_ids=layer_ids, available_layer_ids=have,
+                             dump_layer_ids=self.dump_ids, final=final, hidden_size=self.D, num_samples=len(self.files),
+                             dtype=str(self.dtype).removeprefix("torch."), missing=self.missing, target=None,
+                             path=self.path)  # target: neither layout records the target it was made with
 
     def __len__(self):
         return len(self.files)
