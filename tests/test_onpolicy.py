@@ -189,8 +189,8 @@ def run_steps(drafter, target, batches, args, steps, state=None, optimizer=None,
     state = {} if state is None else state
     for step in range(start, steps):
         micro = [batches.get(step, m) for m in range(2)]
-        onpolicy.train_step(drafter, opt, target, drafter.cfg, micro, 1e-3, 6, 1.0, 1, args=args, state=state,
-                            progress=(step, steps), gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
+        dflash.train_step(drafter, opt, target, drafter.cfg, micro, 1e-3, 6, 1.0, 1, stage=onpolicy.Stage(args, state),
+                          progress=(step, steps), gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
     return opt, state
 
 
