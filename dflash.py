@@ -33,14 +33,19 @@ with flag(g, ...), accepted only beside that flag. Bad input in one is `need(ok,
 - A variant (--variant NAME; --dflash2 is --variant dflash2): `class Config(DFlashConfig)` with its fields, problems()
   and dflash_config_keys(), its `architecture: ClassVar[str] = "XDraftModel"` on one line (how config.json's
   architectures find a dflash_tools/ module); `class Drafter(DFlashDrafter)` overriding the hooks it changes: Layer,
-  draft (the draft rule), block_loss, summary; `Config.Drafter = Drafter`. Optional configure(cfg, args) -> cfg and
+  draft (the draft rule), block_loss, summary, logprobs(logits, h, prev, progress) (what it drafts from, for a stage:
+  [(weight, log q, token ids or None: all V)]); `Config.Drafter = Drafter`. Optional configure(cfg, args) -> cfg and
   prepare(drafter, cfg, args) -> drafter (default: the DFlash fields and weights carried over). A checkpoint of a
   variant outside dflash_tools/ names its module in config.json (dflash_module); loading it takes
   --trust_variant_code unless --variant names it.
 - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
-  f(args) -> an object with CE's token_loss, weights, normaliser. It keeps the DFlash architecture: engines serve it.
-- A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved
-  in each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
+  f(args) -> a CE subclass (token_loss, weights, normaliser); target_logits = True hands token_loss the target's
+  logits at the same rows, chunked. It keeps the DFlash architecture: engines serve it.
+- A training stage (--stage NAME): `class Stage(SFT)`, built Stage(args, state) (state: a dict saved in each
+  checkpoint, for an exact resume), overriding plan(inp, micro_batches) -> per micro-batch (shares {name: its part
+  of a normaliser}, work; work before the step, a rollout, goes here), loss(inp, mb, work, totals) -> (its loss
+  divided by totals, the shares summed over the global batch; stats with block_loss's keys) and after(stats);
+  train_step keeps the one optimizer step. Optional check(args) before any weights load.
 """
 
 import argparse
@@ -62,6 +67,7 @@ import time
 import zlib
 from collections import namedtuple
 from contextlib import contextmanager, nullcontext, suppress
+from functools import partial
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
@@ -338,9 +344,7 @@ class DFlashDrafter(nn.Module):
         """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
 
-    def logprobs(self, logits, h, prev, progress=None):
-        """What it drafts from at T rows (a stage's KL to the target): fp32 logits (T, V) of h (T, D), prev (T,) the
-        token before each -> [(weight, log q (T, K), ids (T, K), or None: all V)]; a variant's draft rule has its own."""
+    def logprobs(self, logits, h, prev, progress=None):  # what it drafts from: see the docstring's contract
         return [(1.0, logits.log_softmax(-1), None)]
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
@@ -491,13 +495,13 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
 
 def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None, final=None):
     """sum(w * CE) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once.
-    loss: a --loss's (reweigh), final (b, N, B, D): the target's final hidden state before each, when it asks."""
-    sel = (weights.flatten() > 0).nonzero().squeeze(1).to(hidden.device)  # on the CPU in training: no device sync
-    weights, rows = weights.to(hidden.device), lambda x: None if x is None else x.reshape(-1, x.shape[-1])[sel]
-    y = labels.flatten()[sel].clamp(min=0)
-    tl, logq, pred = ChunkedLMHead.apply(rows(hidden), lm_head.weight, lm_head.bias, y,
-                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss or CE(), rows(final))
-    w, norm = reweigh(loss, weights, logq, sel) if loss else (weights, weights.sum())
+    loss: a --loss (CE.reweigh); final (b, N, B, D): the target's state f[a+i-1], if the loss asks."""
+    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
+    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
+    y, f = labels.flatten()[sel].clamp(min=0), None if final is None else final.reshape(-1, final.shape[-1])[sel]
+    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
+                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss, f)
+    w, norm = loss.reweigh(weights, logq, sel)
     ce_w = (tl * w.flatten()[sel]).sum()
     valid, correct = weights > 0, torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
     correct[sel] = pred == y
@@ -520,7 +524,7 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
-    f = block_labels(final, anchors - 1, B) if getattr(loss_kw.get("loss"), "target_logits", 0) else None  # f[a+i-1]
+    f = block_labels(final, anchors - 1, B) if getattr(loss_kw.get("loss"), "target_logits", 0) else None
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
     with torch.no_grad():
         x = embed_blocks(target, ids)
@@ -635,26 +639,23 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 class SFT:
-    """The method's training stage; a --stage module's Stage(args, state) subclasses it, overriding what differs."""
-    def plan(self, inp, micro_batches):  # -> (shares {name: its part of a global normaliser}, work) per micro-batch
+    """The method's training stage (a --stage module's Stage(args, state) subclasses it): anchors, weights, the loss."""
+    def plan(self, inp, micro_batches):  # -> (shares {name: part of a global normaliser}, work) each
         for mb in micro_batches:
             a, v = batch_anchors(mb, inp.num_anchors)
             w = loss_weights(a, v, mb["loss_mask"], inp.cfg.block_size, inp.gamma)
             yield {"w": (inp.loss_kw.get("loss") or CE()).normaliser(w)}, (a, v, w)
 
-    def loss(self, inp, mb, work, totals):  # -> (its loss over totals, the global normalisers; block_loss's stats)
+    def loss(self, inp, mb, work, totals):  # -> (loss over totals {name: global normaliser}, stats)
         return dflash_loss(inp.model, inp.cfg, inp.target, mb, *work, weight_total=totals["w"], **inp.loss_kw)
 
-    def after(self, stats):  # the step's stats, summed over ranks
+    def after(self, stats):  # the step's, summed over ranks
         pass
-
-StepInputs = namedtuple("StepInputs", "model target cfg num_anchors gamma loss_kw")  # what a stage sees of a step
 
 def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, stage=None,
                **loss_kw):
     """One optimizer step over the micro-batches -> stats summed over ranks, grad norm, whether the update was taken (a
-    non-finite one is skipped on every rank). The stage (SFT) plans every micro-batch first: each micro-step divides
-    by the global batch's normalisers."""
+    non-finite one is skipped on every rank). The stage plans first: each micro-step divides by the global normalisers."""
     device, stage = target.lm_head.weight.device, stage or SFT()
     inp = StepInputs(model, target, cfg, num_anchors, gamma, loss_kw)
     plans = list(stage.plan(inp, micro_batches))
@@ -663,8 +664,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     total = None
     for m, (mb, (_, work)) in enumerate(zip(micro_batches, plans)):
         # no gradient all-reduce until the last micro-step, around forward *and* backward
-        sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
-        with sync:
+        with model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext():
             out, stats = stage.loss(inp, mb, work, totals)
             out.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
@@ -750,7 +750,7 @@ def train(args):
     # --- the loop
     step = start = run.state["step"] if run.state else 0
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
-    stage = run.stage.Stage(args, run.stage_state) if run.stage else SFT()  # what each micro-batch gives a step
+    step_fn = partial(train_step, stage=run.stage.Stage(args, run.stage_state) if run.stage else SFT())
     if step == 0:
         held_out(0)
     stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
@@ -758,9 +758,8 @@ def train(args):
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total, grad_norm, ok = train_step(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
-                                              args.grad_clip, world, stage=stage, progress=(step, total_steps),
-                                              **loss_kw)
+            total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
+                                           args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
             seen.append(torch.stack([ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]).float())
@@ -862,7 +861,7 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
 
 def loss_rows(hs, weight, bias, ys, grad: bool, loss, fs=None):
     """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits.
-    fs: the target's final hidden states at these rows (a loss asking for the target's logits)."""
+    fs: the target's final hidden states at these rows, for a loss asking for the target's logits there."""
     logits = F.linear(hs.to(weight.dtype), weight, bias).float()                 # (chunk, V)
     lse = logits.logsumexp(-1)
     logq, pred, p = logits.gather(1, ys[:, None]).squeeze(1) - lse, logits.argmax(-1), None
@@ -883,7 +882,7 @@ class ChunkedLMHead(torch.autograd.Function):
     rows = staticmethod(loss_rows)  # build_drafter's torch.compile(loss_rows) when the drafter is compiled on CUDA
 
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk, loss, f=None):
+    def forward(ctx, h, weight, bias, labels, chunk, loss, f=None):  # f: the target's rows, if the loss asks
         T, want = h.shape[0], ctx.needs_input_grad[0]
         out, logq, pred = (torch.empty(T, dtype=d, device=h.device) for d in (torch.float, torch.float, torch.long))
         grad = torch.empty_like(h) if want else None
@@ -1824,6 +1823,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         say(rope_note)
     return cfg
 
+StepInputs = namedtuple("StepInputs", "model target cfg num_anchors gamma loss_kw")  # what a stage sees of a step
 # what check_run found (cfg None for --show_data); stage_state: what a --stage keeps between steps, saved and resumed
 RunSetup = namedtuple("RunSetup", "cfg resume_dir state data_digest init_from variant stage stage_state",
                       defaults=[None] * 8)  # variant, stage: their modules, or None
@@ -2242,10 +2242,8 @@ def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[na
     return module.LOSSES[name](args) if module else CE()
 
 class CE:
-    """The method's loss, as a --loss states it: per token of fp32 logits (T, V), and the target's when target_logits
-    (token_loss(logits, labels, target_logits)); weights; the global denominator."""
-    target_logits = False
-
+    """The method's loss, as a --loss states it: per token of fp32 logits (T, V) (a --loss with target_logits = True:
+    and the target's, token_loss(logits, labels, target_logits)); weights; the global denominator; reweigh."""
     def token_loss(self, logits, labels):
         return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
@@ -2255,9 +2253,9 @@ class CE:
     def normaliser(self, w):
         return w.sum()
 
-def reweigh(loss, weights, logq, sel):  # a --loss's weights from log q(label) of the selected tokens, its normaliser
-    logq = torch.zeros_like(weights).flatten().index_put((sel,), logq.to(weights.dtype)).view_as(weights)
-    return loss.weights(weights, logq, weights > 0), loss.normaliser(weights)
+    def reweigh(self, w, logq, sel):  # (weights, normaliser) of block weights w, from log q(label) at the tokens sel
+        logq = torch.zeros_like(w).flatten().index_put((sel,), logq.to(w.dtype)).view_as(w)
+        return self.weights(w, logq, w > 0), self.normaliser(w)
 
 def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
     modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if

@@ -4,21 +4,22 @@ Every --onpolicy_every optimizer steps the current drafter is rolled out on the 
 samples (the tokens before their first loss token): the target continues each prompt (greedy, or sampled at
 --onpolicy_temperature with eval.py's sampling), one hooked target pass over prompt + continuation gives the
 drafter's context features and the target's final hidden states, and the drafter is walked along the continuation
-exactly as eval.py walks it (DFlash: its argmax drafts; DFlash2: its selector's path, at T > 0 rejection-sampled).
+exactly as eval.py walks it (its draft rule's drafts; a rule that samples its block is rejection-sampled at T > 0).
 The rollout records the block starts, the proposals, the accepted lengths, and those hidden states: through the
 target's lm_head they give the target's distribution p at every verified position, so no second target pass runs.
 
 The objective re-runs the drafter, with gradient, at the recorded block starts. A block anchored at a with m
 accepted drafts covers offsets 1..B-1 (those inside the continuation):
   - offsets 1..m+1 (the accepted drafts and the first rejection): CE to the target's greedy token, through the
-    drafter's own block_loss (DFlash2: its selector's term too), or forward KL(p || q) (--onpolicy_accepted);
+    drafter's own block_loss (a variant's own terms too), or forward KL(p || q) (--onpolicy_accepted);
   - offsets m+1+k, k >= 1 (the rejected proposals): reverse KL(q || p) or total variation, weighted
     decay^(k-1) (--onpolicy_rejected, --onpolicy_decay);
 summed and divided by the global batch's sum of those weights; plus --onpolicy_sft_weight times the usual SFT loss
-(dflash.dflash_loss) on random anchors of the same samples. DFlash2's q is its unary head's softmax plus alpha
-times its selector's softmax over the top-k candidates (teacher-forced predecessors), against p renormalised over
-those candidates. p is the target's softmax at the rollout temperature (1 for greedy rollouts). The logits exist
-one chunk of tokens at a time, recomputed in backward (memory bounded as in SFT).
+(dflash.dflash_loss) on random anchors of the same samples. q is what the drafter's logprobs hook says it drafts
+from (DFlash: the softmax of its logits; a variant may add distributions over some tokens, each against p
+renormalised over those, the token before each position given). p is the target's softmax at the rollout
+temperature (1 for greedy rollouts). The logits exist one chunk of tokens at a time, recomputed in backward (memory
+bounded as in SFT). The stage runs on dflash.train_step (the Stage class): the optimizer step is the core's.
 
 Rollout seeds derive from (--seed, step, sample key) and the rollouts live in the stage's state (saved in every
 checkpoint), so a resumed run is bitwise the same. Each step appends a line to <out>/onpolicy.jsonl: the rollouts'
@@ -92,7 +93,8 @@ def prompts_of(batch):
 @torch.no_grad()
 def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0):
     """The exact walk of drafter on one prompt: eval.py's (greedy, or at temperature T its sampled continuation,
-    drawn with a generator seeded by seed, and acceptance rule, DFlash2's uniforms seeded by accept_seed), recorded.
+    drawn with a generator seeded by seed, and acceptance rule, a sampling rule's uniforms seeded by accept_seed),
+    recorded.
     Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the continuation index of each
     block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
     import eval as tau_eval
@@ -110,7 +112,7 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     walks, drafts, details = dflash.walk_continuation(drafter, target, prompt, continuation, features,
                                                       temperature=temperature)  # eval.py's walk
     lengths, drafts = walks["tau"], torch.tensor(drafts, dtype=torch.long, device=dev).view(-1, cfg.block_size - 1)
-    if sampling and "q" in details:  # a rule that samples its block (DFlash2's selector): rejection-sampled
+    if sampling and "q" in details:  # a rule that samples its block (its q of each true token): rejection-sampled
         p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
         lengths = sampler.sampled_lengths(continuation, p_truth, details["q"],
                                           torch.Generator().manual_seed(accept_seed))
@@ -168,8 +170,8 @@ def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None):
     """Per-token divergence (T,) of the drafter's q (from final-normed hidden states h (T, D), with gradient) to the
     target's p (from its final hidden states f (T, D)): mode "fkl" KL(p||q), "rkl" KL(q||p), "tv" total variation.
     q is what the drafter's logprobs hook says it drafts from (prev (T,): the token before each row): a weighted sum
-    over its distributions, each against p renormalised over its tokens (DFlash2: its selector's over the unary
-    top-k). Chunks of tokens, recomputed in backward: no (T, V) tensor is kept."""
+    over its distributions, each against p renormalised over its tokens. Chunks of tokens, recomputed in backward:
+    no (T, V) tensor is kept."""
     chunk = dflash.vocab_chunk(lm_head.weight.shape[0])
     T = max(temperature, 0.0) or 1.0
 
@@ -187,7 +189,7 @@ def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None):
             logp = F.log_softmax(lm_head(fc.to(lm_head.weight.dtype)).to(fp32) / T, -1)
         out = 0
         for weight, logq, ids in drafter.logprobs(lm_head(hc.to(lm_head.weight.dtype)).to(fp32), hc, pc, progress):
-            p = logp if ids is None else logp.gather(1, ids)
+            p = logp if ids is None else logp.gather(1, ids)  # over some tokens: p renormalised over them
             out = out + weight * div(logq, p if ids is None else p - p.logsumexp(-1, keepdim=True))
         return out
 

@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -166,6 +167,13 @@ def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted,
     assert got.keys() == want.keys() and len(got) > 4
     for n in got:
         assert (got[n] - want[n]).norm() <= tol * want[n].norm() and want[n].norm() > 0, n
+
+
+def test_the_stage_names_no_variant():
+    """What the stage needs of a variant comes through the drafter's hooks (logprobs, block_loss, draft): its code
+    names none (the objective tests above run it on DFlash2 too)."""
+    code = "".join(line for line in open(onpolicy.__file__) if not line.lstrip().startswith("#"))
+    assert not re.search(r"dflash2|selector|candidate|unary", code, re.I)
 
 
 def test_region_weights_by_hand():
