@@ -33,19 +33,16 @@ with flag(g, ...), accepted only beside that flag. Bad input in one is `need(ok,
 - A variant (--variant NAME; --dflash2 is --variant dflash2): `class Config(DFlashConfig)` with its fields, problems()
   and dflash_config_keys(), its `architecture: ClassVar[str] = "XDraftModel"` on one line (how config.json's
   architectures find a dflash_tools/ module); `class Drafter(DFlashDrafter)` overriding the hooks it changes: Layer,
-  draft (the draft rule), block_loss, summary, logprobs(logits, h, prev, progress) (what it drafts from, for a stage:
-  [(weight, log q, token ids or None: all V)]); `Config.Drafter = Drafter`. Optional configure(cfg, args) -> cfg and
-  prepare(drafter, cfg, args) -> drafter (default: the DFlash fields and weights carried over). A checkpoint of a
-  variant outside dflash_tools/ names its module in config.json (dflash_module); loading it takes
-  --trust_variant_code unless --variant names it.
+  draft (the draft rule), block_loss, summary, logprobs (what it drafts from, for a stage); `Config.Drafter =
+  Drafter`. Optional configure(cfg, args) -> cfg and prepare(drafter, cfg, args) -> drafter (default: the DFlash
+  fields and weights carried over). A checkpoint of a variant outside dflash_tools/ names its module in config.json
+  (dflash_module); loading it takes --trust_variant_code unless --variant names it.
 - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
-  f(args) -> a CE subclass (token_loss, weights, normaliser); target_logits = True hands token_loss the target's
-  logits at the same rows, chunked. It keeps the DFlash architecture: engines serve it.
-- A training stage (--stage NAME): `class Stage(SFT)`, built Stage(args, state) (state: a dict saved in each
-  checkpoint, for an exact resume), overriding plan(inp, micro_batches) -> per micro-batch (shares {name: its part
-  of a normaliser}, work; work before the step, a rollout, goes here), loss(inp, mb, work, totals) -> (its loss
-  divided by totals, the shares summed over the global batch; stats with block_loss's keys) and after(stats);
-  train_step keeps the one optimizer step. Optional check(args) before any weights load.
+  f(args) -> a CE subclass (token_loss, weights, normaliser; target_logits = True: token_loss also gets the target's
+  logits at its rows). It keeps the DFlash architecture: engines serve it.
+- A training stage (--stage NAME): `class Stage(SFT)` built as Stage(args, state) (state: a dict saved in each
+  checkpoint, for an exact resume) says what each micro-batch gives train_step's one optimizer step (SFT's contract);
+  optional check(args) before any weights load.
 """
 
 import argparse
@@ -639,32 +636,28 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 class SFT:
-    """The method's training stage (a --stage module's Stage(args, state) subclasses it): anchors, weights, the loss."""
-    def plan(self, inp, micro_batches):  # -> (shares {name: part of a global normaliser}, work) each
+    """The method's training stage: per micro-batch its anchors, weights and CE. A stage's plan(inp, micro_batches)
+    -> per micro-batch (shares {name: its part of a normaliser}, work); loss(inp, mb, work, totals) -> (its loss over
+    totals, the shares summed over the global batch; stats: block_loss's keys); after(stats): the step's, all ranks."""
+    def plan(self, inp, micro_batches):
         for mb in micro_batches:
             a, v = batch_anchors(mb, inp.num_anchors)
             w = loss_weights(a, v, mb["loss_mask"], inp.cfg.block_size, inp.gamma)
             yield {"w": (inp.loss_kw.get("loss") or CE()).normaliser(w)}, (a, v, w)
 
-    def loss(self, inp, mb, work, totals):  # -> (loss over totals {name: global normaliser}, stats)
+    def loss(self, inp, mb, work, totals):
         return dflash_loss(inp.model, inp.cfg, inp.target, mb, *work, weight_total=totals["w"], **inp.loss_kw)
 
-    def after(self, stats):  # the step's, summed over ranks
-        pass
-
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, stage=None,
-               **loss_kw):
+def train_step(model, optimizer, target, cfg, micro, lr, num_anchors, grad_clip, world, gamma, stage=SFT(), **loss_kw):
     """One optimizer step over the micro-batches -> stats summed over ranks, grad norm, whether the update was taken (a
-    non-finite one is skipped on every rank). The stage plans first: each micro-step divides by the global normalisers."""
-    device, stage = target.lm_head.weight.device, stage or SFT()
-    inp = StepInputs(model, target, cfg, num_anchors, gamma, loss_kw)
-    plans = list(stage.plan(inp, micro_batches))
+    non-finite one is skipped on every rank). The stage plans first: each micro-step divides by global normalisers."""
+    device, inp = target.lm_head.weight.device, StepInputs(model, target, cfg, num_anchors, gamma, loss_kw)
+    plans, total = list(stage.plan(inp, micro)), None
     totals = {k: sum(shares[k] for shares, _ in plans).to(device) for k in plans[0][0]}
     totals = {k: v / world for k, v in all_reduce_sum(totals, world).items()}  # DDP averages gradients: undo it
-    total = None
-    for m, (mb, (_, work)) in enumerate(zip(micro_batches, plans)):
+    for m, (mb, (_, work)) in enumerate(zip(micro, plans)):
         # no gradient all-reduce until the last micro-step, around forward *and* backward
-        with model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext():
+        with model.no_sync() if world > 1 and m < len(micro) - 1 else nullcontext():
             out, stats = stage.loss(inp, mb, work, totals)
             out.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
@@ -678,7 +671,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     if fused or ok:  # (else a host sync: --zero's or a CPU optimizer)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stage.after(total)
+    getattr(stage, "after", lambda stats: None)(total)
     return total, grad_norm, ok
 
 def build_drafter(args, run, target, world, device, say=print):
@@ -750,7 +743,7 @@ def train(args):
     # --- the loop
     step = start = run.state["step"] if run.state else 0
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
-    step_fn = partial(train_step, stage=run.stage.Stage(args, run.stage_state) if run.stage else SFT())
+    step_fn = partial(train_step, stage=run.stage.Stage(args, run.stage_state)) if run.stage else train_step
     if step == 0:
         held_out(0)
     stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
@@ -859,9 +852,8 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
-def loss_rows(hs, weight, bias, ys, grad: bool, loss, fs=None):
-    """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits.
-    fs: the target's final hidden states at these rows, for a loss asking for the target's logits there."""
+def loss_rows(hs, weight, bias, ys, grad: bool, loss, fs=None):  # fs: the target's rows, for a loss that asks
+    """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits."""
     logits = F.linear(hs.to(weight.dtype), weight, bias).float()                 # (chunk, V)
     lse = logits.logsumexp(-1)
     logq, pred, p = logits.gather(1, ys[:, None]).squeeze(1) - lse, logits.argmax(-1), None
@@ -2242,8 +2234,7 @@ def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[na
     return module.LOSSES[name](args) if module else CE()
 
 class CE:
-    """The method's loss, as a --loss states it: per token of fp32 logits (T, V) (a --loss with target_logits = True:
-    and the target's, token_loss(logits, labels, target_logits)); weights; the global denominator; reweigh."""
+    """The method's loss as a --loss states it: per token of fp32 logits (T, V); weights; the global denominator."""
     def token_loss(self, logits, labels):
         return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
 
