@@ -301,10 +301,11 @@ def log(args, step, state, totals, total):
     if (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0) or not getattr(args, "out", None):
         return
     walk = total["walk"].tolist()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    mean = lambda k, n: (total[k] / (world * totals[n]).clamp(min=1e-9)).item()  # noqa: E731 (totals: / world)
     record = {"step": step + 1, "rollout_age": step - state["rollout_step"],
-              "rollout_tau": walk[0] / walk[1] if walk[1] else None,
-              "onpolicy_loss": (total["op_loss"] / totals["op"].clamp(min=1e-9)).item(),
-              "sft_loss": (total["sft_loss"] / totals["w"].clamp(min=1e-9)).item() if "w" in totals else None,
+              "rollout_tau": walk[0] / walk[1] if walk[1] else None, "onpolicy_loss": mean("op_loss", "op"),
+              "sft_loss": mean("sft_loss", "w") if "w" in totals else None,
               **{k: int(total[k].item()) for k in ("target_tokens", "drafter_fwd_tokens", "drafter_bwd_tokens")}}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "onpolicy.jsonl")
