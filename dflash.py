@@ -341,7 +341,9 @@ class DFlashDrafter(nn.Module):
         """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
 
-    def logprobs(self, logits, h, prev, progress=None):  # what it drafts from: see the docstring's contract
+    def logprobs(self, logits, h, prev, progress=None):
+        """What it drafts from, for a stage: fp32 logits (T, V) of h (T, D), prev (T,) the token before each ->
+        [(weight, log q (T, K), ids (T, K) or None: all V)], each a distribution over its own tokens; a variant's too"""
         return [(1.0, logits.log_softmax(-1), None)]
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
@@ -638,7 +640,7 @@ def lr_at(step, total_steps, lr, warmup_ratio):
 class SFT:
     """The method's training stage: per micro-batch its anchors, weights and CE. A stage's plan(inp, micro_batches)
     -> per micro-batch (shares {name: its part of a normaliser}, work); loss(inp, mb, work, totals) -> (its loss over
-    totals, the shares summed over the global batch; stats: block_loss's keys); after(stats): the step's, all ranks."""
+    totals, the shares summed over the global batch; stats: block_loss's keys); optional after(stats): the step's."""
     def plan(self, inp, micro_batches):
         for mb in micro_batches:
             a, v = batch_anchors(mb, inp.num_anchors)
