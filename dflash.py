@@ -2287,7 +2287,7 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--demo", False, "the CPU demo (what runs with no arguments; needs dflash_tools/)", action="store_true")
     flag(g, "--variant", help="a drafter variant: a dflash_tools/ module (dflash2), a module or a .py path")
     flag(g, "--dflash2", False, "--variant dflash2 (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
-    flag(g, "--stage", help="a training stage (default: SFT, the method's): a dflash_tools/ module, a module or a .py path")
+    flag(g, "--stage", help="a training stage (default: SFT): a dflash_tools/ module, a module or a .py path")
     flag(g, "--trust_variant_code", False, "import the variant code a drafter's config.json names", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)
