@@ -342,8 +342,7 @@ class DFlashDrafter(nn.Module):
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
 
     def logprobs(self, logits, h, prev, progress=None):
-        """What it drafts from, for a stage: fp32 logits (T, V) of h (T, D), prev (T,) the token before each ->
-        [(weight, log q (T, K), ids (T, K) or None: all V)], each a distribution over its own tokens; a variant's too"""
+        """fp32 logits (T, V) of h (T, D), prev (T,) the token before each -> [(weight, log q, ids or None: all V)]"""
         return [(1.0, logits.log_softmax(-1), None)]
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
@@ -638,9 +637,8 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 class SFT:
-    """The method's training stage: per micro-batch its anchors, weights and CE. A stage's plan(inp, micro_batches)
-    -> per micro-batch (shares {name: its part of a normaliser}, work); loss(inp, mb, work, totals) -> (its loss over
-    totals, the shares summed over the global batch; stats: block_loss's keys); optional after(stats): the step's."""
+    """The method's stage: each micro-batch's anchors, weights, CE. plan(inp, micro_batches) -> [(shares {name: part of
+    a normaliser}, work)]; loss(inp, mb, work, totals) -> (loss / the global totals, block_loss's stats); after(stats)"""
     def plan(self, inp, micro_batches):
         for mb in micro_batches:
             a, v = batch_anchors(mb, inp.num_anchors)
