@@ -638,7 +638,7 @@ def lr_at(step, total_steps, lr, warmup_ratio):
 
 class SFT:
     """The method's stage: each micro-batch's anchors, weights, CE. plan(inp, micro_batches) -> [(shares {name: part of
-    a normaliser}, work)]; loss(inp, mb, work, totals) -> (loss / the global totals, block_loss's stats); after(stats)"""
+    a normaliser}, work)]; loss(inp, mb, work, totals) -> (loss / global totals, block_loss's stats); after(stats)"""
     def plan(self, inp, micro_batches):
         for mb in micro_batches:
             a, v = batch_anchors(mb, inp.num_anchors)
