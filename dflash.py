@@ -42,9 +42,12 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
       {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
       given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
     block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or
-      (step, total)) -> sum(w * loss), stats {name: tensor} summed over micro-batches and ranks (same names and
-      shapes on every rank): at least weighted_ce's w, ce_w, correct and count (B,), accepted, blocks
+      (step, total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), stats {name: tensor} summed
+      over micro-batches and ranks (same names and shapes on every rank): weighted_ce's w, ce_w, correct and count
+      (B,), accepted, blocks at least
     summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
+    logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
+      log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
   An nn.Linear with identity_init = True keeps the weights its module gave it. The step runs model (maybe compiled
   or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
   args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
@@ -52,12 +55,12 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
   variant outside dflash_tools/ names its module in config.json (dflash_module): loading it takes
   --trust_variant_code unless --variant names it.
 - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
-  f(args) -> an object with CE's token_loss, weights, normaliser. It keeps the DFlash architecture: engines serve it.
-- A stage's state (in every checkpoint, checked at each save): None, bool, int, float, str, torch tensors, and lists,
-  tuples and dicts of them.
-
-A training stage (--stage NAME): train_step(...) with train_step's arguments plus args= and state= (a dict saved in
-each checkpoint, for an exact resume), replacing train_step; optional check(args) before any weights load.
+  f(args) -> a CE subclass (token_loss, weights, normaliser; target_logits = True: token_loss also gets the target's
+  logits at its rows, a chunk at a time). It keeps the DFlash architecture: engines serve it.
+- A training stage (--stage NAME): `class Stage(SFT)` built as Stage(args, state) says what each micro-batch gives
+  train_step's one optimizer step (SFT's contract); optional check(args) before any weights load. Its state, a dict
+  saved in each checkpoint for an exact resume and checked at each save, holds None, bool, int, float, str, torch
+  tensors, and lists, tuples and dicts of them.
 """
 
 import argparse
@@ -355,9 +358,13 @@ class DFlashDrafter(nn.Module):
         """The draft rule: logits (n, B-1, V) -> drafts (n, B-1), the argmax; a variant's {name: (n, B-1)} too"""
         return logits.argmax(-1), {}
 
-    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
+    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None, final=None):
         """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
-        return weighted_ce(hidden, lm_head, labels, weights, loss=loss)
+        return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
+
+    def logprobs(self, logits, h, prev, progress=None):
+        """fp32 logits (T, V) of h (T, D), prev (T,) the token before each -> [(weight, log q, ids or None: all V)]"""
+        return [(1.0, logits.log_softmax(-1), None)]
 
     def summary(self, stats):  # a variant's figures from the summed stats, beside loss, tau and acc
         return {}
@@ -456,9 +463,9 @@ def embed_blocks(target, ids):
     return F.embedding(ids, target.embed.weight)
 
 def block_labels(labels_all, anchors, B):
-    """labels_all (b, S) -> (b, N, B): the label of offset i is labels_all[a+i] (clamped past the end, weight 0)."""
-    pos = block_positions(anchors, B).clamp(max=labels_all.shape[1] - 1)
-    return labels_all.gather(1, pos.flatten(1)).view_as(pos)
+    """labels_all (b, S, ...) -> (b, N, B, ...): offset i's is labels_all[a+i] (clamped to the sequence, weight 0)."""
+    pos = block_positions(anchors, B).clamp(0, labels_all.shape[1] - 1)
+    return labels_all[torch.arange(len(pos), device=pos.device)[:, None, None], pos]
 
 def add_context_noise(context, noise_std, num_context_layers, keys):
     """Gaussian noise relative to the RMS of each feature vector h[t][j], on the context features only (a new
@@ -484,32 +491,19 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-class CE:
-    """The method's loss, as a --loss states it: per token of fp32 logits (T, V); weights; the global denominator."""
-    def token_loss(self, logits, labels):
-        return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
-
-    def weights(self, w, logq, valid):
-        return w
-
-    def normaliser(self, w):
-        return w.sum()
-
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None):
-    """sum(w * loss) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once."""
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None, final=None):
+    """sum(w * CE) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once.
+    loss: a --loss (CE.reweigh); final (b, N, B, D): the target's state f[a+i-1], if the loss asks."""
     loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
     sel, weights = sel.to(hidden.device), weights.to(hidden.device)
-    y = labels.flatten()[sel].clamp(min=0)
+    y, f = labels.flatten()[sel].clamp(min=0), None if final is None else final.reshape(-1, final.shape[-1])[sel]
     tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
-                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss)
-    valid = weights > 0
-    logq = torch.zeros_like(weights).flatten().index_put((sel,), logq.to(weights.dtype)).view_as(weights)
-    w = loss.weights(weights, logq, valid)
+                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss, f)
+    w, norm = loss.reweigh(weights, logq, sel)
     ce_w = (tl * w.flatten()[sel]).sum()
-    correct = torch.zeros(valid.numel(), dtype=torch.bool, device=hidden.device)
+    valid, correct = weights > 0, torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
     correct[sel] = pred == y
-    return ce_w, {"w": loss.normaliser(weights).detach(), "ce_w": ce_w.detach(),
-                  **accuracy_stats(correct.view_as(valid) & valid, valid)}
+    return ce_w, {"w": norm.detach(), "ce_w": ce_w.detach(), **accuracy_stats(correct.view_as(valid) & valid, valid)}
 
 def accuracy_stats(correct, valid):
     """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted: tau estimate 1 + accepted / blocks"""
@@ -528,6 +522,7 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
     context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
     y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
+    f = block_labels(final, anchors - 1, B) if getattr(loss_kw.get("loss"), "target_logits", 0) else None
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
     with torch.no_grad():
         x = embed_blocks(target, ids)
@@ -536,7 +531,7 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
         context = F.pad(context, (0, 0, 0, pad_to - context.shape[1]))
     with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
         hidden = model(context, x, anchors, anchor_valid)                      # (b, N, B, D)
-    ce_w, stats = (raw_model or model).block_loss(hidden, target.lm_head, y, w, ids, **loss_kw)
+    ce_w, stats = (raw_model or model).block_loss(hidden, target.lm_head, y, w, ids, final=f, **loss_kw)
     return ce_w / (stats["w"] if weight_total is None else weight_total).clamp(min=1e-9), stats
 
 # -----------------------------------------------------------------------------
@@ -617,20 +612,29 @@ def lr_at(step, total_steps, lr, warmup_ratio):
     progress = (step - warmup) / max(1, total_steps - warmup)
     return lr * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, gamma, **loss_kw):
+class SFT:
+    """The method's stage: each micro-batch's anchors, weights, CE. plan(inp, micro_batches) -> [(shares {name: part of
+    a normaliser}, work)]; loss(inp, mb, work, totals) -> (loss / global totals, block_loss's stats); after(stats)"""
+    def plan(self, inp, micro_batches):
+        for mb in micro_batches:
+            a, v = batch_anchors(mb, inp.num_anchors)
+            w = loss_weights(a, v, mb["loss_mask"], inp.cfg.block_size, inp.gamma)
+            yield {"w": (inp.loss_kw.get("loss") or CE()).normaliser(w)}, (a, v, w)
+
+    def loss(self, inp, mb, work, totals):
+        return dflash_loss(inp.model, inp.cfg, inp.target, mb, *work, weight_total=totals["w"], **inp.loss_kw)
+
+def train_step(model, optimizer, target, cfg, micro, lr, num_anchors, grad_clip, world, gamma, stage=SFT(), **loss_kw):
     """One optimizer step over the micro-batches -> stats summed over ranks, grad norm, whether the update was taken (a
-    non-finite one is skipped on every rank). Anchors come first: each micro-step divides by the global batch's norm."""
-    device = target.lm_head.weight.device
-    anchors = [batch_anchors(mb, num_anchors) for mb in micro_batches]
-    weights = [loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma) for mb, (a, v) in zip(micro_batches, anchors)]
-    w_total = sum((loss_kw.get("loss") or CE()).normaliser(w) for w in weights).to(device)
-    w_total = all_reduce_sum({"w": w_total}, world)["w"] / world  # DDP averages gradients over ranks: undo it
-    total = None
-    for m, (mb, (a, v), w) in enumerate(zip(micro_batches, anchors, weights)):
+    non-finite one is skipped on every rank). The stage plans first: each micro-step divides by global normalisers."""
+    device, inp = target.lm_head.weight.device, StepInputs(model, target, cfg, num_anchors, gamma, loss_kw)
+    plans, total = list(stage.plan(inp, micro)), None
+    totals = {k: sum(shares[k] for shares, _ in plans).to(device) for k in plans[0][0]}
+    totals = {k: v / world for k, v in all_reduce_sum(totals, world).items()}  # DDP averages gradients: undo it
+    for m, (mb, (_, work)) in enumerate(zip(micro, plans)):
         # no gradient all-reduce until the last micro-step, around forward *and* backward
-        sync = model.no_sync() if world > 1 and m < len(micro_batches) - 1 else nullcontext()
-        with sync:
-            out, stats = dflash_loss(model, cfg, target, mb, a, v, w, weight_total=w_total, **loss_kw)
+        with model.no_sync() if world > 1 and m < len(micro) - 1 else nullcontext():
+            out, stats = stage.loss(inp, mb, work, totals)
             out.backward()
         total = add_stats(total, {**stats, "tokens": torch.tensor(float(mb["tokens"]), device=device)})
     total = all_reduce_sum(total, world)
@@ -643,6 +647,7 @@ def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, gr
     if fused or ok:  # (else a host sync: --zero's or a CPU optimizer)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    getattr(stage, "after", lambda stats: None)(total)
     return total, grad_norm, ok
 
 def build_drafter(args, run, target, world, device, say=print):
@@ -711,7 +716,7 @@ def train(args):
     # --- the loop
     step = start = run.state["step"] if run.state else 0
     bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
-    step_fn = partial(run.stage.train_step, args=args, state=run.stage_state) if run.stage else train_step
+    step_fn = partial(train_step, stage=run.stage.Stage(args, run.stage_state)) if run.stage else train_step
     if step == 0:
         held_out(0)
     stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
@@ -723,8 +728,7 @@ def train(args):
                                            args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
-            seen.append(torch.stack([torch.as_tensor(x, dtype=torch.float32, device=device) for x in (  # (a stage: any)
-                ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"])]))
+            seen.append(torch.stack([ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]).float())
             if step == start + 1:
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
@@ -831,14 +835,15 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
-def loss_rows(hs, weight, bias, ys, grad: bool, loss):
+def loss_rows(hs, weight, bias, ys, grad: bool, loss, fs=None):  # fs: the target's rows, for a loss that asks
     """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits."""
     logits = F.linear(hs.to(weight.dtype), weight, bias).float()                 # (chunk, V)
     lse = logits.logsumexp(-1)
     logq, pred, p = logits.gather(1, ys[:, None]).squeeze(1) - lse, logits.argmax(-1), None
     if type(loss).token_loss is not CE.token_loss:  # another loss: its gradient by autograd
         with torch.enable_grad():
-            tl = loss.token_loss(logits.requires_grad_(grad), ys)
+            tl = loss.token_loss(logits.requires_grad_(grad), ys, *([] if fs is None else [
+                F.linear(fs.to(weight.dtype), weight, bias).float()]))
             p = torch.autograd.grad(tl.sum(), logits)[0] if grad else None
         return tl.detach(), logq, pred, None if p is None else p.to(weight.dtype) @ weight
     if grad:  # the method's CE, -log q: its gradient in place, one (chunk, V) buffer, not three
@@ -852,13 +857,14 @@ class ChunkedLMHead(torch.autograd.Function):
     rows = staticmethod(loss_rows)  # build_drafter's torch.compile(loss_rows) when the drafter is compiled on CUDA
 
     @staticmethod
-    def forward(ctx, h, weight, bias, labels, chunk, loss):
+    def forward(ctx, h, weight, bias, labels, chunk, loss, f=None):  # f: the target's rows, if the loss asks
         T, want = h.shape[0], ctx.needs_input_grad[0]
         out, logq, pred = (torch.empty(T, dtype=d, device=h.device) for d in (torch.float, torch.float, torch.long))
         grad = torch.empty_like(h) if want else None
         for s in range(0, T, chunk):  # a chunk's (chunk, V) buffers are freed before the next ones are allocated
             c = slice(s, s + chunk)
-            out[c], logq[c], pred[c], g = ChunkedLMHead.rows(h[c], weight, bias, labels[c], want, loss)
+            out[c], logq[c], pred[c], g = ChunkedLMHead.rows(h[c], weight, bias, labels[c], want, loss,
+                                                             None if f is None else f[c])
             if want:
                 grad[c] = g.to(h.dtype)
         ctx.save_for_backward(grad)
@@ -868,7 +874,7 @@ class ChunkedLMHead(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_logq, grad_pred):
         (grad,) = ctx.saved_tensors
-        return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None
+        return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None, None
 
 def anchors_per_chunk(cfg, S, attention, budget=None):
     """Blocks drafted at once so the MLP, logits and (dense) scores stay near `budget` elements."""
@@ -1807,6 +1813,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
         say(rope_note)
     return cfg
 
+StepInputs = namedtuple("StepInputs", "model target cfg num_anchors gamma loss_kw")  # what a stage sees of a step
 # what check_run found (cfg None for --show_data); stage_state: what a --stage keeps between steps, saved and resumed
 RunSetup = namedtuple("RunSetup", "cfg resume_dir state data_digest init_from variant stage stage_state",
                       defaults=[None] * 8)  # variant, stage: their modules, or None
@@ -2223,13 +2230,13 @@ class ArgumentParser(argparse.ArgumentParser):
         return args
 
 def tool_plugins():
-    """dflash_tools/' (flag, module, architecture): a Config names an architecture, a loss LOSSES, a stage train_step"""
+    """dflash_tools/' (flag, module, architecture): a Config names an architecture, a loss LOSSES, a stage Stage"""
     found = []
     for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
         text = pathlib.Path(TOOLS, f).read_text(errors="replace") if f.endswith(".py") else ""
         arch = re.search(r'^ +architecture: ClassVar\[str\] = "(\w+)"', text, re.M)
         kind = "--variant" if arch else "--loss" if re.search(r"^LOSSES = ", text, re.M) else "--stage" if re.search(
-            r"^def train_step\(", text, re.M) else None
+            r"^class Stage\(", text, re.M) else None
         found += [(kind, f[:-3], arch and arch[1])] if kind else []
     return found
 
@@ -2261,6 +2268,21 @@ def loss_plugin(spec):  # (module, name) of --loss spec: a name in dflash_tools/
 def loss_of(args):  # --loss's object: the method's CE, or a plug-in's LOSSES[name](args)
     module, name = loss_plugin(args.loss) if args.loss != "ce" else (None, None)
     return module.LOSSES[name](args) if module else CE()
+
+class CE:
+    """The method's loss as a --loss states it: per token of fp32 logits (T, V); weights; the global denominator."""
+    def token_loss(self, logits, labels):
+        return logits.logsumexp(-1) - logits.gather(1, labels[:, None]).squeeze(1)
+
+    def weights(self, w, logq, valid):
+        return w
+
+    def normaliser(self, w):
+        return w.sum()
+
+    def reweigh(self, w, logq, sel):  # (weights, normaliser) of block weights w, from log q(label) at the tokens sel
+        logq = torch.zeros_like(w).flatten().index_put((sel,), logq.to(w.dtype)).view_as(w)
+        return self.weights(w, logq, w > 0), self.normaliser(w)
 
 def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
     modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if
@@ -2299,7 +2321,7 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--demo", False, "the CPU demo (what runs with no arguments; needs dflash_tools/)", action="store_true")
     flag(g, "--variant", help="a drafter variant: a dflash_tools/ module (dflash2), a module or a .py path")
     flag(g, "--dflash2", False, "--variant dflash2 (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
-    flag(g, "--stage", help="a training stage replacing the SFT step: a dflash_tools/ module, a module or a .py path")
+    flag(g, "--stage", help="a training stage (default: SFT): a dflash_tools/ module, a module or a .py path")
     flag(g, "--trust_variant_code", False, "import the variant code a drafter's config.json names", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)

@@ -206,13 +206,26 @@ class Drafter(DFlashDrafter):
             out["q"] = torch.where(hit, (s / temperature).softmax(-1), 0.0).sum(-1)
         return drafts, out
 
-    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None):
+    def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None, final=None):
         need(loss is None or type(loss) is CE, "another --loss with a DFlash2 drafter is not implemented")
+        return dflash2_weighted_ce(hidden, lm_head, labels, weights, self.cfg, self.candidate_selector,
+                                   predecessors(block_ids, labels), self.alpha_at(progress), self.stop_gradient)
+
+    def alpha_at(self, progress):
+        """The selector term's weight at progress (step, total_steps), kept for summary; None: --selector_alpha."""
         if progress is not None:
             self.alpha = selector_alpha(*progress, *self.schedule)
-        return dflash2_weighted_ce(hidden, lm_head, labels, weights, self.cfg, self.candidate_selector,
-                                   predecessors(block_ids, labels), self.alpha if progress else self.schedule[0],
-                                   self.stop_gradient)
+        return self.alpha if progress else self.schedule[0]
+
+    def logprobs(self, logits, h, prev, progress=None):
+        """The distributions it drafts from: its unary softmax, and alpha times its selector's softmax over the unary
+        top-k (prev: each row's predecessor), whose own log-probabilities a stage compares over those k tokens."""
+        cfg = self.cfg
+        z = unary_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping)
+        top = z.topk(cfg.selector_top_k)
+        hs, vals = (h.detach(), top.values.detach()) if self.stop_gradient else (h, top.values)
+        s = self.candidate_selector.scores(hs, prev, top.indices, vals)
+        return [(1.0, F.log_softmax(z, -1), None), (self.alpha_at(progress), F.log_softmax(s, -1), top.indices)]
 
     def summary(self, stats):
         """The selector's own CE (over the covered tokens), and the diagnostics: the unary argmax's tau and acc, the

@@ -1,10 +1,10 @@
-"""Losses beyond the paper's CE (--loss NAME, a name in LOSSES): D-PACE reweights the same hard cross-entropy by
-what each block offset moves in the expected number of accepted drafts, computed from the drafter's own confidence
-without gradient. A loss is an object with dflash.CE's three methods (token_loss, weights, normaliser); LOSSES maps
-its name to a function of the parsed flags that builds it, and add_flags declares this module's flags (accepted only
-with one of its losses). A reweighted loss is normalised per sequence of the global batch, as SpecForge does; NVIDIA
-Model-Optimizer divides by the sum of the D-PACE weights and speculators by the number of tokens: the objective is
-shared, the normaliser is not."""
+"""Losses beyond the paper's CE (--loss NAME, a name in LOSSES): D-PACE reweights the same hard cross-entropy by what
+each block offset moves in the expected number of accepted drafts, computed from the drafter's own confidence without
+gradient. A loss is a dflash.CE subclass (token_loss, weights, normaliser; target_logits = True also hands token_loss
+the target's logits at the same rows, a chunk at a time); LOSSES maps its name to a function of the parsed flags that
+builds it, and add_flags declares this module's flags (accepted only with one of its losses). A reweighted loss is
+normalised per sequence of the global batch, as SpecForge does; NVIDIA Model-Optimizer divides by the sum of the
+D-PACE weights and speculators by the number of tokens: the objective is shared, the normaliser is not."""
 import torch
 
 import dflash

@@ -4,28 +4,29 @@ Every --onpolicy_every optimizer steps the current drafter is rolled out on the 
 samples (the tokens before their first loss token): the target continues each prompt (greedy, or sampled at
 --onpolicy_temperature with eval.py's sampling), one hooked target pass over prompt + continuation gives the
 drafter's context features and the target's final hidden states, and the drafter is walked along the continuation
-exactly as eval.py walks it (DFlash: its argmax drafts; DFlash2: its selector's path, at T > 0 rejection-sampled).
+exactly as eval.py walks it (its draft rule's drafts; a rule that samples its block is rejection-sampled at T > 0).
 The rollout records the block starts, the proposals, the accepted lengths, and those hidden states: through the
 target's lm_head they give the target's distribution p at every verified position, so no second target pass runs.
 
 The objective re-runs the drafter, with gradient, at the recorded block starts. A block anchored at a with m
 accepted drafts covers offsets 1..B-1 (those inside the continuation):
   - offsets 1..m+1 (the accepted drafts and the first rejection): CE to the target's greedy token, through the
-    drafter's own block_loss (DFlash2: its selector's term too), or forward KL(p || q) (--onpolicy_accepted);
+    drafter's own block_loss (a variant's own terms too), or forward KL(p || q) (--onpolicy_accepted);
   - offsets m+1+k, k >= 1 (the rejected proposals): reverse KL(q || p) or total variation, weighted
     decay^(k-1) (--onpolicy_rejected, --onpolicy_decay);
 summed and divided by the global batch's sum of those weights; plus --onpolicy_sft_weight times the usual SFT loss
-(dflash.dflash_loss) on random anchors of the same samples. DFlash2's q is its unary head's softmax plus alpha
-times its selector's softmax over the top-k candidates (teacher-forced predecessors), against p renormalised over
-those candidates. p is the target's softmax at the rollout temperature (1 for greedy rollouts). The logits exist
-one chunk of tokens at a time, recomputed in backward (memory bounded as in SFT).
+(dflash.dflash_loss) on random anchors of the same samples. q is what the drafter's logprobs hook says it drafts
+from (DFlash: the softmax of its logits; a variant may add distributions over some tokens, each against p
+renormalised over those, the token before each position given). p is the target's softmax at the rollout
+temperature (1 for greedy rollouts). The logits exist one chunk of tokens at a time, recomputed in backward (memory
+bounded as in SFT). The stage runs on dflash.train_step (the Stage class): the optimizer step is the core's.
 
 Rollout seeds derive from (--seed, step, sample key) and the rollouts live in the stage's state (saved in every
 checkpoint), so a resumed run is bitwise the same. Each step appends a line to <out>/onpolicy.jsonl: the rollouts'
 age in optimizer steps, their walked tau, the two loss terms, and the step's compute (target forward tokens,
 drafter forward and backward tokens)."""
+import itertools
 import json
-import math
 import os
 from contextlib import nullcontext
 
@@ -89,14 +90,11 @@ def prompts_of(batch):
     return out
 
 
-def is_dflash2(drafter):
-    return hasattr(drafter, "candidate_selector")
-
-
 @torch.no_grad()
 def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0):
     """The exact walk of drafter on one prompt: eval.py's (greedy, or at temperature T its sampled continuation,
-    drawn with a generator seeded by seed, and acceptance rule, DFlash2's uniforms seeded by accept_seed), recorded.
+    drawn with a generator seeded by seed, and acceptance rule, a sampling rule's uniforms seeded by accept_seed),
+    recorded.
     Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the continuation index of each
     block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
     import eval as tau_eval
@@ -114,7 +112,7 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     walks, drafts, details = dflash.walk_continuation(drafter, target, prompt, continuation, features,
                                                       temperature=temperature)  # eval.py's walk
     lengths, drafts = walks["tau"], torch.tensor(drafts, dtype=torch.long, device=dev).view(-1, cfg.block_size - 1)
-    if sampling and "q" in details:  # a rule that samples its block (DFlash2's selector): rejection-sampled
+    if sampling and "q" in details:  # a rule that samples its block (its q of each true token): rejection-sampled
         p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
         lengths = sampler.sampled_lengths(continuation, p_truth, details["q"],
                                           torch.Generator().manual_seed(accept_seed))
@@ -168,11 +166,11 @@ def region_weights(lengths, anchors, valid, accepted, B, decay, rejected):
     return acc, rej
 
 
-def divergence(h, f, lm_head, mode, temperature, selector=None, pred=None, cfg=None, alpha=0.0, stop_gradient=False):
+def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None):
     """Per-token divergence (T,) of the drafter's q (from final-normed hidden states h (T, D), with gradient) to the
     target's p (from its final hidden states f (T, D)): mode "fkl" KL(p||q), "rkl" KL(q||p), "tv" total variation.
-    DFlash2 (selector given): q of its unary logits, plus alpha times its selector's over the unary top-k with
-    predecessors pred (T,), against p renormalised over those candidates. Chunks of tokens, recomputed in backward:
+    q is what the drafter's logprobs hook says it drafts from (prev (T,): the token before each row): a weighted sum
+    over its distributions, each against p renormalised over its tokens. Chunks of tokens, recomputed in backward:
     no (T, V) tensor is kept."""
     chunk = dflash.vocab_chunk(lm_head.weight.shape[0])
     T = max(temperature, 0.0) or 1.0
@@ -189,21 +187,14 @@ def divergence(h, f, lm_head, mode, temperature, selector=None, pred=None, cfg=N
     def piece(hc, fc, pc):
         with torch.no_grad():
             logp = F.log_softmax(lm_head(fc.to(lm_head.weight.dtype)).to(fp32) / T, -1)
-        z = lm_head(hc.to(lm_head.weight.dtype)).to(fp32)
-        if selector is None:
-            return div(F.log_softmax(z, -1), logp)
-        from dflash_tools.dflash2 import unary_logits
-        z = unary_logits(z, cfg.output_multiplier, cfg.final_logit_softcapping)
-        out = div(F.log_softmax(z, -1), logp)
-        top = z.topk(cfg.selector_top_k)
-        hs, vals = (hc.detach(), top.values.detach()) if stop_gradient else (hc, top.values)
-        s = selector.scores(hs, pc, top.indices, vals)
-        p_c = logp.gather(1, top.indices)
-        return out + alpha * div(F.log_softmax(s, -1), p_c - p_c.logsumexp(-1, keepdim=True))
+        out = 0
+        for weight, logq, ids in drafter.logprobs(lm_head(hc.to(lm_head.weight.dtype)).to(fp32), hc, pc, progress):
+            p = logp if ids is None else logp.gather(1, ids)  # over some tokens: p renormalised over them
+            out = out + weight * div(logq, p if ids is None else p - p.logsumexp(-1, keepdim=True))
+        return out
 
-    pred = pred if pred is not None else torch.zeros(len(h), dtype=torch.long, device=h.device)
-    parts = [checkpoint(piece, h[s:s + chunk], f[s:s + chunk], pred[s:s + chunk], use_reentrant=False)
-             if torch.is_grad_enabled() else piece(h[s:s + chunk], f[s:s + chunk], pred[s:s + chunk])
+    parts = [checkpoint(piece, h[s:s + chunk], f[s:s + chunk], prev[s:s + chunk], use_reentrant=False)
+             if torch.is_grad_enabled() else piece(h[s:s + chunk], f[s:s + chunk], prev[s:s + chunk])
              for s in range(0, len(h), chunk)]
     return torch.cat(parts) if parts else h.new_zeros(0)
 
@@ -226,15 +217,8 @@ def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
         with torch.no_grad():
             _, stats = raw.block_loss(hidden.detach(), target.lm_head, greedy, acc_w, block_ids, progress=progress)
         loss = hidden.new_zeros((), dtype=torch.float32)
-    # the target's state before each drafted position: final[a+i-1]; DFlash2's teacher-forced predecessors
-    before = (dflash.block_positions(anchors, B) - 1).clamp(min=0, max=ids.shape[1] - 1)
-    f = final.gather(1, before.flatten(1)[..., None].expand(-1, -1, final.shape[-1])).view(*before.shape, -1)
-    kw = {}
-    if is_dflash2(raw):
-        from dflash_tools.dflash2 import predecessors, selector_alpha
-        alpha = selector_alpha(*progress, *raw.schedule) if progress else raw.schedule[0]
-        kw = dict(selector=raw.candidate_selector, cfg=cfg, alpha=alpha, stop_gradient=raw.stop_gradient,
-                  pred=predecessors(block_ids, dflash.block_labels(ids, anchors, B)))
+    # before each drafted position a+i: the target's state final[a+i-1] and the token ids[a+i-1]
+    f, prev = dflash.block_labels(final, anchors - 1, B), dflash.block_labels(ids, anchors - 1, B)
     T = s["onpolicy_temperature"]
     for mode, w in (("fkl", acc_w if s["onpolicy_accepted"] == "fkl" else None),
                     (s["onpolicy_rejected"], rej_w if s["onpolicy_rejected"] != "none" else None)):
@@ -242,81 +226,71 @@ def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
             continue
         sel = (w.flatten() > 0).nonzero().squeeze(1)
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
-        more = {**kw, "pred": kw["pred"].flatten()[sel]} if kw else {}
-        loss = loss + (divergence(h, f.reshape(-1, f.shape[-1])[sel], target.lm_head, mode, T, **more)
-                       * w.flatten()[sel]).sum()
+        loss = loss + (divergence(raw, h, f.reshape(-1, f.shape[-1])[sel], prev.flatten()[sel], target.lm_head,
+                                  mode, T, progress) * w.flatten()[sel]).sum()
     return loss, acc_w.sum() + rej_w.sum(), stats, int(valid.sum()) * B
 
 
-def train_step(model, optimizer, target, cfg, micro_batches, lr, num_anchors, grad_clip, world, *, args, state,
-               progress, gamma=4.0, **loss_kw):
-    """One optimizer step of the on-policy stage (dflash.train_step's contract): a rollout when the step asks for
-    one (else the state's latest), the on-policy terms and --onpolicy_sft_weight x the SFT loss, one update."""
-    s = settings(args)
-    raw = loss_kw.get("raw_model") or model
-    dev = target.lm_head.weight.device
-    step = progress[0] if progress else state.get("step", 0)
-    compute = {"target_tokens": 0, "drafter_fwd_tokens": 0, "drafter_bwd_tokens": 0}
-    if "rollouts" not in state or step % s["onpolicy_every"] == 0:
-        state["rollouts"] = [rollout_batch(raw, target, mb, s["onpolicy_tokens"], s["onpolicy_temperature"],
-                                           args.seed, step) for mb in micro_batches]
-        state["rollout_step"] = step
+class Stage(dflash.SFT):
+    """The on-policy stage on dflash.train_step's one optimizer step: plan rolls out when the step asks for it (else
+    trains on the state's latest rollouts); a micro-batch's loss is its rollouts' terms over the global batch's sum
+    of their weights, plus --onpolicy_sft_weight times the SFT loss on its random anchors."""
+
+    def __init__(self, args, state):
+        self.args, self.state, self.s = args, state, settings(args)
+
+    def plan(self, inp, micro_batches):
+        """The rollouts (when due) and, per micro-batch, the shares of the two normalisers: "op" the on-policy
+        weights, "w" the SFT term's (none when --onpolicy_sft_weight is 0)."""
+        s, state, cfg, dev = self.s, self.state, inp.cfg, inp.target.lm_head.weight.device
+        raw, progress = inp.loss_kw.get("raw_model") or inp.model, inp.loss_kw.get("progress")
+        self.step = step = progress[0] if progress else state.get("step", 0)
+        compute = {"target_tokens": 0, "drafter_fwd_tokens": 0}
+        if "rollouts" not in state or step % s["onpolicy_every"] == 0:
+            state["rollouts"] = [rollout_batch(raw, inp.target, mb, s["onpolicy_tokens"], s["onpolicy_temperature"],
+                                               self.args.seed, step) for mb in micro_batches]
+            state["rollout_step"] = step
+            rolled = [r for rs in state["rollouts"] for r in rs]
+            compute["target_tokens"] += sum(r["target_tokens"] for r in rolled)
+            compute["drafter_fwd_tokens"] += sum(len(r["ids"]) - r["prompt_len"] - 1 for r in rolled) * cfg.block_size
+        state["step"] = step + 1
         rolled = [r for rs in state["rollouts"] for r in rs]
-        compute["target_tokens"] += sum(r["target_tokens"] for r in rolled)
-        compute["drafter_fwd_tokens"] += sum(len(r["ids"]) - r["prompt_len"] - 1 for r in rolled) * cfg.block_size
-    state["step"] = step + 1
-    rolled = [r for rs in state["rollouts"] for r in rs]
-    walk = torch.tensor([float(sum(len(r["ids"]) - r["prompt_len"] - 1 for r in rolled)), float(
-        sum(len(r["starts"]) for r in rolled))], device=dev)  # walked tokens (accepted + 1 each step), steps
-    # the global normalisers, before any backward: the on-policy weights and the SFT term's
-    terms = [region_weights(*pack(rs, cfg, dev)[3:], cfg.block_size, s["onpolicy_decay"], s["onpolicy_rejected"])
-             for rs in state["rollouts"] if rs]
-    totals = {"op": sum((a.sum() + r.sum() for a, r in terms), torch.zeros((), device=dev))}
-    sft = s["onpolicy_sft_weight"] > 0
-    if sft:
-        anchors = [dflash.batch_anchors(mb, num_anchors) for mb in micro_batches]
-        weights = [dflash.loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma)
-                   for mb, (a, v) in zip(micro_batches, anchors)]
-        totals["sft"] = sum((loss_kw.get("loss") or dflash.CE()).normaliser(w) for w in weights).to(dev)
-    totals = {k: v / world for k, v in dflash.all_reduce_sum(totals, world).items()}  # DDP averages: undo it
-    total, op_sum, sft_sum = None, torch.zeros((), device=dev), torch.zeros((), device=dev)
-    for m, (mb, rs) in enumerate(zip(micro_batches, state["rollouts"])):
-        last = m == len(micro_batches) - 1
+        walk = torch.tensor([float(sum(len(r["ids"]) - r["prompt_len"] - 1 for r in rolled)), float(
+            sum(len(r["starts"]) for r in rolled))], device=dev)  # walked tokens (accepted + 1 each step), steps
+        self.first = {"walk": walk, **{k: torch.tensor(float(v), device=dev) for k, v in compute.items()}}
+        sft = super().plan(inp, micro_batches) if s["onpolicy_sft_weight"] > 0 else itertools.repeat(({}, None))
+        for mb, rs, (shares, work) in zip(micro_batches, state["rollouts"], sft):
+            dflash.need(rs or work, "a micro-batch has no prompt to roll out (each of its samples starts in the "
+                        "loss) and --onpolicy_sft_weight is 0; give prompts or an --onpolicy_sft_weight")
+            acc, rej = region_weights(*pack(rs, cfg, dev)[3:], cfg.block_size, s["onpolicy_decay"],
+                                      s["onpolicy_rejected"]) if rs else (torch.zeros((), device=dev),) * 2
+            yield {"op": acc.sum() + rej.sum(), **shares}, (rs, work)
+
+    def loss(self, inp, mb, work, totals):
+        """The micro-batch's on-policy terms over totals["op"], plus --onpolicy_sft_weight x its SFT loss; its stats:
+        the drafter's block_loss on the accepted side (the SFT term's without rollouts) and the log's figures."""
+        (rs, sft), dev = work, inp.target.lm_head.weight.device
+        zero = torch.zeros((), device=dev)
+        out, op, sft_sum, n, stats = zero, zero, zero, 0, None
         if rs:
-            with model.no_sync() if world > 1 and not (last and not sft) else nullcontext():
-                loss, _, stats, n = onpolicy_terms(model, raw, target, cfg, rs, s, progress)
-                (loss / totals["op"].clamp(min=1e-9)).backward()
-            op_sum += loss.detach()
-            compute["drafter_fwd_tokens"] += n
-            compute["drafter_bwd_tokens"] += n
-            total = dflash.add_stats(total, stats)
+            op, _, stats, n = onpolicy_terms(inp.model, inp.loss_kw.get("raw_model") or inp.model, inp.target,
+                                             inp.cfg, rs, self.s, inp.loss_kw.get("progress"))
+            out = op / totals["op"].clamp(min=1e-9)
         if sft:
-            a, v = anchors[m]
-            with model.no_sync() if world > 1 and not last else nullcontext():
-                out, stats = dflash.dflash_loss(model, cfg, target, mb, a, v, weights[m], weight_total=totals["sft"],
-                                                progress=progress, **loss_kw)
-                (s["onpolicy_sft_weight"] * out).backward()
-            sft_sum += stats["ce_w"]
-            compute["target_tokens"] += mb["tokens"]
-            compute["drafter_fwd_tokens"] += int(v.sum()) * cfg.block_size
-            compute["drafter_bwd_tokens"] += int(v.sum()) * cfg.block_size
-            if not rs:
-                total = dflash.add_stats(total, stats)
-    total = {**total, "tokens": torch.tensor(float(sum(mb["tokens"] for mb in micro_batches)), device=dev),
-             "op_loss": op_sum, "sft_loss": sft_sum, "walk": walk,
-             **{k: torch.tensor(float(v), device=dev) for k, v in compute.items()}}
-    total = dflash.all_reduce_sum(total, world)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    ok = math.isfinite(total["op_loss"].item() + total["sft_loss"].item()) and math.isfinite(grad_norm.item())
-    for g in optimizer.param_groups:
-        g["lr"] = lr
-    if ok:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    log(args, step, state, totals, total)
-    if (step + 1) % s["onpolicy_every"] == 0:  # the next step rolls out anew: no checkpoint needs to carry these
-        state.pop("rollouts")
-    return total, grad_norm, ok
+            sft_out, sft_stats = super().loss(inp, mb, sft, totals)
+            out = out + self.s["onpolicy_sft_weight"] * sft_out
+            sft_sum, stats, n = sft_stats["ce_w"], stats or sft_stats, n + int(sft[1].sum()) * inp.cfg.block_size
+        self.totals, first = totals, self.first
+        self.first = {k: torch.zeros_like(v) for k, v in first.items()}  # the rollout's figures: once a step
+        return out, {**stats, "op_loss": op.detach(), "sft_loss": sft_sum, "walk": first["walk"],
+                     "target_tokens": first["target_tokens"] + (mb["tokens"] if sft else 0),
+                     "drafter_fwd_tokens": first["drafter_fwd_tokens"] + n,
+                     "drafter_bwd_tokens": torch.tensor(float(n), device=dev)}
+
+    def after(self, stats):
+        log(self.args, self.step, self.state, self.totals, stats)
+        if (self.step + 1) % self.s["onpolicy_every"] == 0:  # the next step rolls out anew: no checkpoint needs these
+            self.state.pop("rollouts")
 
 
 TRIMMED = set()  # the onpolicy.jsonl files this process has trimmed to its first step
@@ -327,10 +301,11 @@ def log(args, step, state, totals, total):
     if (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0) or not getattr(args, "out", None):
         return
     walk = total["walk"].tolist()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    mean = lambda k, n: (total[k] / (world * totals[n]).clamp(min=1e-9)).item()  # noqa: E731 (totals: / world)
     record = {"step": step + 1, "rollout_age": step - state["rollout_step"],
-              "rollout_tau": walk[0] / walk[1] if walk[1] else None,
-              "onpolicy_loss": (total["op_loss"] / totals["op"].clamp(min=1e-9)).item(),
-              "sft_loss": (total["sft_loss"] / totals["sft"].clamp(min=1e-9)).item() if "sft" in totals else None,
+              "rollout_tau": walk[0] / walk[1] if walk[1] else None, "onpolicy_loss": mean("op_loss", "op"),
+              "sft_loss": mean("sft_loss", "w") if "w" in totals else None,
               **{k: int(total[k].item()) for k in ("target_tokens", "drafter_fwd_tokens", "drafter_bwd_tokens")}}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "onpolicy.jsonl")

@@ -184,8 +184,8 @@ def run_one(work, variant, arm, seed, budget, results=None):
             n = int(v.sum()) * cfg.block_size
             spent += ft * (tokens + mb["tokens"]) + fd * 3 * n
         else:
-            total, _, _ = onpolicy.train_step(drafter, opt, target, cfg, [mb], LR, ANCHORS, 1.0, 1, args=args,
-                                              state=state, progress=(step, 10 ** 6), **kw)
+            total, _, _ = dflash.train_step(drafter, opt, target, cfg, [mb], LR, ANCHORS, 1.0, 1,
+                                            stage=onpolicy.Stage(args, state), progress=(step, 10 ** 6), **kw)
             spent += (ft * total["target_tokens"] + fd * (total["drafter_fwd_tokens"]
                                                           + 2 * total["drafter_bwd_tokens"])).item()
         step += 1

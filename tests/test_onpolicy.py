@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -168,6 +169,13 @@ def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted,
         assert (got[n] - want[n]).norm() <= tol * want[n].norm() and want[n].norm() > 0, n
 
 
+def test_the_stage_names_no_variant():
+    """What the stage needs of a variant comes through the drafter's hooks (logprobs, block_loss, draft): its code
+    names none (the objective tests above run it on DFlash2 too)."""
+    code = "".join(line for line in open(onpolicy.__file__) if not line.lstrip().startswith("#"))
+    assert not re.search(r"dflash2|selector|candidate|unary", code, re.I)
+
+
 def test_region_weights_by_hand():
     # blocks of B = 5 at anchors 2 and 4 of a row of length 8: m = 1 accepted, then m = 3 (the block runs off the end)
     valid = torch.tensor([[True, True, False]])
@@ -189,8 +197,8 @@ def run_steps(drafter, target, batches, args, steps, state=None, optimizer=None,
     state = {} if state is None else state
     for step in range(start, steps):
         micro = [batches.get(step, m) for m in range(2)]
-        onpolicy.train_step(drafter, opt, target, drafter.cfg, micro, 1e-3, 6, 1.0, 1, args=args, state=state,
-                            progress=(step, steps), gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
+        dflash.train_step(drafter, opt, target, drafter.cfg, micro, 1e-3, 6, 1.0, 1, stage=onpolicy.Stage(args, state),
+                          progress=(step, steps), gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
     return opt, state
 
 

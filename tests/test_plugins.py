@@ -1,17 +1,21 @@
-"""The extension contract, as a forker meets it: a toy variant (its own draft rule and flag) and a toy loss
-(label-smoothed CE), each one file written here into a directory outside the repository, following only dflash.py's
-docstring. They train, resume bitwise, walk held-out tau, and eval.py measures the variant's tau; their flags are
-refused beside other plug-ins in one line; the generic chunked lm_head gives the toy loss its exact gradient."""
+"""The extension contract, as a forker meets it: a toy variant (its own draft rule and flag), a toy loss
+(label-smoothed CE) and a toy stage (fc frozen for the first k steps, counted in its saved state), each one file written
+here into a directory outside the repository, following only dflash.py's docstring. They train, resume bitwise, walk
+held-out tau, and eval.py measures the variant's tau; their flags are refused beside other plug-ins in one line; the
+generic chunked lm_head gives the toy loss its exact gradient, and a toy forward KL against the target's logits
+(asked for by the loss, chunked) the gradient of the direct computation."""
 import json
 import os
 import subprocess
 import sys
 
+import importlib.util
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SMALL, VOCAB, one_error, tiny_qwen3, write_data
+from conftest import ROOT, SMALL, VOCAB, one_error, tiny_cfg, tiny_qwen3, write_data
 
 import dflash
 import eval as ev
@@ -74,6 +78,41 @@ def add_flags(g):
     dflash.flag(g, "--smoothing", 0.1, "label smoothing", float, hi=1)
 '''
 
+TOY_STAGE = '''
+import dflash
+
+
+class Stage(dflash.SFT):
+    """SFT with fc frozen for the first --freeze_fc_steps steps; the steps seen live in the saved state."""
+
+    def __init__(self, args, state):
+        self.k, self.state = args.freeze_fc_steps, state
+
+    def plan(self, inp, micro_batches):
+        self.state["seen"] = self.state.get("seen", 0) + 1
+        (inp.loss_kw.get("raw_model") or inp.model).fc.requires_grad_(self.state["seen"] > self.k)
+        return super().plan(inp, micro_batches)
+
+
+def add_flags(g):
+    dflash.flag(g, "--freeze_fc_steps", 0, "steps with fc frozen", int)
+'''
+
+TOY_KL = '''
+import dflash
+
+
+class ForwardKL(dflash.CE):
+    target_logits = True  # token_loss also gets the target's logits at the same rows
+
+    def token_loss(self, logits, labels, target_logits):
+        logp = target_logits.log_softmax(-1)
+        return (logp.exp() * (logp - logits.log_softmax(-1))).sum(-1)
+
+
+LOSSES = {"fkl": lambda args: ForwardKL()}
+'''
+
 
 @pytest.fixture(scope="module")
 def forker(tmp_path_factory):
@@ -82,12 +121,15 @@ def forker(tmp_path_factory):
     plugins.mkdir()
     (plugins / "toy_variant.py").write_text(TOY_VARIANT)
     (plugins / "toy_loss.py").write_text(TOY_LOSS)
+    (plugins / "toy_stage.py").write_text(TOY_STAGE)
+    (plugins / "toy_kl.py").write_text(TOY_KL)
     q3 = tiny_qwen3(d / "q3")
     data = write_data(d / "data.jsonl", 24)
     base = ["--target", q3, "--data", data, "--batch_size", "2", "--grad_accum", "1", *SMALL[:-2],
             "--eval_fraction", "0.25", "--eval_walk_prompts", "3", "--eval_walk_tokens", "12",
             "--variant", str(plugins / "toy_variant.py"), "--anchor_bonus", "0.5",
-            "--loss", f"{plugins / 'toy_loss.py'}:smooth", "--smoothing", "0.2"]
+            "--loss", f"{plugins / 'toy_loss.py'}:smooth", "--smoothing", "0.2",
+            "--stage", str(plugins / "toy_stage.py"), "--freeze_fc_steps", "2"]
     return {"dir": d, "plugins": plugins, "q3": q3, "data": data, "base": base}
 
 
@@ -106,11 +148,14 @@ def test_toy_variant_and_loss_train_resume_walk_and_eval(forker, capsys):
     assert cfg["dflash_module"] == str(forker["plugins"] / "toy_variant.py")
     records = [json.loads(x) for x in open(os.path.join(straight, "metrics.jsonl"))]
     assert [r["eval_walk_tau"] >= 1 for r in records if "eval_walk_tau" in r] == [True, True]
-    # resume: 2 steps, stop, 2 more = 4 steps straight, bitwise
-    dflash.main(forker["base"] + ["--out", split, "--max_steps", "4", "--save_every", "2"][:-2] + ["--max_steps", "2"])
+    # resume: 2 steps, stop, 2 more = 4 steps straight, bitwise (the stage's count of steps resumed with it)
+    dflash.main(forker["base"] + ["--out", split, "--max_steps", "2", "--save_every", "1"])
     dflash.main(forker["base"] + ["--out", split, "--max_steps", "4", "--resume"])
     a, b = weights(straight, 4), weights(split, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    one, two = weights(split, 1), weights(split, 2)  # the toy stage: fc frozen for 2 steps, the rest trained
+    assert torch.equal(one["fc.weight"], two["fc.weight"]) and not torch.equal(two["fc.weight"], a["fc.weight"])
+    assert not torch.equal(one["norm.weight"], two["norm.weight"])
     # eval.py measures the toy drafter's tau, importing its code only when asked
     drafter = os.path.join(straight, "step_4")
     prompts = forker["dir"] / "prompts.jsonl"
@@ -164,9 +209,64 @@ def test_a_loss_plugin_gets_its_exact_gradient_through_the_chunked_head():
     assert stats["w"].item() == pytest.approx(w.sum().item())
 
 
+def test_a_loss_sees_the_target_distribution_chunked(forker, monkeypatch):
+    """The toy forward KL, from its file outside the repository: dflash_loss asks the chunked lm_head for the target's
+    logits before each block token (a chunk of 5 rows at a time, never the batch's whole) and its loss and gradient
+    equal a direct computation from the target's own full logits (Hugging Face's forward) by autograd."""
+    spec = importlib.util.spec_from_file_location("toy_kl_outside", forker["plugins"] / "toy_kl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    loss, seen = module.LOSSES["fkl"](None), []
+    real = loss.token_loss
+    loss.token_loss = lambda logits, labels, target_logits: seen.append(target_logits.shape) or real(
+        logits, labels, target_logits)
+    monkeypatch.setattr(dflash, "vocab_chunk", lambda vocab_size, budget=None: 5)
+    target = dflash.load_target(forker["q3"])
+    torch.manual_seed(0)
+    drafter = dflash.DFlashDrafter(tiny_cfg(vocab_size=VOCAB, mask_token_id=VOCAB - 1, num_target_layers=4,
+                                            target_layer_ids=[1, 2]))
+    g = torch.Generator().manual_seed(4)
+    rows = [(torch.randint(0, VOCAB - 1, (n,), generator=g).tolist(), [0] * 3 + [1] * (n - 3)) for n in (16, 11)]
+    batch = dflash.collate(rows, 0, keys=[1, 2])
+    anchors, valid = dflash.batch_anchors(batch, 5)
+    w = dflash.loss_weights(anchors, valid, batch["loss_mask"], drafter.cfg.block_size, 4.0)
+    got, stats = dflash.dflash_loss(drafter, drafter.cfg, target, batch, anchors, valid, w, loss=loss)
+    got.backward()
+    assert seen and all(s[0] <= 5 and s[1] == VOCAB for s in seen) and sum(s[0] for s in seen) == (w > 0).sum()
+    ours = {k: p.grad.clone() for k, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    with torch.no_grad():  # the target's distribution at a+i: its logits at a+i-1, from the full model
+        logits = target.model(input_ids=batch["input_ids"]).logits
+        context, _ = dflash.target_features(target, batch["input_ids"], [1, 2])
+    S, B = logits.shape[1], drafter.cfg.block_size
+    pos = (anchors[..., None] + torch.arange(B) - 1).clamp(0, S - 1)
+    logp = logits[torch.arange(2)[:, None, None], pos].log_softmax(-1)              # (b, N, B, V)
+    ids = torch.full((*anchors.shape, B), VOCAB - 1)
+    ids[..., 0] = batch["input_ids"].gather(1, anchors)
+    hidden = drafter(context, target.embed(ids), anchors, valid)
+    kl = (logp.exp() * (logp - target.lm_head(hidden).log_softmax(-1))).sum(-1)
+    want = (kl * w).sum() / w.sum()
+    want.backward()
+    assert got.item() == pytest.approx(want.item(), rel=1e-5) and want.item() > 0
+    for k, p in drafter.named_parameters():
+        assert torch.allclose(ours[k], p.grad, rtol=1e-4, atol=1e-7), k
+    assert stats["w"].item() == pytest.approx(w.sum().item())
+
+
+def test_a_loss_against_the_target_distribution_is_one_loss_file(forker, tmp_path):
+    """--loss toy_kl.py:fkl trains from the command line, from its file outside the repository."""
+    base = forker["base"][:forker["base"].index("--loss")]
+    dflash.main(base + ["--loss", f"{forker['plugins'] / 'toy_kl.py'}:fkl", "--out", str(tmp_path / "kl"),
+                        "--max_steps", "2", "--eval_walk_prompts", "0"])
+    records = [json.loads(x) for x in open(tmp_path / "kl" / "metrics.jsonl")]
+    losses = [r["loss"] for r in records if "loss" in r and "eval_loss" not in r]
+    assert len(losses) == 2 and all(x > 0 for x in losses)
+
+
 def test_plugins_in_dflash_tools_are_found_from_their_files():
     found = {(f, m, a) for f, m, a in dflash.tool_plugins()}
     assert ("--variant", "dflash2", "DFlash2DraftModel") in found and ("--loss", "losses", None) in found
+    assert ("--stage", "onpolicy", None) in found
     assert "DFlash2DraftModel" not in open(os.path.join(ROOT, "dflash.py")).read()  # the map comes from the modules
     assert "DFlash2" not in open(os.path.join(ROOT, "eval.py")).read()
 
