@@ -640,13 +640,7 @@ def train_step(model, optimizer, target, cfg, micro, lr, num_anchors, grad_clip,
     total = all_reduce_sum(total, world)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     ok = torch.isfinite(total["ce_w"]) & torch.isfinite(grad_norm)  # a tensor: no host sync (the loop reads it)
-    for g in optimizer.param_groups:
-        g["lr"] = lr
-    if fused := isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]:
-        optimizer.found_inf = (~ok).float()  # the fused kernel skips a non-finite step itself: no host sync
-    if fused or ok:  # (else a host sync: --zero's or a CPU optimizer)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer_step(optimizer, lr, ok)
     getattr(stage, "after", lambda stats: None)(total)
     return total, grad_norm, ok
 
@@ -1226,6 +1220,15 @@ def make_optimizer(drafter, args, run, world, device, say):  # AdamW (--zero: sp
         resume_optimizer(optimizer, run.state, run.resume_dir)
         say(f"resumed from {run.resume_dir} at step {run.state['step']}")
     return optimizer
+
+def optimizer_step(optimizer, lr, ok):  # at lr, taken unless ok is false: a fused AdamW skips it with no host sync
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    if fused := isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"]:
+        optimizer.found_inf = (~ok).float()  # the fused kernel skips a non-finite step itself: no host sync
+    if fused or ok:  # (else a host sync: --zero's or a CPU optimizer)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, refused in one line unless it fits
     try:
