@@ -65,6 +65,7 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
 
 import argparse
 import difflib
+import errno
 import gzip
 import hashlib
 import importlib.util
@@ -79,6 +80,7 @@ import signal
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from collections import namedtuple
 from contextlib import contextmanager, nullcontext, suppress
@@ -718,8 +720,9 @@ def train(args):
         while step < total_steps and not stopped:
             t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
-                                           args.grad_clip, world, progress=(step, total_steps), **loss_kw)
+            with blame(args, run, f"step {step + 1}"):  # a plug-in's exception: its traceback, then one line
+                total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
+                                               args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
             seen.append(torch.stack([ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]).float())
@@ -912,9 +915,13 @@ def yarn_inv_freq(cfg, inv_freq):
 class DFlashError(Exception):
     """Bad input or a bad checkpoint; its message holds one problem per line."""
 
-def need(ok, message):
+class Unreadable(DFlashError):
+    """A file that is there but cannot be read here (the OS refuses it; its plug-in is untrusted or gone): a resume
+    stops on it in every mode, never passing over it as corrupt (which --resume auto may start anew over)."""
+
+def need(ok, message, kind=DFlashError):
     if not ok:
-        raise DFlashError(message)
+        raise kind(message)
 
 def first_line(e):  # what a library says went wrong, short enough for one error line
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -940,29 +947,54 @@ def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where
     except ModuleNotFoundError as e:
         if e.name not in ("dflash_tools", f"dflash_tools.{name}"):
             raise
-        raise DFlashError(f"{why} needs dflash_tools/{name}.py; copy dflash_tools/ beside {sys.argv[0]}") from None
+        raise Unreadable(f"{why} needs dflash_tools/{name}.py; copy dflash_tools/ beside {sys.argv[0]}") from None
 
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
-TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported: named by a flag, or --trust_variant_code
+TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported (plugin_key): named by a flag, or "*"
+NAMED = {}  # architecture -> the module this command's --variant names: it reads checkpoints of that architecture
+
+def plugin_key(spec):
+    """How a checkpoint names a plug-in, the same from any directory or symlink: a module name as given; a .py file by
+    its module name on sys.path (not through the working directory), else by its resolved path."""
+    path = os.path.realpath(spec) if spec.endswith(".py") else None
+    for root in {os.path.realpath(p) for p in sys.path if p and path} - {os.path.realpath(os.getcwd())}:
+        name = ".".join(os.path.relpath(path[:-3], root).split(os.sep))
+        ok = all(map(str.isidentifier, name.split(".")))  # (no "..": under root)
+        with suppress(ImportError, ValueError, AttributeError, TypeError):  # (find_spec imports a dotted name's parents)
+            if ok and os.path.realpath(importlib.util.find_spec(name).origin) == path:
+                return name
+    return path or spec
+
+def trust(given, everything=False):
+    """This command's plug-ins ({flag: spec}) may be imported (any, when everything); --variant's module reads the
+    checkpoints of its architecture, wherever their config.json says the module lived."""
+    TRUSTED.clear(), NAMED.clear()
+    TRUSTED.update({plugin_key(v) for v in given.values() if v} | ({"*"} if everything else set()))
+    if given.get("--variant"):
+        v = plugin(given["--variant"], f"--variant {given['--variant']}")
+        NAMED.update({v.Config.architecture: v} if hasattr(v, "Config") else {})
 
 def plugin(spec, why):
-    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (its DFLASH_MODULE: config.json's)."""
+    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (its DFLASH_MODULE: its plugin_key)."""
     if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
         return import_tool(spec, why)
-    need(spec in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --trust_variant_code to import it")
-    need(not spec.endswith(".py") or os.path.isfile(spec), f"{why}: {spec} does not exist; give a .py file or a module")
+    key = plugin_key(spec)
+    need(key in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --variant {spec} (or where the module "
+         f"now lives) or --trust_variant_code to import it", Unreadable)
+    need(not key.endswith(".py") or os.path.isfile(key), f"{why}: {spec} does not exist; give a .py file or a module "
+         f"(--variant: where the module now lives)", Unreadable)
     sys.modules.setdefault("dflash", sys.modules[__name__])
-    name = "dflash_plugin_" + hashlib.sha256((path := os.path.abspath(spec)).encode()).hexdigest()[:12]  # one a file
+    name = "dflash_plugin_" + hashlib.sha256(key.encode()).hexdigest()[:12]  # one module a file
     try:
-        module = importlib.import_module(spec) if not spec.endswith(".py") else sys.modules.get(name)
+        module = importlib.import_module(key) if not key.endswith(".py") else sys.modules.get(name)
     except ModuleNotFoundError as e:
-        raise DFlashError(f"{why}: no module {spec!r} ({first_line(e)}); copy dflash_tools/ beside {sys.argv[0]}, or "
-                          f"give a module or a .py path") from None
+        raise Unreadable(f"{why}: no module {spec!r} ({first_line(e)}); copy dflash_tools/ beside {sys.argv[0]}, or "
+                         f"give a module or a .py path") from None
     if module is None:  # a .py path, imported once
-        loader = importlib.util.spec_from_file_location(name, path)
+        loader = importlib.util.spec_from_file_location(name, key)
         module = sys.modules[name] = importlib.util.module_from_spec(loader)
         loader.loader.exec_module(module)
-    module.DFLASH_MODULE = path if spec.endswith(".py") else spec
+    module.DFLASH_MODULE = key
     return module
 
 
@@ -1034,17 +1066,29 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
     dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
           "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
-          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **cfg.dflash_config_keys()}
+          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **variant_keys(cfg)}
     module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
     return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
             "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
             **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
+def variant_keys(cfg):  # dflash_config_keys(), checked: each a field of the variant's own, none left out (or default)
+    keys, cls = cfg.dflash_config_keys(), f"{type(cfg).__module__}.{type(cfg).__name__}"
+    own = [f for f in fields(cfg) if f.name not in DFlashConfig.__dataclass_fields__]
+    bad = next((k for k in keys if k not in {f.name for f in own}), None)
+    need(bad is None, f"{cls}.dflash_config_keys() returns {bad!r}, which is not one of its own fields "
+         f"({', '.join(f.name for f in own) or 'none'}); return each field under its own name")
+    left = next((f.name for f in own if f.name not in keys and getattr(cfg, f.name) != f.default), None)
+    need(left is None, f"{cls}.dflash_config_keys() leaves out field {left} ({left and getattr(cfg, left)!r}): it "
+         f"would load back at its default; return it")
+    return keys
+
 def config_class(d, where="config.json"):
-    """DFlashConfig, or the variant's config.json names: its dflash_module, else the tool whose Config has its arch."""
+    """DFlashConfig, or the variant's config.json names: --variant's of its arch, its dflash_module, else the tool's."""
     d, known = d if isinstance(d, dict) else {}, {arch: m for _, m, arch in tool_plugins() if arch}
-    if isinstance(d.get("dflash_module"), str):  # a variant outside dflash_tools/, as transformers' auto_map
-        return plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})").Config
+    named = next((NAMED[a] for a in (d.get("architectures") or []) if a in NAMED), None)  # (the module moved)
+    if named or isinstance(d.get("dflash_module"), str):  # a variant outside dflash_tools/, as transformers' auto_map
+        return (named or plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})")).Config
     arch = next((a for a in (d.get("architectures") or []) if a in known), None)
     return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
 
@@ -1057,8 +1101,11 @@ def config_from_json(d, where="config.json"):  # ours if it writes back the same
                   mask_token_id=dc["mask_token_id"], target_layer_ids=dc["target_layer_ids"],
                   is_causal=d.get("is_causal"))
         cfg = cls(**kw)
-        if config_to_json(cfg) == {k: v for k, v in d.items() if k != "torch_dtype"}:
+        same = lambda j: {k: v for k, v in j.items() if k not in ("torch_dtype", "dflash_module")}  # noqa: E731
+        if same(config_to_json(cfg)) == same(d):  # (a variant --variant names where its module now lives)
             return cfg
+    except Unreadable:
+        raise
     except (DFlashError, KeyError, TypeError, AttributeError):
         pass
     if isinstance(d, dict):  # torch_dtype says how the writer stored the weights; other trainers write "None", ...
@@ -1077,14 +1124,25 @@ def read_json(path, what):
     try:
         return json.loads(pathlib.Path(path).read_bytes())
     except OSError as e:
-        raise DFlashError(f"cannot read {path}: {e.strerror}") from None
+        raise Unreadable(f"cannot read {path}: {e.strerror}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise DFlashError(f"{path}: not valid JSON ({first_line(e)[:100]}); the {what} is corrupt") from None
+
+def refused(e):  # an OSError but "not there": the OS refuses a file that is there (a permission, a directory)
+    return isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, NotADirectoryError))
+
+def missing(path):  # True if path is not there; a path the OS will not show us is Unreadable, never "missing"
+    try:
+        return not os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError as e:
+        raise Unreadable(f"cannot read {path}: {e.strerror}") from None
 
 def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist; give one with config.json and weights")
     cfg_path = os.path.join(path, "config.json")
-    need(os.path.isfile(cfg_path), f"{path!r} has no config.json; give a DFlash drafter directory")
+    need(not missing(cfg_path), f"{path!r} has no config.json; give a DFlash drafter directory")
     d = read_json(cfg_path, "drafter config")
     arch = next((a for a in d.get("architectures") or [] if isinstance(a, str) and a.endswith((
         "ForCausalLM", "ForConditionalGeneration"))), None) if isinstance(d, dict) else None
@@ -1096,7 +1154,7 @@ def read_drafter_config(path):
 def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or its shards (load=False: opens, a check)
     from safetensors import safe_open
     files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
-    if not os.path.isfile(files[0]):
+    if missing(files[0]):
         need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
         m = read_json(index, "safetensors index")
         m = m.get("weight_map") if isinstance(m, dict) else None
@@ -1108,7 +1166,8 @@ def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or
         try:  # safe_open rejects a missing, truncated or garbage file (it checks the header against the size)
             with safe_open(file, "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()} if load else {})
-        except Exception as e:  # safetensors raises its own (Rust) error types
+        except Exception as e:  # safetensors raises its own (Rust) error types; the OS's an OSError
+            need(not refused(e), f"cannot read {file}: {first_line(e)}", Unreadable)
             raise DFlashError(f"{file}: unreadable safetensors ({first_line(e)}); the checkpoint is corrupt") from None
     return tensors
 
@@ -1197,7 +1256,11 @@ def read_train_state(d):
     path = os.path.join(d, "train_state.pt")
     try:  # memory-mapped: cheap to read before anything else loads
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # missing, truncated zip, garbage pickle: all one line
+    except Exception as e:  # missing, truncated zip, garbage pickle: corrupt; refused by the OS or as unsafe: Unreadable
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        need(not unsafe, f"{path} holds a {unsafe and unsafe[1]}, which a safe torch.load refuses (weights_only); "
+             f"fix what saved it, and load it yourself or give a new --out", Unreadable)
+        need(not refused(e), f"cannot read {path}: {getattr(e, 'strerror', None) or first_line(e)}", Unreadable)
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
     s = state if isinstance(state, dict) else {}
     opt = s["optimizer"] if type(s.get("optimizer")) is dict else {}
@@ -1243,6 +1306,8 @@ def checkpoint_problem(d):  # None if d is a complete step_N checkpoint (each of
     try:
         need(os.path.isdir(d), "it does not exist")
         read_drafter_config(d), read_train_state(d), read_safetensors(d, load=False)
+    except Unreadable:  # not corrupt: no resume may pass over it
+        raise
     except DFlashError as e:
         return str(e).splitlines()[0]
 
@@ -1298,9 +1363,20 @@ def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all
     if len(kept) < len(lines):
         write_atomic(path, "".join(kept))
 
+def unsaveable(x, where):  # where x holds what a safe torch.load (weights_only) refuses (a numpy scalar, a lambda)
+    if type(x) in (dict, list, tuple):  # (exact types: a namedtuple or a numpy float, a float subclass, are refused)
+        pairs = x.items() if type(x) is dict else enumerate(x)
+        return next((bad for k, v in pairs for bad in (unsaveable(k, f"a key of {where}"),
+                                                      unsaveable(v, f"{where}[{k!r}]")) if bad), None)
+    ok = x is None or type(x) in (bool, int, float, str) or torch.is_tensor(x)
+    return None if ok else f"{where} is a {type(x).__module__}.{type(x).__qualname__}"
+
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
     """On every rank: rank 0 writes <out>/step_<n>/ (drafter, train_state.pt, record), then switches <out>/latest."""
     from safetensors import SafetensorError
+    bad = unsaveable(state, "train_state")
+    need(not bad, f"cannot save step_{step}: {bad}; a checkpoint holds only None, bool, int, float, str, tensors, and "
+         f"lists, tuples and dicts of them (a stage's state too)")
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -1311,7 +1387,12 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
                 **({TARGET_RECORD: record} if record else {})})
             write_atomic(os.path.join(out, "latest"), os.path.basename(d) + "\n")
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota: nothing partial, latest kept
-            why = getattr(e, "strerror", None) or first_line(e)
+            size = sum(t.numel() for t in drafter.state_dict().values()) * save_dtype.itemsize + sum(
+                t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+            free, why = shutil.disk_usage(out).free, getattr(e, "strerror", None) or first_line(e)
+            full = getattr(e, "errno", None) == errno.ENOSPC or free < size  # (torch's error says no errno)
+            need(not full, f"disk full: cannot write checkpoint {d}, which needs about {size:,} bytes ({free:,} are "
+                 f"free); free space or give another --out; {last_complete(out)}")
             raise DFlashError(f"cannot write checkpoint {d} ({why}); {last_complete(out)}") from None
         say(f"saved {d}")
     if world > 1:
@@ -1576,13 +1657,14 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
 
-class StopFlag:  # `with StopFlag(out, say) as stop`: SIGTERM/INT/HUP (unless ignored, as by nohup) set stop.requested
+class StopFlag:  # `with StopFlag(out, say) as stop`: SIGTERM/INT/HUP/USR1/USR2 (unless ignored) set stop.requested
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
-        sigs = {signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGHUP", signal.SIGINT)}  # no SIGHUP on Windows
+        sigs = {signal.SIGTERM, signal.SIGINT, *(getattr(signal, n) for n in ("SIGHUP", "SIGUSR1", "SIGUSR2") if
+                                                 hasattr(signal, n))}  # a time limit's warning: Slurm's USR1, submitit's USR2
         self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         return self
 
@@ -1717,6 +1799,8 @@ def resume_point(args, data_digest, master=True):  # (checkpoint, its train stat
     mode, out, why = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
+    except Unreadable:
+        raise
     except DFlashError as e:
         d, why = None, str(e)
     left = complete_checkpoints(out) if d is None and (mode or earlier_run(out)) else []  # every step_N's files opened
@@ -1873,8 +1957,10 @@ def check_run(args, world, device, master):
         spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
         variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
         variant = None if variant is sys.modules[__name__] else variant
+        for k, v in flag_dests(variant).items() if variant else ():  # --init_from's variant: its flags' defaults
+            vars(args).setdefault(k, v)
         cfg = getattr(variant, "configure", lambda c, a: as_variant(variant, c))(cfg, args) if variant else cfg
-        check_compatible(cfg, meta)
+        check_compatible(cfg, meta), config_to_json(cfg)  # config.json holds every field (dflash_config_keys)
     except DFlashError as e:
         problems += str(e).splitlines()
     need(not problems, "\n".join(problems))
@@ -1884,6 +1970,21 @@ def check_run(args, world, device, master):
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     state_of_stage = (state or {}).get("stage_state", {})
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
+
+@contextmanager
+def blame(args, run, when):  # an exception raised in a plug-in's code ends the run in one line naming it, after its trace
+    try:
+        yield
+    except Exception as e:
+        mine = {"--variant": run.variant, "--stage": run.stage, "--loss": args.loss != "ce" and loss_plugin(args.loss)[0]}
+        files = {os.path.realpath(m.__file__): f"{flag} {getattr(m, 'DFLASH_MODULE', m.__name__.split('.')[-1])}"
+                 for flag, m in mine.items() if m and m is not sys.modules[__name__]}
+        who = [files.get(os.path.realpath(f.f_code.co_filename)) for f, _ in traceback.walk_tb(e.__traceback__)]
+        if isinstance(e, DFlashError) or not any(who):
+            raise
+        traceback.print_exc()
+        raise DFlashError(f"{[w for w in who if w][-1]} raised {type(e).__name__} in {when}: {first_line(e)}; "
+                          f"{last_complete(args.out)}") from None
 
 def as_variant(variant, cfg=None, drafter=None):
     """A variant's default configure, prepare: its Config holding cfg's DFlash fields, its Drafter drafter's weights."""
@@ -2228,8 +2329,10 @@ class ArgumentParser(argparse.ArgumentParser):
             if owner := next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0):
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
-            self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else "--help lists the flags")
-                       if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
+            fix = f"did you mean {close[0]}?" if close else "--help lists the flags" + (" (a plug-in's flags come with "
+                  "its --variant, --loss or --stage)" if "--stage" in self._option_string_actions else "")
+            self.error(f"unknown flag {bad}; {fix}" if bad.startswith("-") else
+                       f"unexpected argument {bad!r} (flags start with --)")
         return args
 
 def tool_plugins():
@@ -2253,13 +2356,12 @@ def chosen_plugins(argv, every=False):
     loss = a.loss if a.loss and a.loss != "ce" else None
     given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage,
              "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
-    TRUSTED.clear()
-    TRUSTED.update({v for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
+    trust(given, a.trust_variant_code)
     if loss:
         module, name = loss_plugin(loss)
         known = getattr(module, "LOSSES", {})
         need(name in known, f"--loss {loss}: no such loss; give ce or one of {', '.join(known) or 'none'}")
-    chosen = {(f, m) for f, m, _ in tool_plugins()} if every else {(f, m) for f, m in given.items() if m}
+    chosen = {(f, m) for f, m, _ in tool_plugins() if every} | {(f, m) for f, m in given.items() if m}
     modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
     return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules
             if hasattr(mod, "add_flags")]
@@ -2292,10 +2394,10 @@ def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (
                                                                              args.stage else [])
     return {k: getattr(args, k) for m in modules for k in flag_dests(m)}
 
-def flag_dests(module):  # the flags a plug-in's add_flags declares, by their dest
+def flag_dests(module):  # the flags a plug-in's add_flags declares: {dest: default}
     p = argparse.ArgumentParser(add_help=False)
     getattr(module, "add_flags", lambda g: None)(p)
-    return [a.dest for a in p._actions]
+    return {a.dest: a.default for a in p._actions}
 
 def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=None, **kw):
     """A flag, one line each: kind int or float gets number()'s range-checked type; the rest goes to add_argument."""

@@ -693,6 +693,8 @@ def get_parser():
          "(owner/name, downloaded), or 'prompt-lookup'; repeat for a side-by-side comparison", action="append")
     flag(p, "--trust_variant_code", False, "import the variant code a drafter's config.json names (dflash_module)",
          action="store_true")
+    flag(p, "--variant", None, "the variant module a drafter's config.json names (dflash_module), trusted: a module "
+         "or a .py path, e.g. where it now lives; it reads the drafters of its architecture")
     flag(p, "--allow_other_target", False, "measure a drafter although it records another target than --target as "
          "the one it was trained against (refused otherwise)", action="store_true")
     flag(p, "--no_prompt_lookup", False, "leave out the prompt-lookup baseline", action="store_true")
@@ -745,8 +747,7 @@ def get_parser():
     return p
 
 def run(args):
-    dflash.TRUSTED.clear()  # a drafter's own variant code (config.json's dflash_module) runs only when asked to
-    dflash.TRUSTED.update({"*"} if args.trust_variant_code else set())
+    dflash.trust({"--variant": args.variant}, args.trust_variant_code)  # a drafter's own code runs only when asked to
     if args.plot:
         check_output_file(args.plot, "--plot")
         dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads
