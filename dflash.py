@@ -916,8 +916,7 @@ class DFlashError(Exception):
     """Bad input or a bad checkpoint; its message holds one problem per line."""
 
 class Unreadable(DFlashError):
-    """A file that is there but cannot be read here (the OS refuses it; its plug-in is untrusted or gone): a resume
-    stops on it in every mode, never passing over it as corrupt (which --resume auto may start anew over)."""
+    """A file there that cannot be read here (the OS refuses it, its plug-in is untrusted or gone): never "corrupt"."""
 
 def need(ok, message, kind=DFlashError):
     if not ok:
@@ -953,26 +952,14 @@ TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
 TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported (plugin_key): named by a flag, or "*"
 NAMED = {}  # architecture -> the module this command's --variant names: it reads checkpoints of that architecture
 
-def plugin_key(spec):
-    """How a checkpoint names a plug-in, the same from any directory or symlink: a module name as given; a .py file by
-    its module name on sys.path (not through the working directory), else by its resolved path."""
-    path = os.path.realpath(spec) if spec.endswith(".py") else None
-    for root in {os.path.realpath(p) for p in sys.path if p and path} - {os.path.realpath(os.getcwd())}:
-        name = ".".join(os.path.relpath(path[:-3], root).split(os.sep))
-        ok = all(map(str.isidentifier, name.split(".")))  # (no "..": under root)
-        with suppress(ImportError, ValueError, AttributeError, TypeError):  # (find_spec imports a dotted name's parents)
-            if ok and os.path.realpath(importlib.util.find_spec(name).origin) == path:
-                return name
-    return path or spec
+def plugin_key(spec):  # how a checkpoint names a plug-in, the same from any directory or link: a module, a real path
+    return os.path.realpath(spec) if spec.endswith(".py") else spec
 
-def trust(given, everything=False):
-    """This command's plug-ins ({flag: spec}) may be imported (any, when everything); --variant's module reads the
-    checkpoints of its architecture, wherever their config.json says the module lived."""
+def trust(given, everything=False):  # this command's plug-ins {flag: spec} may be imported (any one: everything)
     TRUSTED.clear(), NAMED.clear()
     TRUSTED.update({plugin_key(v) for v in given.values() if v} | ({"*"} if everything else set()))
-    if given.get("--variant"):
-        v = plugin(given["--variant"], f"--variant {given['--variant']}")
-        NAMED.update({v.Config.architecture: v} if hasattr(v, "Config") else {})
+    v = given.get("--variant") and plugin(given["--variant"], f"--variant {given['--variant']}")
+    NAMED.update({v.Config.architecture: v} if hasattr(v, "Config") else {})
 
 def plugin(spec, why):
     """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (its DFLASH_MODULE: its plugin_key)."""
@@ -1073,14 +1060,11 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
             **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def variant_keys(cfg):  # dflash_config_keys(), checked: each a field of the variant's own, none left out (or default)
-    keys, cls = cfg.dflash_config_keys(), f"{type(cfg).__module__}.{type(cfg).__name__}"
-    own = [f for f in fields(cfg) if f.name not in DFlashConfig.__dataclass_fields__]
-    bad = next((k for k in keys if k not in {f.name for f in own}), None)
-    need(bad is None, f"{cls}.dflash_config_keys() returns {bad!r}, which is not one of its own fields "
-         f"({', '.join(f.name for f in own) or 'none'}); return each field under its own name")
-    left = next((f.name for f in own if f.name not in keys and getattr(cfg, f.name) != f.default), None)
-    need(left is None, f"{cls}.dflash_config_keys() leaves out field {left} ({left and getattr(cfg, left)!r}): it "
-         f"would load back at its default; return it")
+    keys, own = cfg.dflash_config_keys(), [f for f in fields(cfg) if f.name not in DFlashConfig.__dataclass_fields__]
+    bad = [f"returns {k!r}, not one of its fields" for k in keys if k not in {f.name for f in own}] + [
+        f"leaves out {f.name}, which would load back at its default" for f in own if f.name not in keys and
+        getattr(cfg, f.name) != f.default]
+    need(not bad, f"{type(cfg).__name__}.dflash_config_keys() {bad and bad[0]}; return each field under its own name")
     return keys
 
 def config_class(d, where="config.json"):
@@ -1120,30 +1104,19 @@ def expected_shapes(cfg):  # built on the meta device: no memory, no init
     with torch.device("meta"):
         return {k: tuple(v.shape) for k, v in cfg.Drafter(cfg).state_dict().items()}
 
-def read_json(path, what):
+def read_json(path, what, missing=None):  # missing: the error when path is not there (else "cannot read" it)
     try:
         return json.loads(pathlib.Path(path).read_bytes())
-    except OSError as e:
+    except OSError as e:  # refused by the OS (a permission, a directory): Unreadable, never "missing"
+        need(not (missing and isinstance(e, FileNotFoundError)), missing)
         raise Unreadable(f"cannot read {path}: {e.strerror}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise DFlashError(f"{path}: not valid JSON ({first_line(e)[:100]}); the {what} is corrupt") from None
 
-def refused(e):  # an OSError but "not there": the OS refuses a file that is there (a permission, a directory)
-    return isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, NotADirectoryError))
-
-def missing(path):  # True if path is not there; a path the OS will not show us is Unreadable, never "missing"
-    try:
-        return not os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return True
-    except OSError as e:
-        raise Unreadable(f"cannot read {path}: {e.strerror}") from None
-
 def read_drafter_config(path):
     need(os.path.isdir(path), f"drafter directory {path!r} does not exist; give one with config.json and weights")
     cfg_path = os.path.join(path, "config.json")
-    need(not missing(cfg_path), f"{path!r} has no config.json; give a DFlash drafter directory")
-    d = read_json(cfg_path, "drafter config")
+    d = read_json(cfg_path, "drafter config", f"{path!r} has no config.json; give a DFlash drafter directory")
     arch = next((a for a in d.get("architectures") or [] if isinstance(a, str) and a.endswith((
         "ForCausalLM", "ForConditionalGeneration"))), None) if isinstance(d, dict) else None
     need(arch is None or "dflash_config" in d, f"{path} is a target model ({arch}), not a drafter; use it as --target")
@@ -1154,7 +1127,7 @@ def read_drafter_config(path):
 def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or its shards (load=False: opens, a check)
     from safetensors import safe_open
     files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
-    if missing(files[0]):
+    if not os.path.isfile(files[0]):
         need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
         m = read_json(index, "safetensors index")
         m = m.get("weight_map") if isinstance(m, dict) else None
@@ -1167,7 +1140,8 @@ def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or
             with safe_open(file, "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()} if load else {})
         except Exception as e:  # safetensors raises its own (Rust) error types; the OS's an OSError
-            need(not refused(e), f"cannot read {file}: {first_line(e)}", Unreadable)
+            need(not isinstance(e, OSError) or isinstance(e, FileNotFoundError), f"cannot read {file}: "
+                 f"{first_line(e)}", Unreadable)
             raise DFlashError(f"{file}: unreadable safetensors ({first_line(e)}); the checkpoint is corrupt") from None
     return tensors
 
@@ -1256,11 +1230,11 @@ def read_train_state(d):
     path = os.path.join(d, "train_state.pt")
     try:  # memory-mapped: cheap to read before anything else loads
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # missing, truncated zip, garbage pickle: corrupt; refused by the OS or as unsafe: Unreadable
-        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-        need(not unsafe, f"{path} holds a {unsafe and unsafe[1]}, which a safe torch.load refuses (weights_only); "
-             f"fix what saved it, and load it yourself or give a new --out", Unreadable)
-        need(not refused(e), f"cannot read {path}: {getattr(e, 'strerror', None) or first_line(e)}", Unreadable)
+    except Exception as e:  # missing, truncated zip, garbage pickle: corrupt; refused (the OS, unsafe): Unreadable
+        unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))  # a type torch.load(weights_only) refuses
+        why = f"it holds a {unsafe[1]}, which torch.load(weights_only) refuses" if unsafe else getattr(e, "strerror", 0)
+        os_refused = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)  # (missing: incomplete)
+        need(not unsafe and not os_refused, f"cannot read {path}: {why}", Unreadable)
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
     s = state if isinstance(state, dict) else {}
     opt = s["optimizer"] if type(s.get("optimizer")) is dict else {}
@@ -1363,20 +1337,19 @@ def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all
     if len(kept) < len(lines):
         write_atomic(path, "".join(kept))
 
-def unsaveable(x, where):  # where x holds what a safe torch.load (weights_only) refuses (a numpy scalar, a lambda)
-    if type(x) in (dict, list, tuple):  # (exact types: a namedtuple or a numpy float, a float subclass, are refused)
+def unsaveable(x, where):  # where x holds a value torch.load(weights_only) refuses (a numpy scalar, a lambda), or None
+    if type(x) in (dict, list, tuple):  # (exact types: a namedtuple, a numpy float, a float subclass, are refused)
         pairs = x.items() if type(x) is dict else enumerate(x)
-        return next((bad for k, v in pairs for bad in (unsaveable(k, f"a key of {where}"),
-                                                      unsaveable(v, f"{where}[{k!r}]")) if bad), None)
+        return next(filter(None, (unsaveable(k, f"a key of {where}") or unsaveable(v, f"{where}[{k!r}]")
+                                  for k, v in pairs)), None)
     ok = x is None or type(x) in (bool, int, float, str) or torch.is_tensor(x)
     return None if ok else f"{where} is a {type(x).__module__}.{type(x).__qualname__}"
 
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
     """On every rank: rank 0 writes <out>/step_<n>/ (drafter, train_state.pt, record), then switches <out>/latest."""
     from safetensors import SafetensorError
-    bad = unsaveable(state, "train_state")
-    need(not bad, f"cannot save step_{step}: {bad}; a checkpoint holds only None, bool, int, float, str, tensors, and "
-         f"lists, tuples and dicts of them (a stage's state too)")
+    need(not (bad := unsaveable(state, "train_state")), f"cannot save step_{step}: {bad}; a checkpoint holds only "
+         f"None, bool, int, float, str, tensors, and lists, tuples and dicts of them (a stage's state too)")
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -1389,11 +1362,11 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota: nothing partial, latest kept
             size = sum(t.numel() for t in drafter.state_dict().values()) * save_dtype.itemsize + sum(
                 t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-            free, why = shutil.disk_usage(out).free, getattr(e, "strerror", None) or first_line(e)
-            full = getattr(e, "errno", None) == errno.ENOSPC or free < size  # (torch's error says no errno)
-            need(not full, f"disk full: cannot write checkpoint {d}, which needs about {size:,} bytes ({free:,} are "
-                 f"free); free space or give another --out; {last_complete(out)}")
-            raise DFlashError(f"cannot write checkpoint {d} ({why}); {last_complete(out)}") from None
+            free, why = shutil.disk_usage(out).free, getattr(e, "strerror", None)  # (torch's writer: no errno)
+            full = getattr(e, "errno", None) == errno.ENOSPC or free < size
+            need(not full, f"disk full{f' ({why})' * bool(why)}: cannot write checkpoint {d}, which needs about "
+                 f"{size:,} bytes ({free:,} are free); free space or give another --out; {last_complete(out)}")
+            raise DFlashError(f"cannot write checkpoint {d} ({why or first_line(e)}); {last_complete(out)}") from None
         say(f"saved {d}")
     if world > 1:
         dist.barrier()
@@ -1657,14 +1630,14 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 # -----------------------------------------------------------------------------
 # Signals, devices and distributed set-up
 
-class StopFlag:  # `with StopFlag(out, say) as stop`: SIGTERM/INT/HUP/USR1/USR2 (unless ignored) set stop.requested
+class StopFlag:  # `with StopFlag(out, say) as stop`: TERM/INT/HUP, Slurm's USR1, submitit's USR2 set stop.requested
 
     def __init__(self, out, say=print):
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
         sigs = {signal.SIGTERM, signal.SIGINT, *(getattr(signal, n) for n in ("SIGHUP", "SIGUSR1", "SIGUSR2") if
-                                                 hasattr(signal, n))}  # a time limit's warning: Slurm's USR1, submitit's USR2
+                                                 hasattr(signal, n))}  # USR1/2: time-limit warnings
         self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         return self
 
@@ -1972,19 +1945,18 @@ def check_run(args, world, device, master):
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
 
 @contextmanager
-def blame(args, run, when):  # an exception raised in a plug-in's code ends the run in one line naming it, after its trace
+def blame(args, run, when):  # an exception in a plug-in's code: its traceback, then one line naming it, when, the save
     try:
         yield
     except Exception as e:
-        mine = {"--variant": run.variant, "--stage": run.stage, "--loss": args.loss != "ce" and loss_plugin(args.loss)[0]}
-        files = {os.path.realpath(m.__file__): f"{flag} {getattr(m, 'DFLASH_MODULE', m.__name__.split('.')[-1])}"
-                 for flag, m in mine.items() if m and m is not sys.modules[__name__]}
+        mods = [run.variant, run.stage, args.loss != "ce" and loss_plugin(args.loss)[0]]
+        files = {os.path.realpath(m.__file__): getattr(m, "DFLASH_MODULE", m.__name__) for m in mods if m}
         who = [files.get(os.path.realpath(f.f_code.co_filename)) for f, _ in traceback.walk_tb(e.__traceback__)]
         if isinstance(e, DFlashError) or not any(who):
             raise
         traceback.print_exc()
-        raise DFlashError(f"{[w for w in who if w][-1]} raised {type(e).__name__} in {when}: {first_line(e)}; "
-                          f"{last_complete(args.out)}") from None
+        raise DFlashError(f"plug-in {[w for w in who if w][-1]} raised {type(e).__name__} in {when}: {first_line(e)}; "
+                          f"{last_complete(args.out)}")
 
 def as_variant(variant, cfg=None, drafter=None):
     """A variant's default configure, prepare: its Config holding cfg's DFlash fields, its Drafter drafter's weights."""
@@ -2329,10 +2301,10 @@ class ArgumentParser(argparse.ArgumentParser):
             if owner := next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0):
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
-            fix = f"did you mean {close[0]}?" if close else "--help lists the flags" + (" (a plug-in's flags come with "
-                  "its --variant, --loss or --stage)" if "--stage" in self._option_string_actions else "")
-            self.error(f"unknown flag {bad}; {fix}" if bad.startswith("-") else
-                       f"unexpected argument {bad!r} (flags start with --)")
+            flags = "--help lists the flags" + hasattr(self, "plugins") * (" (a plug-in's come with its --variant, "
+                                                                            "--loss or --stage)")
+            self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else flags)
+                       if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
 
 def tool_plugins():

@@ -4,7 +4,9 @@ restart too; a variant named by a relative path, a symlink or a module name resu
 a plug-in's flag values and a variant's config keys are checked when saved; a plug-in raising mid-step, a scheduler's
 warning signal and a full disk each end the run in one line with the last checkpoint intact. The plug-ins are written
 here, outside the repository."""
+import builtins
 import errno
+import io
 import json
 import os
 import shutil
@@ -113,9 +115,9 @@ def test_a_variant_named_any_way_resumes_from_anywhere(f, tmp_path, monkeypatch,
     elif how == "symlink":
         os.symlink(toy, tmp_path / "link.py")
         first, then = str(tmp_path / "link.py"), toy
-    else:  # a .py file on sys.path is recorded by its module name, and resumes by it
+    else:  # a module name is recorded as such: importable from anywhere on sys.path
         monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
-        first, then = toy, "toy"
+        first, then = "toy", "toy"
     dflash.main(f["base"] + ["--out", out, "--variant", first, "--max_steps", "1"])
     recorded = json.load(open(os.path.join(out, "step_1", "config.json")))["dflash_module"]
     assert recorded == ("toy" if how == "module" else os.path.realpath(toy))
@@ -169,14 +171,16 @@ def test_init_from_a_variant_without_its_flag_gives_configure_the_defaults(f, tm
 # -----------------------------------------------------------------------------
 # Checkpoints that cannot be read stop every resume: never read as corrupt, never started over
 
-def simulate_no_permission(monkeypatch, out):  # step dirs without r/x (root ignores chmod): the OS's EACCES inside
-    real = os.stat
-
-    def stat(p, *a, **k):
-        if os.path.dirname(os.path.abspath(p)).startswith(os.path.join(out, "step_")):
-            raise PermissionError(errno.EACCES, "Permission denied", p)
-        return real(p, *a, **k)
-    monkeypatch.setattr(os, "stat", stat)
+def simulate_no_permission(monkeypatch, out):  # step dirs without r/x (root ignores chmod): EACCES on what is in them
+    def refusing(real):
+        def call(p, *a, **k):
+            if isinstance(p, (str, os.PathLike)) and os.path.abspath(p).startswith(os.path.join(out, "step_")) and \
+                    os.path.dirname(os.path.abspath(p)) != out:
+                raise PermissionError(errno.EACCES, "Permission denied", str(p))
+            return real(p, *a, **k)
+        return call
+    for module, name in ((os, "stat"), (io, "open"), (builtins, "open")):
+        monkeypatch.setattr(module, name, refusing(getattr(module, name)))
 
 
 def break_all(out, how):
@@ -275,7 +279,7 @@ def test_a_plugin_flag_value_a_safe_load_refuses_fails_at_the_first_save(f, tmp_
 
 
 @pytest.mark.parametrize("keys, says", [('{"bias": c.toy_bias}', "returns 'bias'"),
-                                        ("{}", "leaves out field toy_bias")])
+                                        ("{}", "leaves out toy_bias")])
 def test_dflash_config_keys_under_another_name_or_left_out(f, tmp_path, capsys, keys, says):
     toy = write_toy(tmp_path / "plugins", **{'{"toy_bias": c.toy_bias}': keys})
     fails_with(capsys, f["base"] + ["--out", str(tmp_path / "o"), "--variant", toy], "dflash_config_keys()", says)
@@ -308,14 +312,14 @@ def test_a_plugin_raising_mid_step_is_named_with_the_step(f, tmp_path, capsys):
         dflash.main(f["base"] + ["--out", out, "--variant", toy, "--max_steps", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "Traceback" in err[0] and "the toy layer broke" in err[-2]
-    assert err[-1].startswith(f"error: --variant {toy} raised ValueError in step 3: the toy layer broke"), err[-1]
+    assert err[-1].startswith(f"error: plug-in {toy} raised ValueError in step 3: the toy layer broke"), err[-1]
     assert os.path.join(out, "step_2") in err[-1] and latest(out) == "step_2"
     assert dflash.checkpoint_problem(os.path.join(out, "step_2")) is None
     (tmp_path / "broken.py").write_text(RAISING_LOSS)
     with pytest.raises(SystemExit):
         dflash.main(f["base"] + ["--out", str(tmp_path / "o2"), "--loss", f"{tmp_path / 'broken.py'}:broken"])
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith(f"error: --loss {tmp_path / 'broken.py'} raised KeyError in step 1"), last
+    assert last.startswith(f"error: plug-in {tmp_path / 'broken.py'} raised KeyError in step 1"), last
     assert "no complete checkpoint" in last
 
 
@@ -390,7 +394,8 @@ def test_another_write_error_is_not_called_a_full_disk(tmp_path, monkeypatch):
 def test_a_plugin_flag_without_its_plugin_and_help_beside_it(f, tmp_path, capsys):
     toy = write_toy(tmp_path / "plugins")
     argv = f["base"] + ["--out", str(tmp_path / "o")]
-    one_error(capsys, dflash.main, argv + ["--toy_bias", "1"], "unknown flag --toy_bias", "--variant, --loss or --stage")
+    one_error(capsys, dflash.main, argv + ["--toy_bias", "1"], "unknown flag --toy_bias",
+              "come with its --variant, --loss or --stage")
     with pytest.raises(SystemExit) as e:
         dflash.main(["--help", "--variant", toy])
     assert e.value.code == 0
