@@ -915,8 +915,8 @@ def yarn_inv_freq(cfg, inv_freq):
 class DFlashError(Exception):
     """Bad input or a bad checkpoint; its message holds one problem per line."""
 
-class Unreadable(DFlashError):
-    """A file there that cannot be read here (the OS refuses it, its plug-in is untrusted or gone): never "corrupt"."""
+class Unreadable(Exception):  # (no DFlashError: what catches those, "corrupt", lets it through)
+    """A file there that cannot be read here (the OS refuses it, its plug-in is untrusted or gone): one line, exit 2."""
 
 def need(ok, message, kind=DFlashError):
     if not ok:
@@ -930,7 +930,7 @@ def run_main(fn, args):  # fn(args) as a command (dflash.py, eval.py, tools): on
     hf_logging.disable_progress_bar()  # stderr is for errors and our own progress
     try:
         return fn(args)
-    except DFlashError as e:
+    except (DFlashError, Unreadable) as e:
         if getattr(args, "debug", False) or os.environ.get("DFLASH_DEBUG"):
             raise
         print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
@@ -966,10 +966,8 @@ def plugin(spec, why):
     if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
         return import_tool(spec, why)
     key = plugin_key(spec)
-    need(key in TRUSTED or "*" in TRUSTED, f"{why} is code from {spec!r}; pass --variant {spec} (or where the module "
-         f"now lives) or --trust_variant_code to import it", Unreadable)
-    need(not key.endswith(".py") or os.path.isfile(key), f"{why}: {spec} does not exist; give a .py file or a module "
-         f"(--variant: where the module now lives)", Unreadable)
+    need(TRUSTED & {key, "*"}, f"{why} is code from {spec!r}; pass --variant or --trust_variant_code", Unreadable)
+    need(os.path.isfile(key) or not key.endswith(".py"), f"{why}: no file {spec}; give --variant its path", Unreadable)
     sys.modules.setdefault("dflash", sys.modules[__name__])
     name = "dflash_plugin_" + hashlib.sha256(key.encode()).hexdigest()[:12]  # one module a file
     try:
@@ -1088,8 +1086,6 @@ def config_from_json(d, where="config.json"):  # ours if it writes back the same
         same = lambda j: {k: v for k, v in j.items() if k not in ("torch_dtype", "dflash_module")}  # noqa: E731
         if same(config_to_json(cfg)) == same(d):  # (a variant --variant names where its module now lives)
             return cfg
-    except Unreadable:
-        raise
     except (DFlashError, KeyError, TypeError, AttributeError):
         pass
     if isinstance(d, dict):  # torch_dtype says how the writer stored the weights; other trainers write "None", ...
@@ -1233,8 +1229,7 @@ def read_train_state(d):
     except Exception as e:  # missing, truncated zip, garbage pickle: corrupt; refused (the OS, unsafe): Unreadable
         unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))  # a type torch.load(weights_only) refuses
         why = f"it holds a {unsafe[1]}, which torch.load(weights_only) refuses" if unsafe else getattr(e, "strerror", 0)
-        os_refused = isinstance(e, OSError) and not isinstance(e, FileNotFoundError)  # (missing: incomplete)
-        need(not unsafe and not os_refused, f"cannot read {path}: {why}", Unreadable)
+        need(not why or isinstance(e, FileNotFoundError), f"cannot read {path}: {why}", Unreadable)  # (missing: bad)
         raise DFlashError(f"{path}: cannot read the training state ({first_line(e)}); the file is corrupt") from None
     s = state if isinstance(state, dict) else {}
     opt = s["optimizer"] if type(s.get("optimizer")) is dict else {}
@@ -1280,9 +1275,7 @@ def checkpoint_problem(d):  # None if d is a complete step_N checkpoint (each of
     try:
         need(os.path.isdir(d), "it does not exist")
         read_drafter_config(d), read_train_state(d), read_safetensors(d, load=False)
-    except Unreadable:  # not corrupt: no resume may pass over it
-        raise
-    except DFlashError as e:
+    except DFlashError as e:  # (Unreadable is not corrupt: no resume passes over it)
         return str(e).splitlines()[0]
 
 def step_of(name):
@@ -1772,8 +1765,6 @@ def resume_point(args, data_digest, master=True):  # (checkpoint, its train stat
     mode, out, why = args.resume or ("auto" if restart_count() > 0 else None), args.out, None
     try:
         d = latest_checkpoint(out) if mode else None
-    except Unreadable:
-        raise
     except DFlashError as e:
         d, why = None, str(e)
     left = complete_checkpoints(out) if d is None and (mode or earlier_run(out)) else []  # every step_N's files opened
@@ -1934,7 +1925,7 @@ def check_run(args, world, device, master):
             vars(args).setdefault(k, v)
         cfg = getattr(variant, "configure", lambda c, a: as_variant(variant, c))(cfg, args) if variant else cfg
         check_compatible(cfg, meta), config_to_json(cfg)  # config.json holds every field (dflash_config_keys)
-    except DFlashError as e:
+    except (DFlashError, Unreadable) as e:
         problems += str(e).splitlines()
     need(not problems, "\n".join(problems))
     if plan or (device.type == "cuda" and os.path.isdir(os.path.join(os.path.dirname(__file__), "dflash_tools"))):
@@ -2292,7 +2283,7 @@ class ArgumentParser(argparse.ArgumentParser):
             try:
                 for title, module in chosen_plugins(argv, every="-h" in argv or "--help" in argv):
                     module.add_flags(fresh.add_argument_group(title))
-            except DFlashError as e:
+            except (DFlashError, Unreadable) as e:
                 self.error(first_line(e))
             return fresh.parse_args(argv, namespace)
         args, extra = self.parse_known_args(argv, namespace)

@@ -140,8 +140,8 @@ def test_a_moved_or_untrusted_variant_stops_the_resume_and_is_told_where_it_live
                "--trust_variant_code")
     new = str(tmp_path / "new" / "toy.py")
     os.renames(old, new)
-    fails_with(capsys, f["base"] + ["--out", out, "--trust_variant_code"], old, "does not exist", "--variant")
-    fails_with(capsys, f["base"] + ["--out", out, "--resume", "--trust_variant_code"], old, "does not exist")
+    fails_with(capsys, f["base"] + ["--out", out, "--trust_variant_code"], old, "no file", "give --variant its path")
+    fails_with(capsys, f["base"] + ["--out", out, "--resume", "--trust_variant_code"], old, "no file")
     assert tree_bytes(out) == before  # nothing started over
     dflash.main(f["base"] + ["--out", out, "--resume", "--variant", new])
     assert "resumed from" in capsys.readouterr().out and latest(out) == "step_2"
