@@ -65,7 +65,6 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
 
 import argparse
 import difflib
-import errno
 import gzip
 import hashlib
 import importlib.util
@@ -1057,12 +1056,12 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
             "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
             **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
-def variant_keys(cfg):  # dflash_config_keys(), checked: each a field of the variant's own, none left out (or default)
-    keys, own = cfg.dflash_config_keys(), [f for f in fields(cfg) if f.name not in DFlashConfig.__dataclass_fields__]
-    bad = [f"returns {k!r}, not one of its fields" for k in keys if k not in {f.name for f in own}] + [
-        f"leaves out {f.name}, which would load back at its default" for f in own if f.name not in keys and
-        getattr(cfg, f.name) != f.default]
-    need(not bad, f"{type(cfg).__name__}.dflash_config_keys() {bad and bad[0]}; return each field under its own name")
+def variant_keys(cfg):  # dflash_config_keys(), checked: each own field under its name (left out: only at its default)
+    keys = cfg.dflash_config_keys()
+    own = {f.name: f.default for f in fields(cfg) if f.name not in DFlashConfig.__dataclass_fields__}
+    bad = [f"returns {k!r}" for k in keys if k not in own] + [f"leaves out {k}" for k, v in own.items() if k not in keys
+                                                                and getattr(cfg, k) != v]
+    need(not bad, f"{type(cfg).__name__}.dflash_config_keys() {bad and bad[0]}; return each own field under its name")
     return keys
 
 def config_class(d, where="config.json"):
@@ -1135,9 +1134,8 @@ def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or
         try:  # safe_open rejects a missing, truncated or garbage file (it checks the header against the size)
             with safe_open(file, "pt") as f:
                 tensors.update({k: f.get_tensor(k) for k in f.keys()} if load else {})
-        except Exception as e:  # safetensors raises its own (Rust) error types; the OS's an OSError
-            need(not isinstance(e, OSError) or isinstance(e, FileNotFoundError), f"cannot read {file}: "
-                 f"{first_line(e)}", Unreadable)
+        except Exception as e:  # safetensors raises its own (Rust) error types; an OSError but "missing": the OS's
+            need(isinstance(e, OSError) == isinstance(e, FileNotFoundError), f"cannot read {file}: {e}", Unreadable)
             raise DFlashError(f"{file}: unreadable safetensors ({first_line(e)}); the checkpoint is corrupt") from None
     return tensors
 
@@ -1355,11 +1353,10 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota: nothing partial, latest kept
             size = sum(t.numel() for t in drafter.state_dict().values()) * save_dtype.itemsize + sum(
                 t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-            free, why = shutil.disk_usage(out).free, getattr(e, "strerror", None)  # (torch's writer: no errno)
-            full = getattr(e, "errno", None) == errno.ENOSPC or free < size
-            need(not full, f"disk full{f' ({why})' * bool(why)}: cannot write checkpoint {d}, which needs about "
-                 f"{size:,} bytes ({free:,} are free); free space or give another --out; {last_complete(out)}")
-            raise DFlashError(f"cannot write checkpoint {d} ({why or first_line(e)}); {last_complete(out)}") from None
+            free = shutil.disk_usage(out).free  # (torch's writer says "unexpected pos", no errno: the space tells)
+            why = f"disk full: it needs about {size:,} bytes, {free:,} are free" if free < size else getattr(
+                e, "strerror", None) or first_line(e)
+            raise DFlashError(f"cannot write checkpoint {d} ({why}); {last_complete(out)}") from None
         say(f"saved {d}")
     if world > 1:
         dist.barrier()
@@ -1629,8 +1626,7 @@ class StopFlag:  # `with StopFlag(out, say) as stop`: TERM/INT/HUP, Slurm's USR1
         self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
 
     def __enter__(self):
-        sigs = {signal.SIGTERM, signal.SIGINT, *(getattr(signal, n) for n in ("SIGHUP", "SIGUSR1", "SIGUSR2") if
-                                                 hasattr(signal, n))}  # USR1/2: time-limit warnings
+        sigs = {getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)}
         self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         return self
 

@@ -362,12 +362,12 @@ def test_a_full_disk_says_so(tmp_path, monkeypatch, how):
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
         monkeypatch.setattr(safetensors.torch, "save_file", full)
-    else:  # torch.save's, the training state: no errno, so the free space tells
+    else:  # torch.save's, the training state: no errno
         def full(*a, **k):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 832 vs 768")
-        usage = shutil.disk_usage(out)
         monkeypatch.setattr(torch, "save", full)
-        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
+    usage = shutil.disk_usage(out)  # what a full disk reports
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=4096))
     msg = refused(lambda: dflash.save_checkpoint(out, 2, drafter, opt, torch.float32, state, say=quiet),
                   "disk full", os.path.join(out, "step_2"), "bytes", os.path.join(out, "step_1"))
     weights = sum(t.numel() * 4 for t in drafter.state_dict().values())
