@@ -1917,8 +1917,7 @@ def check_run(args, world, device, master):
         spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
         variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
         variant = None if variant is sys.modules[__name__] else variant
-        for k, v in flag_dests(variant).items() if variant else ():  # --init_from's variant: its flags' defaults
-            vars(args).setdefault(k, v)
+        vars(args).update({**flag_dests(variant), **vars(args)})  # --init_from's variant: its flags' defaults (unnamed)
         cfg = getattr(variant, "configure", lambda c, a: as_variant(variant, c))(cfg, args) if variant else cfg
         check_compatible(cfg, meta), config_to_json(cfg)  # config.json holds every field (dflash_config_keys)
     except (DFlashError, Unreadable) as e:
