@@ -939,7 +939,6 @@ def run_main(fn, args):  # fn(args) as a command (dflash.py, eval.py, tools): on
         sys.exit(128 + signal.SIGINT)
 
 def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where a flag, config or file asks for it
-    sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this module is __main__: one instance
     try:
         return importlib.import_module(f"dflash_tools.{name}")
     except ModuleNotFoundError as e:
@@ -948,17 +947,12 @@ def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where
         raise Unreadable(f"{why} needs dflash_tools/{name}.py; copy dflash_tools/ beside {sys.argv[0]}") from None
 
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
+sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this is __main__: plug-ins import this one
 TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported (plugin_key): named by a flag, or "*"
 NAMED = {}  # architecture -> the module this command's --variant names: it reads checkpoints of that architecture
 
 def plugin_key(spec):  # how a checkpoint names a plug-in, the same from any directory or link: a module, a real path
     return os.path.realpath(spec) if spec.endswith(".py") else spec
-
-def trust(given, everything=False):  # this command's plug-ins {flag: spec} may be imported (any one: everything)
-    TRUSTED.clear(), NAMED.clear()
-    TRUSTED.update({plugin_key(v) for v in given.values() if v} | ({"*"} if everything else set()))
-    v = given.get("--variant") and plugin(given["--variant"], f"--variant {given['--variant']}")
-    NAMED.update({v.Config.architecture: v} if hasattr(v, "Config") else {})
 
 def plugin(spec, why):
     """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (its DFLASH_MODULE: its plugin_key)."""
@@ -967,7 +961,6 @@ def plugin(spec, why):
     key = plugin_key(spec)
     need(TRUSTED & {key, "*"}, f"{why} is code from {spec!r}; pass --variant or --trust_variant_code", Unreadable)
     need(os.path.isfile(key) or not key.endswith(".py"), f"{why}: no file {spec}; give --variant its path", Unreadable)
-    sys.modules.setdefault("dflash", sys.modules[__name__])
     name = "dflash_plugin_" + hashlib.sha256(key.encode()).hexdigest()[:12]  # one module a file
     try:
         module = importlib.import_module(key) if not key.endswith(".py") else sys.modules.get(name)
@@ -1082,8 +1075,8 @@ def config_from_json(d, where="config.json"):  # ours if it writes back the same
                   mask_token_id=dc["mask_token_id"], target_layer_ids=dc["target_layer_ids"],
                   is_causal=d.get("is_causal"))
         cfg = cls(**kw)
-        same = lambda j: {k: v for k, v in j.items() if k not in ("torch_dtype", "dflash_module")}  # noqa: E731
-        if same(config_to_json(cfg)) == same(d):  # (a variant --variant names where its module now lives)
+        aside = {"torch_dtype": 0, "dflash_module": 0}  # whatever dtype it was saved in, wherever its module lived
+        if {**config_to_json(cfg), **aside} == {**d, **aside}:
             return cfg
     except (DFlashError, KeyError, TypeError, AttributeError):
         pass
@@ -2305,7 +2298,7 @@ def tool_plugins():
     return found
 
 def chosen_plugins(argv, every=False):
-    """[(title, module)] of the plug-ins argv names (every: all dflash_tools/'), setting TRUSTED to those."""
+    """[(title, module)] of the plug-ins argv names (every: all dflash_tools/'), setting TRUSTED and NAMED to those."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     for name in ("--variant", "--loss", "--stage", "--dflash2", "--trust_variant_code"):
         p.add_argument(name, action="store_true" if name in ("--dflash2", "--trust_variant_code") else "store")
@@ -2314,13 +2307,15 @@ def chosen_plugins(argv, every=False):
     loss = a.loss if a.loss and a.loss != "ce" else None
     given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage,
              "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
-    trust(given, a.trust_variant_code)
+    TRUSTED.clear(), NAMED.clear()
+    TRUSTED.update({plugin_key(v) for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
     if loss:
         module, name = loss_plugin(loss)
         known = getattr(module, "LOSSES", {})
         need(name in known, f"--loss {loss}: no such loss; give ce or one of {', '.join(known) or 'none'}")
     chosen = {(f, m) for f, m, _ in tool_plugins() if every} | {(f, m) for f, m in given.items() if m}
     modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
+    NAMED.update({mod.Config.architecture: mod for f, _, mod in modules if f == "--variant" and hasattr(mod, "Config")})
     return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules
             if hasattr(mod, "add_flags")]
 

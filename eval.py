@@ -747,7 +747,8 @@ def get_parser():
     return p
 
 def run(args):
-    dflash.trust({"--variant": args.variant}, args.trust_variant_code)  # a drafter's own code runs only when asked to
+    dflash.chosen_plugins(["--variant", args.variant] * bool(args.variant) +  # a drafter's code runs only when asked to
+                          ["--trust_variant_code"] * args.trust_variant_code)
     if args.plot:
         check_output_file(args.plot, "--plot")
         dflash.import_tool("plot", "--plot").pyplot()  # without matplotlib: one line, before the target loads
