@@ -715,13 +715,13 @@ def train(args):
     if step == 0:
         held_out(0)
     stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
-    with StopFlag(args.out, say) as stop, progress_bar(total_steps, step, master, args) as bar:
+    plugins = [run.variant, run.stage, args.loss != "ce" and loss_plugin(args.loss)[0]]  # an exception in one: a line
+    with StopFlag(args.out, say, plugins) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
-            t0, lr = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio)
+            t0, lr, stop.step = time.time(), lr_at(step, total_steps, args.lr, args.warmup_ratio), step + 1
             micro = [batches.get(step, m) for m in range(args.grad_accum)]
-            with blame(args, run, f"step {step + 1}"):  # a plug-in's exception: its traceback, then one line
-                total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
-                                               args.grad_clip, world, progress=(step, total_steps), **loss_kw)
+            total, grad_norm, ok = step_fn(model, optimizer, target, run.cfg, micro, lr, num_anchors(args),
+                                           args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
             seen.append(torch.stack([ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]).float())
@@ -948,17 +948,14 @@ def import_tool(name, why):  # dflash_tools/<name>.py (it imports dflash), where
 
 TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dflash_tools")
 sys.modules.setdefault("dflash", sys.modules[__name__])  # run as a script this is __main__: plug-ins import this one
-TRUSTED = set()  # plug-in modules outside dflash_tools/ that may be imported (plugin_key): named by a flag, or "*"
+TRUSTED = set()  # plug-ins outside dflash_tools/ that may be imported (a module, a real .py path): flags', or "*"
 NAMED = {}  # architecture -> the module this command's --variant names: it reads checkpoints of that architecture
 
-def plugin_key(spec):  # how a checkpoint names a plug-in, the same from any directory or link: a module, a real path
-    return os.path.realpath(spec) if spec.endswith(".py") else spec
-
 def plugin(spec, why):
-    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (its DFLASH_MODULE: its plugin_key)."""
+    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (DFLASH_MODULE: its key, as saved)."""
     if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
         return import_tool(spec, why)
-    key = plugin_key(spec)
+    key = os.path.realpath(spec) if spec.endswith(".py") else spec  # as a checkpoint names it: from any dir or link
     need(TRUSTED & {key, "*"}, f"{why} is code from {spec!r}; pass --variant or --trust_variant_code", Unreadable)
     need(os.path.isfile(key) or not key.endswith(".py"), f"{why}: no file {spec}; give --variant its path", Unreadable)
     name = "dflash_plugin_" + hashlib.sha256(key.encode()).hexdigest()[:12]  # one module a file
@@ -1615,17 +1612,23 @@ def split_eval(samples, eval_fraction, seed):  # (train, eval): held_out_count s
 
 class StopFlag:  # `with StopFlag(out, say) as stop`: TERM/INT/HUP, Slurm's USR1, submitit's USR2 set stop.requested
 
-    def __init__(self, out, say=print):
-        self.out, self.say, self.requested, self.count, self.signum = out, say, False, 0, None
+    def __init__(self, out, say=print, plugins=()):  # plugins: modules whose exceptions end the run in one line
+        self.out, self.say, self.requested, self.count, self.signum, self.step = out, say, False, 0, None, 0
+        self.plugins = {os.path.realpath(m.__file__): getattr(m, "DFLASH_MODULE", m.__name__) for m in plugins if m}
 
     def __enter__(self):
         sigs = {getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)}
         self.previous = {s: signal.signal(s, self._handler) for s in sigs if signal.getsignal(s) != signal.SIG_IGN}
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, e, tb):  # an exception in a plug-in's code: its traceback, then one line naming it
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        who = [self.plugins.get(os.path.realpath(f.f_code.co_filename)) for f, _ in traceback.walk_tb(tb)]
+        if isinstance(e, Exception) and not isinstance(e, DFlashError) and any(who):
+            traceback.print_exception(e)
+            raise DFlashError(f"plug-in {[w for w in who if w][-1]} raised {kind.__name__} in step {self.step}: "
+                              f"{first_line(e)}; {last_complete(self.out)}") from None
 
     def _handler(self, signum, frame):  # first: finish the step, save, exit; third: SystemExit 128+signal, latest kept
         self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
@@ -1922,20 +1925,6 @@ def check_run(args, world, device, master):
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
     state_of_stage = (state or {}).get("stage_state", {})
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
-
-@contextmanager
-def blame(args, run, when):  # an exception in a plug-in's code: its traceback, then one line naming it, when, the save
-    try:
-        yield
-    except Exception as e:
-        mods = [run.variant, run.stage, args.loss != "ce" and loss_plugin(args.loss)[0]]
-        files = {os.path.realpath(m.__file__): getattr(m, "DFLASH_MODULE", m.__name__) for m in mods if m}
-        who = [files.get(os.path.realpath(f.f_code.co_filename)) for f, _ in traceback.walk_tb(e.__traceback__)]
-        if isinstance(e, DFlashError) or not any(who):
-            raise
-        traceback.print_exc()
-        raise DFlashError(f"plug-in {[w for w in who if w][-1]} raised {type(e).__name__} in {when}: {first_line(e)}; "
-                          f"{last_complete(args.out)}")
 
 def as_variant(variant, cfg=None, drafter=None):
     """A variant's default configure, prepare: its Config holding cfg's DFlash fields, its Drafter drafter's weights."""
@@ -2280,8 +2269,7 @@ class ArgumentParser(argparse.ArgumentParser):
             if owner := next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0):
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
-            flags = "--help lists the flags" + hasattr(self, "plugins") * (" (a plug-in's come with its --variant, "
-                                                                            "--loss or --stage)")
+            flags = "--help lists the flags" + hasattr(self, "plugins") * " (plug-in flags need --variant/--loss/--stage)"
             self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else flags)
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
@@ -2308,7 +2296,8 @@ def chosen_plugins(argv, every=False):
     given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage,
              "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
     TRUSTED.clear(), NAMED.clear()
-    TRUSTED.update({plugin_key(v) for v in given.values() if v} | ({"*"} if a.trust_variant_code else set()))
+    TRUSTED.update({os.path.realpath(v) if v.endswith(".py") else v for v in given.values() if v} | (
+        {"*"} if a.trust_variant_code else set()))
     if loss:
         module, name = loss_plugin(loss)
         known = getattr(module, "LOSSES", {})
