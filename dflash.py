@@ -2269,8 +2269,8 @@ class ArgumentParser(argparse.ArgumentParser):
             if owner := next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0):
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
-            flags = "--help lists the flags" + hasattr(self, "plugins") * " (plug-in flags need --variant/--loss/--stage)"
-            self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else flags)
+            fix = "--help lists the flags" + hasattr(self, "plugins") * " (plug-in flags need --variant/--loss/--stage)"
+            self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else fix)
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
 
