@@ -1047,8 +1047,7 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
             **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def variant_keys(cfg):  # dflash_config_keys(), checked: each own field under its name (left out: only at its default)
-    keys = cfg.dflash_config_keys()
-    own = {f.name: f.default for f in fields(cfg) if f.name not in DFlashConfig.__dataclass_fields__}
+    keys, own = cfg.dflash_config_keys(), {f.name: f.default for f in fields(cfg)[len(fields(DFlashConfig)):]}
     bad = [f"returns {k!r}" for k in keys if k not in own] + [f"leaves out {k}" for k, v in own.items() if k not in keys
                                                                 and getattr(cfg, k) != v]
     need(not bad, f"{type(cfg).__name__}.dflash_config_keys() {bad and bad[0]}; return each own field under its name")
@@ -1343,9 +1342,8 @@ def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, s
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, a quota: nothing partial, latest kept
             size = sum(t.numel() for t in drafter.state_dict().values()) * save_dtype.itemsize + sum(
                 t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-            free = shutil.disk_usage(out).free  # (torch's writer says "unexpected pos", no errno: the space tells)
-            why = f"disk full: it needs about {size:,} bytes, {free:,} are free" if free < size else getattr(
-                e, "strerror", None) or first_line(e)
+            free, why = shutil.disk_usage(out).free, getattr(e, "strerror", None) or first_line(e)
+            why = f"disk full: it needs about {size:,} bytes, {free:,} are free" if free < size else why  # (any writer)
             raise DFlashError(f"cannot write checkpoint {d} ({why}); {last_complete(out)}") from None
         say(f"saved {d}")
     if world > 1:
