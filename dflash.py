@@ -52,15 +52,18 @@ accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: 
   or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
   args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
   prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over). A checkpoint of a
-  variant outside dflash_tools/ names its module in config.json (dflash_module): loading it takes
-  --trust_variant_code unless --variant names it.
+  variant outside dflash_tools/ names its module in config.json (dflash_module: a module by its name, a .py file by
+  its real path): loading it takes --trust_variant_code unless --variant names it; where the module moved, --variant
+  NEWPATH (dflash.py, eval.py, --init_from) reads its architecture's checkpoints.
 - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
   f(args) -> a CE subclass (token_loss, weights, normaliser; target_logits = True: token_loss also gets the target's
   logits at its rows, a chunk at a time). It keeps the DFlash architecture: engines serve it.
 - A training stage (--stage NAME): `class Stage(SFT)` built as Stage(args, state) says what each micro-batch gives
   train_step's one optimizer step (SFT's contract); optional check(args) before any weights load. Its state, a dict
   saved in each checkpoint for an exact resume and checked at each save, holds None, bool, int, float, str, torch
-  tensors, and lists, tuples and dicts of them.
+  tensors, and lists, tuples and dicts of them (as every value a checkpoint holds).
+An exception raised in a plug-in's code ends the run: its traceback, then `error: plug-in M raised E in step N: ...`
+naming the last complete checkpoint.
 """
 
 import argparse
