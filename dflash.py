@@ -71,7 +71,6 @@ import difflib
 import gzip
 import hashlib
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -686,8 +685,6 @@ def train(args):
     trackers = start_trackers(args, run, master)  # before any weights load: a W&B login problem is one line
     target, trained_for = load_run_target(args, run, world, device)  # trained_for: what each checkpoint records
     train_samples, eval_samples = read_data(args, target, say, run.cfg)
-    if args.show_data:  # look at the loss masks before spending anything on training
-        return show_data(train_samples, target.tokenizer, args.show_data) if master else None
     batches = Batches(train_samples, args.batch_size, args.grad_accum, rank, world, args.seed,
                       getattr(target.tokenizer, "pad_token_id", None) or 0)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
@@ -1507,13 +1504,6 @@ def chat_sample(messages, tokenizer, kw, eos, where):
     add(encode(full[pos:]))
     return ids, mask
 
-def show_data(samples, tokenizer, n, file=None):  # --show_data: n samples, loss spans in [[...]], what each gives
-    decode = tokenizer.decode if tokenizer is not None else (lambda t: " ".join(map(str, t)))
-    for i, (ids, mask) in enumerate(samples[:n]):
-        runs = [(m, [t for t, _ in run]) for m, run in itertools.groupby(zip(ids, mask), key=lambda x: x[1])]
-        print(f"--- sample {i}: {len(ids)} tokens, {sum(mask)} loss tokens, {len(anchor_candidates(mask))} usable "
-              f"anchors\n" + "".join(f"[[{decode(t)}]]" if m else decode(t) for m, t in runs), file=file or sys.stdout)
-
 def record_kind(record, where, tokenizer, kinds):  # the first of kinds whose fields the record sets, checked
     need(isinstance(record, dict), f"{where}: expected a JSON object, got {type(record).__name__}")
     kind = next((k for k in kinds if all(record.get(f) is not None for f in k.split("+"))), None)
@@ -1954,11 +1944,9 @@ def check_resume(out, run, global_batch, master):  # this run's drafter and glob
     if master:
         keep_metrics(out, state["step"] if state else -1)
 
-def read_data(args, target, say, cfg=None):  # (train, held-out samples), checked (mask token, lengths); or (all, None)
+def read_data(args, target, say, cfg):  # (train, held-out samples), checked (mask token, lengths)
     kw = dict(say=say, enable_thinking=args.enable_thinking, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
     samples = load_samples(args.data, target.tokenizer, args.max_len, **kw)
-    if args.show_data:
-        return samples, None
     held = load_samples(args.eval_data, target.tokenizer, args.max_len, **kw) if args.eval_data else None
     train_samples, eval_samples = (samples, held) if held else split_eval(samples, eval_fraction(args), args.seed)
     where, n = "--data" + " and --eval_data" * bool(args.eval_data), cfg.mask_token_id
@@ -2275,16 +2263,8 @@ class ArgumentParser(argparse.ArgumentParser):
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
 
-def tool_plugins():
-    """dflash_tools/' (flag, module, architecture): a Config names an architecture, a loss LOSSES, a stage Stage"""
-    found = []
-    for f in sorted(os.listdir(TOOLS)) if os.path.isdir(TOOLS) else []:
-        text = pathlib.Path(TOOLS, f).read_text(errors="replace") if f.endswith(".py") else ""
-        arch = re.search(r'^ +architecture: ClassVar\[str\] = "(\w+)"', text, re.M)
-        kind = "--variant" if arch else "--loss" if re.search(r"^LOSSES = ", text, re.M) else "--stage" if re.search(
-            r"^class Stage\(", text, re.M) else None
-        found += [(kind, f[:-3], arch and arch[1])] if kind else []
-    return found
+def tool_plugins():  # [(flag, module, architecture)] of dflash_tools/' plug-ins, read from their files (plugins.py)
+    return import_tool("plugins", "finding plug-ins").tool_plugins() if os.path.isdir(TOOLS) else []
 
 def chosen_plugins(argv, every=False):
     """[(title, module)] of the plug-ins argv names (every: all dflash_tools/'), setting TRUSTED and NAMED to those."""
@@ -2435,6 +2415,8 @@ def main(argv=None):
     try:
         if args.demo or not argv:
             return run_main(lambda _: import_tool("demo", "the demo (dflash.py without arguments)").main(argv), args)
+        if args.show_data:  # the loss masks of --data, before anything is spent on training
+            return run_main(lambda a: import_tool("show_data", "--show_data").main(a), args)
         return run_main(train, args)
     finally:  # the --out lock ends with the run, also in a process that goes on (a notebook, the tests)
         while OUT_LOCKS:
