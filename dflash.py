@@ -1036,22 +1036,20 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
         d.pop("rope_scaling")
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
     causal, sliding = {c for c, _ in kinds}, any(w is not None for _, w in kinds)
-    said = {"is_causal": causal.pop()} if len(causal) == 1 else {}  # mixed: causal iff sliding, both engines' rule
-    dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
-          "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
-          "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
-          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **variant_keys(cfg)}
-    module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
-    return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
-            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
-            **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
-
-def variant_keys(cfg):  # dflash_config_keys(), checked: each own field under its name (left out: only at its default)
+    # a variant's dflash_config_keys(), checked: each own field under its name (left out: only at its default)
     keys, own = cfg.dflash_config_keys(), {f.name: f.default for f in fields(cfg)[len(fields(DFlashConfig)):]}
     bad = [f"returns {k!r}" for k in keys if k not in own] + [f"leaves out {k}" for k, v in own.items() if k not in keys
                                                                 and getattr(cfg, k) != v]
     need(not bad, f"{type(cfg).__name__}.dflash_config_keys() {bad and bad[0]}; return each own field under its name")
-    return keys
+    said = {"is_causal": causal.pop()} if len(causal) == 1 else {}  # mixed: causal iff sliding, both engines' rule
+    dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
+          "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
+          "sample_from_anchor": False, **({"causal": said["is_causal"]} if said else {}),
+          **({"swa_window_size": cfg.sliding_window} if sliding else {}), **keys}
+    module = getattr(sys.modules.get(type(cfg).__module__), "DFLASH_MODULE", None)  # a variant outside dflash_tools/
+    return {"architectures": [cfg.architecture], **({"dflash_module": module} if module else {}), "model_type": "qwen3",
+            "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": sliding, "attention_dropout": 0.0,
+            **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_class(d, where="config.json"):
     """DFlashConfig, or the variant's config.json names: --variant's of its arch, its dflash_module, else the tool's."""
@@ -1113,11 +1111,7 @@ def read_safetensors(path, load=True):  # {name: tensor} of model.safetensors or
     files, index = [os.path.join(path, "model.safetensors")], os.path.join(path, "model.safetensors.index.json")
     if not os.path.isfile(files[0]):
         need(os.path.isfile(index), f"{path!r} has neither model.safetensors nor model.safetensors.index.json")
-        m = read_json(index, "safetensors index")
-        m = m.get("weight_map") if isinstance(m, dict) else None
-        ok = isinstance(m, dict) and all(isinstance(v, str) for v in m.values())
-        need(ok, f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
-        files = [os.path.join(path, f) for f in sorted(set(m.values()))]
+        files = import_tool("engines", f"{index} (sharded weights)").shard_files(path, index)  # (ours are never)
     tensors = {}
     for file in files:
         try:  # safe_open rejects a missing, truncated or garbage file (it checks the header against the size)
@@ -1236,7 +1230,13 @@ def make_optimizer(drafter, args, run, world, device, say):  # AdamW (--zero: sp
     else:
         optimizer = torch.optim.AdamW(drafter.parameters(), **kw)
     if run.state:
-        resume_optimizer(optimizer, run.state, run.resume_dir)
+        try:  # the checkpoint's AdamW state, refused in one line unless it fits
+            optimizer.load_state_dict(run.state["optimizer"])
+            need(all(v.shape == p.shape for g in optimizer.param_groups for p in g["params"] for v in (
+                optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()), "a moment of another shape")
+        except (ValueError, KeyError, IndexError, TypeError, DFlashError) as e:
+            raise DFlashError(f"cannot resume {run.resume_dir}: its optimizer state does not fit the drafter "
+                              f"({first_line(e)}); the checkpoint is corrupt") from None
         say(f"resumed from {run.resume_dir} at step {run.state['step']}")
     return optimizer
 
@@ -1248,15 +1248,6 @@ def optimizer_step(optimizer, lr, ok):  # at lr, taken unless ok is false: a fus
     if fused or ok:  # (else a host sync: --zero's or a CPU optimizer)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-def resume_optimizer(optimizer, state, d):  # AdamW's state of checkpoint d, refused in one line unless it fits
-    try:
-        optimizer.load_state_dict(state["optimizer"])
-        need(all(v.shape == p.shape for g in optimizer.param_groups for p in g["params"] for v in (
-            optimizer.state.get(p) or {}).values() if torch.is_tensor(v) and v.dim()), "a moment of another shape")
-    except (ValueError, KeyError, IndexError, TypeError, DFlashError) as e:
-        raise DFlashError(f"cannot resume {d}: its optimizer state does not fit the drafter ({first_line(e)}); "
-                          f"the checkpoint is corrupt") from None
 
 def checkpoint_problem(d):  # None if d is a complete step_N checkpoint (each of its files opens), else what is wrong
     try:

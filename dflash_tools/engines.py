@@ -5,7 +5,7 @@ SGLang serve it: through transformers' config class for its model_type, then the
 differently, is refused in one line naming the key and what each engine does, never ignored."""
 import os
 
-from dflash import (DFlashConfig, DFlashError, config_class, engine_problems, first_line, is_int, need,
+from dflash import (DFlashConfig, DFlashError, config_class, engine_problems, first_line, is_int, need, read_json,
                     valid_target_layer_ids)
 from dflash_tools.dflash2 import INTS, UNARY
 
@@ -224,3 +224,12 @@ def download(path, flag):
     except Exception as e:  # no such repository, gated, offline, ...
         raise DFlashError(f"{flag} {path!r} is not a local directory, and downloading it from the hub failed "
                           f"({first_line(e)}); when offline, {fix}") from None
+
+def shard_files(path, index):
+    """The shard files of a drafter saved in pieces (model.safetensors.index.json's weight_map), as other trainers and
+    the hub store large ones; dflash.read_safetensors reads each."""
+    m = read_json(index, "safetensors index")
+    m = m.get("weight_map") if isinstance(m, dict) else None
+    ok = isinstance(m, dict) and all(isinstance(v, str) for v in m.values())
+    need(ok, f"{index}: no weight_map of tensor names to shard files; the checkpoint is corrupt")
+    return [os.path.join(path, f) for f in sorted(set(m.values()))]
