@@ -1521,11 +1521,8 @@ def plain_messages(messages, where):  # contents as text: a string, null (a tool
     out = []
     for j, m in enumerate(messages):
         c = m.get("content")
-        if isinstance(c, list):
-            part = c[0] if len(c) == 1 and isinstance(c[0], dict) else {}
-            ok = part.get("type") == "text" and isinstance(part.get("text"), str)
-            need(ok, f"{where}: messages[{j}].content is not one text part ({json.dumps(c)[:80]}); give it as a string")
-            c = part["text"]
+        if isinstance(c, list):  # OpenAI's content parts: formats.py reads their one text part
+            c = import_tool("formats", f"{where} (content parts)").text_part(c, f"{where}: messages[{j}].content")
         need(c is None or isinstance(c, str), f"{where}: messages[{j}].content is a {type(c).__name__}, not a string")
         out.append({**m, "content": c if c is None else encodable(c, where, f"messages[{j}].content")})
     return out

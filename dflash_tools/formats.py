@@ -1,6 +1,6 @@
 """Data formats beyond JSONL, imported by dflash.read_records only for files of their kind: a JSON array (as many
 published ShareGPT sets), Parquet (found by its magic bytes), a directory written by datasets' save_to_disk; and
-ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}. pyarrow and datasets are imported only
+ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}, and OpenAI's content parts. pyarrow and datasets are imported only
 for their formats. A table's row drops its null fields: columns that only other rows' formats fill."""
 import hashlib
 import importlib
@@ -111,6 +111,13 @@ def chat_record(record, where):
         need(isinstance(t.get("value"), str), f"{where}: conversations[{j}] has no string value")
         messages.append({"role": SHAREGPT_ROLES[t["from"]], "content": t["value"]})
     return {"messages": messages}
+
+def text_part(content, where):
+    """OpenAI's content parts ([{"type": "text", "text": ...}]) as the text of their one text part, else refused."""
+    part = content[0] if len(content) == 1 and isinstance(content[0], dict) else {}
+    ok = part.get("type") == "text" and isinstance(part.get("text"), str)
+    need(ok, f"{where} is not one text part ({json.dumps(content)[:80]}); give it as a string")
+    return part["text"]
 
 def dir_digest(path):
     """{size, sha256} of a save_to_disk directory's files (names and bytes, in name order), as dflash records a
