@@ -1836,7 +1836,7 @@ def new_drafter_config(target, num_draft_layers=5, block_size=16, mask_token_id=
     return cfg
 
 StepInputs = namedtuple("StepInputs", "model target cfg num_anchors gamma loss_kw")  # what a stage sees of a step
-# what check_run found (cfg None for --show_data); stage_state: what a --stage keeps between steps, saved and resumed
+# what check_run found; stage_state: what a --stage keeps between steps, saved and resumed
 RunSetup = namedtuple("RunSetup", "cfg resume_dir state data_digest init_from variant stage stage_state",
                       defaults=[None] * 8)  # variant, stage: their modules, or None
 
@@ -1851,7 +1851,7 @@ def check_run(args, world, device, master):
             what = "is not a regular file (a pipe?)" if os.path.exists(p) else "does not exist"
             problems.append(f"data file {p!r} {what}; pass {flag} with a JSONL or Parquet file or a save_to_disk dir")
         elif os.path.isdir(p) or data_kind(p):
-            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag, None if args.show_data else args.out)
+            import_tool("formats", f"{flag} {p!r}").check_readable(p, flag, args.out)
     if len(data) == 2 and not problems and os.path.samefile(args.data, args.eval_data):
         problems.append(f"--eval_data {args.eval_data} is --data itself; give other data, or drop --eval_data")
     if args.eval_data and args.eval_fraction:
@@ -1862,7 +1862,7 @@ def check_run(args, world, device, master):
         problems.append("--attention flex: FlexAttention has no backward pass on the CPU; drop --attention")
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
-    writes = not (args.plan or args.show_data)  # --plan and --show_data print, write nothing, and exit
+    writes = not args.plan  # --plan prints, writes nothing, and exits
     if writes:  # rank 0 is --out's one writer from the first check that writes, before it
         lock_out(args.out) if master else None
         check_out_dir(args.out)
@@ -1877,9 +1877,6 @@ def check_run(args, world, device, master):
     getattr(stage, "check", lambda a: None)(args)
     if args.eval_walk_tree_budget:
         import_tool("tree", "--eval_walk_tree_budget")
-    if args.show_data:
-        need(not problems, "\n".join(problems))
-        return RunSetup()
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
     cfg = variant = None
     given = {k: getattr(args, k) for k in DRAFTER_FLAGS if getattr(args, k) is not None}
@@ -1952,8 +1949,8 @@ class NoTrackers:  # what the loop logs to without --report_to (dflash_tools/tra
 def report_to(args):  # the trackers asked for, in order, each once (--report_to may repeat; none is none)
     return list(dict.fromkeys(n for names in args.report_to or [] for n in names))
 
-def start_trackers(args, run, master):  # rank 0's --report_to trackers (not for --show_data), going on a resumed run's
-    if not (master and run.cfg and report_to(args)):
+def start_trackers(args, run, master):  # rank 0's --report_to trackers, going on a resumed run's
+    if not (master and report_to(args)):
         return NoTrackers()
     config = {"args": vars(args), "drafter": asdict(run.cfg)}
     return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, config, run.state)

@@ -17,9 +17,9 @@ def show_data(samples, tokenizer, n, file=None):  # n samples, loss spans in [[.
 
 def main(args):
     """The loss masks of --data as training encodes them, before anything is spent on training (rank 0 prints)."""
+    dflash.need(args.target and args.data, "--show_data needs --target and --data (it writes nothing: no --out)")
     rank, world, device = dflash.setup_distributed(args.device)
-    run = dflash.check_run(args, world, device, rank == 0)  # the flags and files; no weights load, nothing written
-    target, _ = dflash.load_run_target(args, run, world, device)
+    target, _ = dflash.load_run_target(args, dflash.RunSetup(), world, device)
     say = print if rank == 0 else (lambda *a: None)
     samples = dflash.load_samples(args.data, target.tokenizer, args.max_len, say, args.enable_thinking,
                                   target.eos_ids(), target.vocab_size)
