@@ -2156,7 +2156,7 @@ def generation_prompt(tokenizer, kw):  # what the template adds to a user turn t
         return None
     return full[len(base):] if full.startswith(base) else full
 
-def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
+def measurement(tokenizer, enable_thinking, max_new_tokens, prompts=None):  # greedy (eval.py's measured: T > 0 too)
     template, thinking = getattr(tokenizer, "chat_template", None) or "", "n/a"
     if "enable_thinking" in template:  # unset: the template's default, found by the generation prompt it renders
         on = enable_thinking if enable_thinking is not None else next((v for v in (True, False) if generation_prompt(
@@ -2165,10 +2165,7 @@ def measurement(tokenizer, enable_thinking, max_new_tokens, sampling=None, promp
     if template:
         prompt = generation_prompt(tokenizer, template_kwargs(tokenizer, enable_thinking))
         template = hashlib.sha256(f"{template}\n--- generation prompt ---\n{prompt}".encode()).hexdigest()[:12]
-    s = sampling if sampling is not None and sampling.temperature > 0 else None
-    m = {"thinking": thinking, "max_new_tokens": max_new_tokens,
-         "serving": f"sampled T={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k}" if s else "greedy",
-         "template": template or "none"}
+    m = {"thinking": thinking, "max_new_tokens": max_new_tokens, "serving": "greedy", "template": template or "none"}
     if prompts is not None:
         m["prompts"] = hashlib.sha256(json.dumps([[int(t) for t in p] for p in prompts]).encode()).hexdigest()[:12]
     return m

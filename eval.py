@@ -298,6 +298,12 @@ class Sampling:
     samples: int = 1
     seed: int = 0
 
+def measured(tokenizer, enable_thinking, max_new_tokens, sampling=None, prompts=None):
+    """dflash.measurement's settings, serving as sampled at T > 0 (its temperature, top_p and top_k) when it is."""
+    m, s = dflash.measurement(tokenizer, enable_thinking, max_new_tokens, prompts), sampling
+    sampled = s is not None and s.temperature > 0
+    return {**m, "serving": f"sampled T={s.temperature:g} top_p={s.top_p:g} top_k={s.top_k}"} if sampled else m
+
 # -----------------------------------------------------------------------------
 # Loop mode: a real speculative decoding loop with the target's KV cache
 
@@ -413,8 +419,8 @@ def evaluate_drafters(target, drafters, prompts, max_new_tokens=256, block_size=
     return add_depth({"target": target.name, "mode": mode, "block_size": block_size or results[0]["block_size"],
                       "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
                       **asdict(sampling if sampled else Sampling(0.0)), "tree_budgets": list(tree_budgets),
-                      "measured": dflash.measurement(target.tokenizer, enable_thinking, max_new_tokens, sampling,
-                                                     prompts), "timing": timing, "results": results}, depth_buckets)
+                      "measured": measured(target.tokenizer, enable_thinking, max_new_tokens, sampling, prompts),
+                      "timing": timing, "results": results}, depth_buckets)
 
 def evaluate_prompt(target, drafters, prompt, continuation, mode, max_new_tokens, eos, dump_drafts, timing,
                     tree_budgets=(), sampling=None, accept_seed=None):

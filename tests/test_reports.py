@@ -45,7 +45,7 @@ def test_measurement_settings():
     assert dflash.measurement(plain, None, 64)["template"] not in (m["template"], "none")  # another template
     assert dflash.measurement(tok, None, 64)["max_new_tokens"] == 64 and m["serving"] == "greedy"
     s = ev.Sampling(0.7, top_p=0.9, top_k=20, samples=3)
-    assert dflash.measurement(tok, None, 64, s)["serving"] == "sampled T=0.7 top_p=0.9 top_k=20"
+    assert ev.measured(tok, None, 64, s) == {**m, "serving": "sampled T=0.7 top_p=0.9 top_k=20"}
     a, b = (dflash.measurement(tok, None, 64, prompts=p)["prompts"] for p in ([[1, 2], [3]], [[1, 2], [4]]))
     assert a != b and a == dflash.measurement(tok, None, 64, prompts=[[1, 2], [3]])["prompts"]
     with pytest.raises(DFlashError, match="measured with max_new_tokens 32, a with 64"):
