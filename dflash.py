@@ -68,7 +68,6 @@ naming the last complete checkpoint.
 
 import argparse
 import difflib
-import gzip
 import hashlib
 import importlib.util
 import json
@@ -1409,12 +1408,10 @@ def start_off_mask(drafter, target):
 # Data: JSONL (other formats: dflash_tools/formats.py) -> (input_ids, loss_mask) per sample with exact chat loss
 # masks; one sample per row (HF targets do not separate packed samples); the held-out split
 
-def read_jsonl(path, what, hint=""):  # ("file:line", record) per non-blank line of a JSONL file, gzipped or not
+def read_jsonl(path, what, hint="", opener=open):  # ("file:line", record) per non-blank line (gzip: formats.py's)
     need(os.path.isfile(path), f"{what} file {path!r} does not exist{hint}")
     try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        with gzip.open(path, "rb") if gz else open(path, "rb") as f:
+        with opener(path, "rb") as f:
             for n, line in enumerate(f, 1):
                 try:
                     if line.strip():
@@ -1427,11 +1424,12 @@ def read_jsonl(path, what, hint=""):  # ("file:line", record) per non-blank line
         why = getattr(e, "strerror", None) or first_line(e)
         raise DFlashError(f"cannot read {what} file {path!r}: {why}") from None
 
-def data_kind(path):  # what a data file that is not JSONL is, by its first bytes: "Parquet", "a JSON array" or None
+def data_kind(path):  # what a data file that is not plain JSONL is, by its first bytes (None: JSONL)
     head = b""
     with suppress(OSError), open(path, "rb") as f:  # unreadable: None, and read_jsonl says so
         head = f.read(4096)
-    return "Parquet" if head[:4] == b"PAR1" else "a JSON array" if head.lstrip()[:1] == b"[" else None
+    return "Parquet" if head[:4] == b"PAR1" else "gzipped JSONL" if head[:2] == b"\x1f\x8b" else "a JSON array" if (
+        head.lstrip()[:1] == b"[") else None
 
 def read_records(path, what, hint=""):  # (where, record) each: JSONL here, else formats.py (JSON, Parquet, datasets)
     need(os.path.exists(path), f"{what} file {path!r} does not exist{hint}")

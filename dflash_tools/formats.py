@@ -1,14 +1,15 @@
 """Data formats beyond JSONL, imported by dflash.read_records only for files of their kind: a JSON array (as many
-published ShareGPT sets), Parquet (found by its magic bytes), a directory written by datasets' save_to_disk; and
+published ShareGPT sets), gzipped JSONL, Parquet (found by its magic bytes), a directory written by datasets' save_to_disk; and
 ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}, and OpenAI's content parts. pyarrow and
 datasets are imported only for their formats. A table's row drops its null fields: columns that only other rows'
 formats fill."""
+import gzip
 import hashlib
 import importlib
 import json
 import os
 
-from dflash import DFlashError, data_kind, first_line, need
+from dflash import DFlashError, data_kind, first_line, need, read_jsonl
 
 def optional_package(module, package, why):
     """An optional package's module, or one error line naming the package and the pip command."""
@@ -37,6 +38,9 @@ def read_records(path, what):
         return
     if data_kind(path) == "Parquet":
         yield from read_parquet(path, what)
+        return
+    if data_kind(path) == "gzipped JSONL":
+        yield from read_jsonl(path, what, opener=gzip.open)
         return
     try:
         with open(path, "rb") as f:
