@@ -1,8 +1,8 @@
 """Data formats beyond JSONL, imported by dflash.read_records only for files of their kind: a JSON array (as many
-published ShareGPT sets), gzipped JSONL, Parquet (found by its magic bytes), a directory written by datasets' save_to_disk; and
-ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}, and OpenAI's content parts. pyarrow and
-datasets are imported only for their formats. A table's row drops its null fields: columns that only other rows'
-formats fill."""
+published ShareGPT sets), gzipped JSONL, Parquet (found by its magic bytes), a directory written by datasets'
+save_to_disk; and ShareGPT's {"conversations": [...]} records, read as {"messages": [...]}, and OpenAI's content
+parts. pyarrow and datasets are imported only for their formats. A table's row drops its null fields: columns that
+only other rows' formats fill."""
 import gzip
 import hashlib
 import importlib
