@@ -1198,9 +1198,7 @@ def check_trained_against(path, record, what, allow=False):
 def resolve_drafter(path, flag="--drafter"):  # a drafter directory, or a hub id (owner/name) engines.py downloads once
     if os.path.exists(path):
         return path
-    hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path
-    need(hub, f"{flag} {path!r} does not exist; give a drafter directory or a hub id (owner/name)")
-    return import_tool("engines", f"{flag} {path!r} (a hub id)").download(path, flag)
+    return import_tool("engines", f"{flag} {path!r} (no such directory: a hub id?)").download(path, flag)
 
 def read_train_state(d):
     path = os.path.join(d, "train_state.pt")

@@ -4,6 +4,7 @@ SGLang serve it: through transformers' config class for its model_type, then the
 (dflash_config, then the top level). A key this drafter does not implement, or that the engines would serve
 differently, is refused in one line naming the key and what each engine does, never ignored."""
 import os
+import re
 
 from dflash import (DFlashConfig, DFlashError, config_class, engine_problems, first_line, is_int, need, read_json,
                     valid_target_layer_ids)
@@ -206,6 +207,8 @@ def config_from_json(d, where="config.json"):
 
 def download(path, flag):
     """A hub id (owner/name): its *.json and *.safetensors, from the Hugging Face cache, else downloaded once."""
+    hub = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", path) and not path.endswith(".") and ".." not in path
+    need(hub, f"{flag} {path!r} does not exist; give a drafter directory or a hub id (owner/name)")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
