@@ -703,7 +703,7 @@ def train(args):
                       log_metrics)
 
     def save(step):
-        save_checkpoint(args.out, step, drafter, optimizer, SAVE_DTYPES[args.save_dtype], {
+        save_checkpoint(args.out, step, drafter, optimizer, DTYPES[args.save_dtype], {
             "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
             "loss": args.loss, "stage_state": run.stage_state, "wandb_id": trackers.wandb_id}, world, say, trained_for)
 
@@ -1657,12 +1657,6 @@ def setup_distributed(device_flag):  # (rank, world, device): one process, or DD
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", **kw)
     return rank, world, device
 
-def peak_memory_mb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
 def any_rank(flag, world, device):  # true on every rank when true on any (a stop signal may reach one rank only)
     t = torch.tensor(float(flag), device=device if world > 1 else "cpu")  # (one rank: no device round trip)
     if world > 1:
@@ -1858,15 +1852,14 @@ def check_run(args, world, device, master):
         problems.append("--attention flex: FlexAttention has no backward pass on the CPU; drop --attention")
     if args.eval_walk_tree_budget and not args.eval_walk_prompts:
         problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
-    writes = not args.plan  # --plan prints, writes nothing, and exits
-    if writes:  # rank 0 is --out's one writer from the first check that writes, before it
+    if not args.plan:  # rank 0 is --out's one writer from the first check that writes, before it (--plan writes none)
         lock_out(args.out) if master else None
         check_out_dir(args.out)
-    if writes and report_to(args):
-        import_tool("trackers", "--report_to").check_trackers(report_to(args), args.out)
-    readable = writes and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # never a pipe
+        if report_to(args):
+            import_tool("trackers", "--report_to").check_trackers(report_to(args), args.out)
+    readable = not args.plan and not problems and (os.path.isfile(args.data) or os.path.isdir(args.data))  # no pipe
     data_digest = broadcast(path_digest(args.data) if master and readable else None, world)
-    resume_dir, state = resume_point(args, data_digest, master) if writes else (None, None)
+    resume_dir, state = resume_point(args, data_digest, master) if not args.plan else (None, None)
     init_from = resolve_drafter(args.init_from, "--init_from") if args.init_from else None
     plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: these flags need one
     stage = plugin(args.stage, f"--stage {args.stage}") if args.stage else None
@@ -1891,7 +1884,7 @@ def check_run(args, world, device, master):
     except (DFlashError, Unreadable) as e:
         problems += str(e).splitlines()
     need(not problems, "\n".join(problems))
-    if plan or (device.type == "cuda" and os.path.isdir(os.path.join(os.path.dirname(__file__), "dflash_tools"))):
+    if plan or (device.type == "cuda" and os.path.isdir(TOOLS)):
         import_tool("plan", "--plan").memory_plan(vars(args), asdict(cfg), expected_shapes(cfg), meta, world, device)
     if args.shard_target and world == 1 and master:
         print("--shard_target: one process, nothing to shard over; the target stays whole (it needs torchrun)")
@@ -1992,7 +1985,12 @@ def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond l
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
 
 def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):  # (console line, metrics record)
-    m, mem = summarize(total, drafter), peak_memory_mb(device)
+    m = summarize(total, drafter)
+    if device.type == "cuda":
+        mem = torch.cuda.max_memory_allocated(device) / 2**20
+    else:  # the process's peak resident memory (resource: POSIX only, imported where it is read)
+        import resource
+        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
             f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
     return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
@@ -2137,9 +2135,8 @@ def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank,
     others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
     say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
         + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
-    measured = measurement(target.tokenizer, args.enable_thinking, args.eval_walk_tokens,
-                           prompts=walk_prompts(eval_samples, args.eval_walk_prompts)) if walked is not None else None
-    walk = {"eval_walk_acceptance": acceptance, "measured": measured} if walked is not None else {}
+    walk = {"eval_walk_acceptance": acceptance, "measured": measurement(target.tokenizer, args.enable_thinking,
+            args.eval_walk_tokens, walk_prompts(eval_samples, args.eval_walk_prompts))} if walked is not None else {}
     log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
                  "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
@@ -2306,7 +2303,6 @@ def flag(group, name, default=None, help="", kind=None, lo=0, open_lo=False, hi=
         kw["type"] = number(kind, lo, open_lo, hi)
     group.add_argument(name, default=default, help=help, **kw)
 
-SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TREE_BUDGET_MAX = 1024  # draft nodes a tree verification step sends the target: far above DDTree's
 DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 DRAFTER_FLAGS = {"num_draft_layers": "num_hidden_layers", **{k: k for k in ("block_size", "mask_token_id",
@@ -2365,7 +2361,7 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
     flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
     flag(g, "--dtype", "auto", "target dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=list(DTYPES))
-    flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly)", choices=list(SAVE_DTYPES))
+    flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly)", choices=["fp32", "bf16"])
     flag(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")
     flag(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     flag(g, "--seed", 0, "random seed", int, hi=2 ** 32 - 1)
