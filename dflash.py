@@ -81,7 +81,6 @@ import sys
 import tempfile
 import time
 import traceback
-import zlib
 from collections import namedtuple
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
@@ -1418,7 +1417,7 @@ def read_jsonl(path, what, hint="", opener=open):  # ("file:line", record) per n
                     raise DFlashError(f"{path}:{n}: not UTF-8 text ({e.reason}); not a JSONL file?") from None
                 except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser takes
                     raise DFlashError(f"{path}:{n}: not valid JSON ({first_line(e)})") from None
-    except (OSError, EOFError, zlib.error) as e:  # unreadable, or a truncated or corrupt gzip stream
+    except OSError as e:  # unreadable (a truncated or corrupt gzip stream: formats.py's)
         why = getattr(e, "strerror", None) or first_line(e)
         raise DFlashError(f"cannot read {what} file {path!r}: {why}") from None
 

@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import json
 import os
+import zlib
 
 from dflash import DFlashError, data_kind, first_line, need, read_jsonl
 
@@ -40,7 +41,10 @@ def read_records(path, what):
         yield from read_parquet(path, what)
         return
     if data_kind(path) == "gzipped JSONL":
-        yield from read_jsonl(path, what, opener=gzip.open)
+        try:
+            yield from read_jsonl(path, what, opener=gzip.open)
+        except (EOFError, zlib.error) as e:  # a truncated or corrupt gzip stream
+            raise DFlashError(f"cannot read {what} file {path!r}: {first_line(e)}") from None
         return
     try:
         with open(path, "rb") as f:
