@@ -104,7 +104,8 @@ def test_optional_extras_say_what_is_missing(alone):
         return ["--target", alone["q3"], "--data", alone["data"], "--out", f"o{flags[-1]}", *SMALL, *flags]
     cases = (([], "the demo"), (["--target", alone["q3"], "--plan"], "--plan"), (train("--dflash2"), "--variant dflash2"),
              (train("--loss", "dpace"), "--loss dpace"), (train("--report_to", "tensorboard"), "--report_to"),
-             (train("--eval_walk_tree_budget", "4"), "--eval_walk_tree_budget"))
+             (train("--eval_walk_tree_budget", "4"), "--eval_walk_tree_budget"),
+             (train("--show_data", "2"), "--show_data"))
     procs = [subprocess.Popen([sys.executable, alone["script"], *argv], cwd=os.path.dirname(alone["script"]), env=env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv, _ in cases]
     for p, (_, needle) in zip(procs, cases):  # (both at once: an interpreter start-up is most of the time)
