@@ -387,6 +387,8 @@ def capture_hidden(target, layer_ids):
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
     """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], f (b, S, D) (right pads need no mask)."""
+    if hasattr(target, "stored"):  # features read from disk (a capture), the greedy labels in place of f
+        return target.stored(input_ids, layer_ids)
     with capture_hidden(target, layer_ids) as store:
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
@@ -394,6 +396,8 @@ def target_features(target, input_ids, layer_ids):
 @torch.no_grad()
 def greedy_labels(final, lm_head, chunk=None):
     """y[j] = argmax lm_head(f[j-1]), what greedy verification accepts: final (b, S, D) -> (b, S), y[0] = -1."""
+    if final.dtype == torch.long:  # --features: the target's greedy labels as captured
+        return final
     b, S, D = final.shape
     f = final[:, :-1].reshape(-1, D)
     chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
@@ -1939,7 +1943,8 @@ def progress_bar(total_steps, step, master, args):  # rank 0's tqdm bar, on a te
 
 def load_run_target(args, run, world, device):  # (target, its record): a drafter to go on must be trained on it
     shard = args.shard_target and world > 1
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
+    target = import_tool("features", "--features").load_target(args, run, world, device) if args.features else \
+        load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)
     for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
         if d:
@@ -2265,6 +2270,8 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--variant", help="a drafter variant: a dflash_tools/ module (dflash2), a module or a .py path")
     flag(g, "--dflash2", False, "--variant dflash2 (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
     flag(g, "--stage", help="a training stage replacing the SFT step: a dflash_tools/ module, a module or a .py path")
+    flag(g, "--features", help="train from the target's features on disk (dflash_tools/features.py), no target layers")
+    flag(g, "--capture_missing", False, "with --features: capture what it lacks while training", action="store_true")
     flag(g, "--trust_variant_code", False, "import the variant code a drafter's config.json names", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)
