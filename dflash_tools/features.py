@@ -511,8 +511,10 @@ class Capture:
                                 "max_len", "enable_thinking", "walk", "hidden_size", "num_target_layers")
                     if old.get(k) != new[k]] + ([] if old.get("target", {}).get("fingerprint") ==
                                                 self.record["fingerprint"] else ["target"])
-            need(not diff, f"--out {self.out} holds a capture made with another {', '.join(diff)} ({old.get(diff[0])},"
-                 f" now {new.get(diff[0])}); give a new --out, or the same flags to continue it")
+            k = diff[0] if diff else None
+            need(not diff, f"--out {self.out} holds a capture made with another {', '.join(diff)} ({old.get(k)}, now "
+                 f"{new.get(k) if k != 'target' else self.record['fingerprint']}); give a new --out, or the same flags"
+                 f" to continue it")
         elif self.rank == 0:
             os.makedirs(self.out, exist_ok=True)
             dflash.write_atomic(f, json.dumps(new, indent=1))
@@ -625,15 +627,14 @@ def capture(args):
     cap.target, cap.record = target, dflash.target_record(target)
     todo, walk = cap.open(ids)
     t0 = time.perf_counter()
-    bar = tqdm(total=len(todo) + len(walk), desc=f"capture rank {rank}", disable=rank != 0 and world > 1)
-    for i in todo:
-        cap.sample(i)
-        bar.update(1)
-        bar.set_postfix(tokens=cap.tokens)
-    for k in walk:
-        cap.walk(k)
-        bar.update(1)
-    bar.close()
+    with tqdm(total=len(todo) + len(walk), desc=f"capture rank {rank}", disable=rank != 0 and world > 1) as bar:
+        for i in todo:
+            cap.sample(i)
+            bar.update(1)
+            bar.set_postfix(tokens=cap.tokens)
+        for k in walk:
+            cap.walk(k)
+            bar.update(1)
     wall = time.perf_counter() - t0
     stats = torch.tensor([cap.tokens, wall, cap.forward_s], dtype=torch.float64)
     if world > 1:
