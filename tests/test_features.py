@@ -298,3 +298,57 @@ def test_capture_refuses_when_the_disk_cannot_hold_it(cap, capsys, tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "GB free" in err[0]
     assert not os.path.exists(tmp_path / "small" / "rank000")
+
+
+# -----------------------------------------------------------------------------
+# Memory: the target's layers never load
+
+BIG = dict(intermediate_size=32768, num_hidden_layers=8)  # 8 x 3 x 32 x 32768 = 25M decoder params: 96 MiB in fp32
+
+
+PEAK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import dflash
+dflash.main(sys.argv[2:])
+print([line for line in open("/proc/self/status") if line.startswith("VmHWM")][0])
+"""
+
+
+def peak_mb(argv):
+    """A training run in its own process: its peak resident memory in MiB (VmHWM: this process's own, where
+    getrusage's maxrss keeps the forking parent's high-water mark across exec)."""
+    p = subprocess.run([sys.executable, "-c", PEAK, ROOT, *argv], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    return int(p.stdout.split("VmHWM:")[1].split()[0]) / 1024
+
+
+def test_features_run_peaks_near_the_drafter_alone(cap, tmp_path):
+    """A target whose decoder layers (96 MiB) dwarf the drafter (0.02M params): training from its features peaks
+    within a few MB of the same run over a 4-layer target of the same width (the drafter, embedding and lm_head
+    alone), while online training peaks higher by about the layers' size. The plan says the same."""
+    from dflash_tools import plan
+    big = tiny_qwen3(tmp_path / "big", **BIG)
+    layer_mb = 8 * 3 * 32 * 32768 * 4 / 2 ** 20
+    flags = [*replace(RUN, "--eval_walk_prompts", "0"), "--max_steps", "2", "--intermediate_size", "64"]  # not 32768
+    peaks = {}
+    for name, target in (("big", big), ("small", cap["q3"])):
+        f = capture(target, cap["data"], tmp_path / f"f_{name}", "--eval_walk_prompts", "0")
+        peaks[name] = peak_mb(["--target", target, "--data", cap["data"], *flags, "--features", f, "--out",
+                               str(tmp_path / f"run_{name}")])
+    peaks["online"] = peak_mb(["--target", big, "--data", cap["data"], *flags, "--out", str(tmp_path / "online")])
+    assert abs(peaks["big"] - peaks["small"]) < 0.05 * layer_mb, (peaks, layer_mb)
+    assert peaks["online"] - peaks["big"] > layer_mb, (peaks, layer_mb)
+    print(f"peak resident memory (MiB): features, big target {peaks['big']:.0f}; features, 4-layer target "
+          f"{peaks['small']:.0f}; online, big target {peaks['online']:.0f}; its layers {layer_mb:.0f}")
+    meta = dflash.load_target(big, "meta")
+    t = plan.target_sizes(meta, 2)
+    d = {"params": 20000, **{k: 32 for k in ("hidden_size", "intermediate_size")}, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "block_size": 4, "layer_kinds": [1, 0],
+         "context_layers": 2}
+    run = {"world": 1, "zero": False, "grad_checkpoint": False, "num_anchors": 6, "batch_size": 2, "max_len": 24,
+           "attention": "dense", "target_bytes": 4, "act_bytes": 4}
+    online, feats = (dict((n, v) for n, v, _ in plan.plan_rows(t, d, {**run, "features": f})) for f in (False, True))
+    assert feats["target weights"] == t["io_params"] * 4 == 2 * 96 * 32 * 4
+    assert online["peak per rank"] - feats["peak per rank"] >= t["decoder_params"] * 4
