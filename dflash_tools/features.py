@@ -205,6 +205,9 @@ class Features:
     def __len__(self):
         return len(self.order)
 
+    def add(self, key, n, p):  # a file written since (--capture_missing)
+        self.keys.setdefault(key, []).append((n, p))
+
     def find(self, key, S):  # the longest captured sample with this key that fits S tokens
         fits = [(n, p) for n, p in self.keys.get(key, ()) if n <= S]
         return max(fits) if fits else None
@@ -284,12 +287,12 @@ class Stub:  # the model's config and generation config, and a generate that rea
 class FeatureTarget:
     """What training needs of a target, with the features read from a capture: embed, lm_head, tokenizer, model
     (config, generation_config, generate from the captured walk), stored(input_ids, layer_ids) for target_features.
-    online: the loaded target with --capture_missing (a row the capture lacks is captured and written)."""
+    capture: --capture_missing's Capture, beside the whole target (a row the capture lacks is captured, written)."""
     sharded = False
 
-    def __init__(self, meta, embed, lm_head, store, name, online=None, capture=None):
+    def __init__(self, meta, embed, lm_head, store, name, capture=None):
         self.model, self.name, self.tokenizer = Stub(meta.model, self.generate), name, meta.tokenizer
-        self.embed, self.lm_head, self.store, self.online, self.capture = embed, lm_head, store, online, capture
+        self.embed, self.lm_head, self.store, self.capture = embed, lm_head, store, capture
         self.num_layers, (self.vocab_size, self.hidden_size) = meta.num_layers, lm_head.weight.shape
         self.pad, self.layers = pad_of(meta.tokenizer), meta.layers  # (meta layers: sizes, never weights)
 
@@ -300,8 +303,7 @@ class FeatureTarget:
         key, n = row_key(ids, self.pad)
         hit = self.store.find(key, len(ids)) if n else (0, None)
         if hit is None and self.capture is not None:
-            self.capture.missing(key, len(ids))
-            self.store.refresh()
+            self.store.add(key, *self.capture.missing(key))
             hit = self.store.find(key, len(ids))
         need(hit is not None, f"--features {self.store.path}: a batch sample of {n} tokens ({ids[:6].tolist()}...) "
              f"is in no captured file: its tokens disagree with the capture's data; recapture from this --data")
@@ -337,8 +339,10 @@ class FeatureTarget:
     def generate(self, ids, max_new_tokens=None, **kw):  # the held-out walk's greedy continuation, as captured
         key, _ = row_key(ids[0], -1)
         p = self.store.prompts.get(key) if hasattr(self.store, "prompts") else None
-        if p is None and self.capture is not None:
-            return self.capture.generate(ids, max_new_tokens, **kw)
+        if p is None and self.capture is not None:  # --capture_missing: generated, captured now
+            out = self.capture.generate(ids, max_new_tokens, **kw)
+            self.store.add(row_key(out[0], self.pad)[0], out.shape[1], self.capture.last)
+            return out
         need(p is not None, f"--features {self.store.path}: a held-out walk prompt is not captured (other --seed, "
              f"--eval_fraction, --eval_data or --eval_walk_prompts than the capture's); pass the capture's, "
              f"--eval_walk_prompts 0, or --capture_missing")
@@ -442,9 +446,6 @@ class Indexed:
             self.keys.setdefault(key, []).append((n, i))
 
     find = Features.find
-
-    def refresh(self):
-        pass
 
     def read(self, i, dtype=torch.float32):
         t = self.reader.sample(i)
@@ -566,18 +567,24 @@ class Capture:
         out = {"input_ids": out["input_ids"], "features": out["features"], "prompt_len": torch.tensor([len(p)]),
                **({"scales": out["scales"]} if "scales" in out else {})}
         self.write(f"w{k:05d}.safetensors", out, p + s, "walk", row_key(p, -1)[0])
+        self.last = os.path.join(self.dir, f"w{k:05d}.safetensors")
         return s
 
-    def missing(self, key, S):  # --capture_missing: a batch row the capture lacks, captured now
+    def missing(self, key):
+        """--capture_missing: (tokens, file) of a batch row this rank has not seen: another rank's file, or captured
+        now into this rank's folder."""
         i = self.keys.get(key)
         need(i is not None, f"--capture_missing: a batch sample is not in --data {self.args.data}")
-        self.sample(i)
+        name = f"s{i:08d}.safetensors"
+        done = [os.path.join(d, name) for d in rank_dirs(self.out) if os.path.isfile(os.path.join(d, name))]
+        if not done:
+            self.sample(i)
+        return len(self.data[i][0]), done[0] if done else os.path.join(self.dir, name)
 
     def generate(self, ids, max_new_tokens, **kw):  # --capture_missing: a walk prompt, generated and captured now
         p = ids[0].tolist()
         k = next((k for k, q in enumerate(self.prompts) if q == p), None)
-        if k is None:
-            return self.target.model.generate(ids, max_new_tokens=max_new_tokens, **kw)
+        need(k is not None, "--capture_missing: a held-out walk prompt is not one of --data's held-out prompts")
         return torch.tensor([p + self.walk(k)], device=ids.device)
 
     def finish(self):
@@ -651,6 +658,95 @@ def capture(args):
         dflash.dist.destroy_process_group()
 
 
+# -----------------------------------------------------------------------------
+# The bench: a step from features against an online step, side by side on the same batches
+
+MID = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=16,
+           num_key_value_heads=8, head_dim=64, max_position_embeddings=4096)  # a mid shape, random weights
+MID_FLAGS = ["--num_draft_layers", "2", "--target_layer_ids", "1,4,6", "--block_size", "16", "--num_anchors", "32",
+             "--max_len", "256", "--batch_size", "2", "--grad_accum", "1", "--mask_token_id", "31999"]
+
+
+def mid_target(d):
+    """A random Qwen3 of the MID shape and 16 random samples of 256 tokens (half prompt) in d."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**MID)).save_pretrained(os.path.join(d, "mid"))
+    g = torch.Generator().manual_seed(0)
+    with open(os.path.join(d, "mid.jsonl"), "w") as f:
+        for _ in range(16):
+            ids = torch.randint(0, MID["vocab_size"] - 1, (256,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * 128 + [1] * 128}) + "\n")
+    return os.path.join(d, "mid"), os.path.join(d, "mid.jsonl")
+
+
+def time_steps(argv, steps, dtype="fp32", say=print):
+    """(online s/step, features s/step, the target's forward s/step, bytes on disk a token) for dflash.py flags argv
+    (--target, --data, the drafter and batch): a capture first, then both steps alternately on the same batches."""
+    import copy
+    import tempfile
+    args = dflash.get_parser().parse_args(argv + ["--noise_std", "0.02", "--eval_walk_prompts", "0"])
+    online = dflash.load_target(args.target)
+    given = {k: getattr(args, k) for k in dflash.DRAFTER_FLAGS if getattr(args, k) is not None}
+    cfg = dflash.new_drafter_config(online, **given, say=lambda *a: None, max_len=args.max_len)
+    with tempfile.TemporaryDirectory() as d:
+        features_dir = os.path.join(d, "f")
+        main(["capture", "--target", args.target, "--data", args.data, "--out", features_dir, "--max_len",
+              str(args.max_len), "--target_layer_ids", ",".join(map(str, cfg.target_layer_ids)), "--features_dtype",
+              dtype, "--eval_walk_prompts", "0"])
+        m = dflash.read_json(os.path.join(features_dir, MANIFEST), "manifest")
+        disk = sum(os.path.getsize(os.path.join(r, n)) for r in rank_dirs(features_dir) for n in os.listdir(r))
+        args.features, args.capture_missing = features_dir, False
+        stored = load_target(args, dflash.RunSetup(cfg=cfg, data_digest=dflash.path_digest(args.data)), 1,
+                             torch.device("cpu"))
+        samples = dflash.load_samples(args.data, online.tokenizer, args.max_len, say=lambda *a: None)
+        batches = dflash.Batches(samples, args.batch_size, args.grad_accum, 0, 1, args.seed, pad_of(online.tokenizer))
+        run = dflash.RunSetup(cfg=cfg)
+        drafter, model, opt, kw = dflash.build_drafter(args, run, online, 1, torch.device("cpu"), say=lambda *a: None)
+        twin = copy.deepcopy(drafter)
+        pairs = {"online": (online, model, opt), "features": (stored, twin, torch.optim.AdamW(
+            twin.parameters(), lr=args.lr, betas=(0.9, 0.95)))}
+        times = {k: [] for k in (*pairs, "forward")}
+        for step in range(steps + 1):  # step 0: warm-up, not counted
+            micro = [batches.get(step, i) for i in range(args.grad_accum)]
+            for name, (target, mdl, o) in pairs.items():
+                t0 = time.perf_counter()
+                dflash.train_step(mdl, o, target, cfg, micro, args.lr, dflash.num_anchors(args), args.grad_clip, 1,
+                                  **{**kw, "raw_model": mdl})
+                times[name].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for mb in micro:
+                dflash.greedy_labels(dflash.target_features(online, mb["input_ids"], cfg.target_layer_ids)[1],
+                                     online.lm_head)
+            times["forward"].append(time.perf_counter() - t0)
+    med = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
+    return med["online"], med["features"], med["forward"], disk / m["num_tokens"], cfg, online
+
+
+def bench(args):
+    """Step time from features against online on the demo's target (its cache, when built) and the MID shape."""
+    import tempfile
+    from dflash_tools import demo
+    torch.manual_seed(0)
+    rows, cache = [], os.path.join(demo.CACHE, "tiny_qwen35")
+    with tempfile.TemporaryDirectory() as d:
+        shapes = [("mid (random Qwen3, D 1024, 8 layers, V 32000)", [*(lambda t: ["--target", t[0], "--data", t[1]])(
+            mid_target(d)), *MID_FLAGS])]
+        if os.path.isfile(os.path.join(cache, "DONE")):
+            shapes.insert(0, ("demo (Qwen3.5 hybrid, D 128, 4 layers, V 2048)", ["--target", cache, "--data",
+                              os.path.join(demo.CACHE, "demo_data.jsonl"), *demo.DEMO_FLAGS]))
+        for name, argv in shapes:
+            for dtype in args.dtypes:
+                on, feat, fwd, disk, cfg, t = time_steps(argv, args.steps, dtype)
+                formula = bytes_per_token(len(cfg.target_layer_ids), t.hidden_size, dtype)
+                rows.append(f"{name:<48} {dtype:>5} {on:8.3f} {feat:8.3f} {on / feat:6.2f}x {fwd / on:7.0%} "
+                            f"{disk:9.0f} {formula:8d}")
+    print(f"{'shape':<48} {'dtype':>5} {'online':>8} {'features':>8} {'ratio':>7} {'target':>7} {'disk B/t':>9} "
+          f"{'formula':>8}\n" + "\n".join(rows))
+    print("s/step, medians; target: the target's forward share of an online step; disk: bytes a token on disk, formula "
+          "m x D x dtype bytes + 9")
+
+
 def get_parser():
     p = argparse.ArgumentParser(description="Capture a target's features for DFlash training (then: dflash.py "
                                             "--features DIR).")
@@ -677,12 +773,15 @@ def get_parser():
     f(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")
     f(g, "--trust_remote_code", False, "allow the target's custom code", action="store_true")
     f(g, "--debug", False, "tracebacks for input errors", action="store_true")
+    g = sub.add_parser("bench", help="step time from features against online, demo's target and a mid shape")
+    f(g, "--steps", 4, "timed steps of each kind (after one warm-up)", int, lo=1)
+    f(g, "--dtypes", ["fp32", "bf16"], "stored dtypes to time", nargs="+", choices=list(STORE_DTYPES))
     return p
 
 
 def main(argv=None):
     args = get_parser().parse_args(argv)
-    return dflash.run_main(capture, args)
+    return dflash.run_main(capture if args.command == "capture" else bench, args)
 
 
 if __name__ == "__main__":

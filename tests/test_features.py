@@ -144,13 +144,15 @@ for kind, argv in json.loads(sys.argv[2]):
 
 def test_two_ranks_capture_and_train_like_two_ranks_online(cap, tmp_path):
     """One torchrun --nproc_per_node=2 (gloo): a capture split over the ranks (each rank's files in its own folder)
-    holds the one-process capture's tensors; training from it on 2 ranks equals online training on 2 ranks."""
+    holds the one-process capture's tensors; training from it on 2 ranks, and a hybrid run capturing as it goes on
+    2 ranks, equal online training on 2 ranks."""
     two = str(tmp_path / "two")
     cmds = [("capture", ["capture", "--target", cap["q3"], "--data", cap["data"], "--out", two, "--target_layer_ids",
                          LAYERS, "--features_dtype", "fp32", *WALK])]
-    outs = {name: str(tmp_path / name) for name in ("online", "feats")}
-    cmds += [("train", [*cap["base"], "--grad_accum", "1", *extra, "--out", outs[name]])
-             for name, extra in (("online", []), ("feats", ["--features", two]))]
+    outs = {name: str(tmp_path / name) for name in ("online", "feats", "hybrid")}
+    cmds += [("train", [*cap["base"], "--grad_accum", "1", *extra, "--out", outs[name]]) for name, extra in (
+        ("online", []), ("feats", ["--features", two]), ("hybrid", ["--features", str(tmp_path / "h"),
+                                                                     "--capture_missing"]))]
     (tmp_path / "worker.py").write_text(WORKER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
            str(29500 + random.randrange(2000)), str(tmp_path / "worker.py"), ROOT, json.dumps(cmds)]
@@ -160,9 +162,10 @@ def test_two_ranks_capture_and_train_like_two_ranks_online(cap, tmp_path):
     assert sorted(os.listdir(two)) == ["manifest.json", "rank000", "rank001"] and a.manifest["complete"]
     assert sum(n.startswith("s") for n in os.listdir(os.path.join(two, "rank001"))) == 20
     assert len(a) == 40 and all(torch.equal(a.sample(i)["features"], b.sample(i)["features"]) for i in range(40))
-    assert records(outs["online"]) == records(outs["feats"])
-    wa, wb = weights(outs["online"]), weights(outs["feats"])
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert records(outs["online"]) == records(outs["feats"]) == records(outs["hybrid"])
+    wa, wb, wh = weights(outs["online"]), weights(outs["feats"]), weights(outs["hybrid"])
+    assert all(torch.equal(wa[k], wb[k]) and torch.equal(wa[k], wh[k]) for k in wa)
+    assert sorted(os.listdir(tmp_path / "h")) == ["manifest.json", "rank000", "rank001"]
 
 
 def test_hybrid_captures_in_the_first_epoch_then_reads(cap, tmp_path, capsys):
