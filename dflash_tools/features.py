@@ -21,7 +21,7 @@ The format (version 1), a directory:
                   walk's seed, eval_fraction, prompts and tokens; flags: the capture's command line.
   rankRRR/        one folder per capturing rank, its files its own: sNNNNNNNN.safetensors per sample N of --data
                   (then --eval_data), wNNNNN.safetensors per held-out walk prompt, and index.jsonl (one line per file:
-                  name, key, tokens). A sample file holds input_ids int32 [S], loss_mask uint8 [S], labels int32 [S]
+                  name, key, n tokens, kind; a walk file's prompt key). A sample file holds input_ids int32 [S], loss_mask uint8 [S], labels int32 [S]
                   (y[j] = argmax lm_head(f[j-1]), y[0] = -1), features [S, m*D] (int8: plus scales fp32 [S, m], one
                   per token and layer, x = q * scale), final [S, D] with --store_final; a walk file input_ids (prompt
                   + the target's greedy continuation), prompt_len, features. Every file is written aside, synced and
@@ -404,6 +404,7 @@ def load_target(args, run, world, device):
     """dflash.py --features: the FeatureTarget of a capture (--capture_missing: beside the whole target, which
     captures the rows the capture lacks)."""
     need(not args.shard_target, "--features loads no target layers: nothing to shard; drop --shard_target")
+    need(not args.stage, f"--stage {args.stage} runs the target itself, --features loads none of its layers; drop one")
     meta = dflash.load_target(args.target, "meta", dflash.DTYPES[args.dtype], args.trust_remote_code)
     embed, head = load_embedding_and_head(args, meta, device)
     record = dflash.target_record(FeatureTarget(meta, embed, head, None, args.target))
@@ -610,6 +611,7 @@ def capture(args):
     say = print if rank == 0 else (lambda *a: None)
     meta = dflash.load_target(args.target, "meta", dflash.DTYPES[args.dtype], args.trust_remote_code)
     need(os.path.isfile(args.data) or os.path.isdir(args.data), f"--data {args.data!r} does not exist; give a file")
+    dflash.check_writable_dir(args.out, "--out", fix="give a writable directory for the capture")
     cap = Capture(args, meta, args.out, rank, world, None, say)
     cap.record = {"target": args.target, "fingerprint": None}  # the real record once the weights load
     ids = list(args.target_layer_ids or dflash.default_target_layer_ids(meta.num_layers, 5))
