@@ -528,43 +528,48 @@ class Capture:
         done = {n for d in rank_dirs(self.out) for n in os.listdir(d) if NAME.match(n)}
         todo = [i for i in range(self.rank, len(self.data), self.world) if f"s{i:08d}.safetensors" not in done]
         walk = [k for k in range(self.rank, len(self.prompts), self.world) if f"w{k:05d}.safetensors" not in done]
-        return todo, walk
+        return sorted(todo, key=lambda i: -len(self.data[i][0])), walk  # the longest first: less padding, OOM at once
 
-    def features(self, ids):
-        """One target pass over ids (a list) -> tensors to store; the forward's time counted alone."""
+    def features(self, rows):
+        """One target pass over a batch of token lists (right-padded: a dense target's rows do not depend on it on
+        the CPU) -> the tensors to store, per row; the forward's time counted alone."""
         t, dev = self.target, self.target.lm_head.weight.device
         sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
         sync()
         t0 = time.perf_counter()
-        x = torch.tensor([ids], device=dev)
+        x = dflash.collate([(ids, [0] * len(ids)) for ids in rows], self.pad)["input_ids"].to(dev)
         context, final = dflash.target_features(t, x, self.layer_ids)
         labels = dflash.greedy_labels(final, t.lm_head)
         sync()
-        self.forward_s, self.tokens = self.forward_s + time.perf_counter() - t0, self.tokens + len(ids)
-        out = {"input_ids": x[0].int().cpu(), "labels": labels[0].int().cpu()}
-        if self.dtype == "int8":
-            out["features"], out["scales"] = (v.cpu() for v in quantize(context[0], len(self.layer_ids)))
-        else:
-            out["features"] = context[0].to("cpu", STORE_DTYPES[self.dtype])
-        if self.final:
-            out["final"] = final[0].to("cpu", torch.float32 if self.dtype == "fp32" else torch.bfloat16)
-        return out
+        self.forward_s, self.tokens = self.forward_s + time.perf_counter() - t0, self.tokens + sum(map(len, rows))
+        outs = []
+        for r, ids in enumerate(rows):
+            n = len(ids)
+            out = {"input_ids": x[r, :n].int().cpu(), "labels": labels[r, :n].int().cpu()}
+            if self.dtype == "int8":
+                out["features"], out["scales"] = (v.cpu() for v in quantize(context[r, :n], len(self.layer_ids)))
+            else:
+                out["features"] = context[r, :n].to("cpu", STORE_DTYPES[self.dtype])
+            if self.final:
+                out["final"] = final[r, :n].to("cpu", torch.float32 if self.dtype == "fp32" else torch.bfloat16)
+            outs.append(out)
+        return outs
 
     def write(self, name, tensors, ids, kind, prompt=None):
         meta = {"key": row_key(ids, self.pad)[0], "n": len(ids), "kind": kind, **({"prompt": prompt} if prompt else {})}
         write_file(os.path.join(self.dir, name), tensors, {k: str(v) for k, v in meta.items()})
         append_index(self.dir, name, meta)
 
-    def sample(self, i):
-        ids, mask = self.data[i]
-        out = self.features(ids)
-        out["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
-        self.write(f"s{i:08d}.safetensors", out, ids, "sample")
+    def sample(self, *idx):
+        for i, out in zip(idx, self.features([self.data[i][0] for i in idx])):
+            ids, mask = self.data[i]
+            out["loss_mask"] = torch.tensor(mask, dtype=torch.uint8)
+            self.write(f"s{i:08d}.safetensors", out, ids, "sample")
 
     def walk(self, k):
         p = self.prompts[k]
         s = dflash.greedy_continuation(self.target, p, self.args.eval_walk_tokens, self.target.eos_ids())
-        out = self.features(p + s)
+        out = self.features([p + s])[0]
         out = {"input_ids": out["input_ids"], "features": out["features"], "prompt_len": torch.tensor([len(p)]),
                **({"scales": out["scales"]} if "scales" in out else {})}
         self.write(f"w{k:05d}.safetensors", out, p + s, "walk", row_key(p, -1)[0])
@@ -637,9 +642,9 @@ def capture(args):
     todo, walk = cap.open(ids)
     t0 = time.perf_counter()
     with tqdm(total=len(todo) + len(walk), desc=f"capture rank {rank}", disable=rank != 0 and world > 1) as bar:
-        for i in todo:
-            cap.sample(i)
-            bar.update(1)
+        for k in range(0, len(todo), args.batch_size):
+            cap.sample(*todo[k:k + args.batch_size])
+            bar.update(len(todo[k:k + args.batch_size]))
             bar.set_postfix(tokens=cap.tokens)
         for k in walk:
             cap.walk(k)
@@ -765,6 +770,7 @@ def get_parser():
     f(g, "--store_final", False, "also store the final hidden state f (a loss needing the target's distribution)",
       action="store_true")
     f(g, "--max_len", 3072, "as dflash.py's --max_len", int, lo=2)
+    f(g, "--batch_size", 8, "samples a target pass (right-padded)", int, lo=1)
     f(g, "--enable_thinking", None, "as dflash.py's", action=argparse.BooleanOptionalAction)
     f(g, "--eval_data", help="as dflash.py's --eval_data (captured too)")
     f(g, "--eval_fraction", None, "as dflash.py's (the held-out walk's prompts)", float, hi=.5)
