@@ -21,11 +21,12 @@ The format (version 1), a directory:
                   walk's seed, eval_fraction, prompts and tokens; flags: the capture's command line.
   rankRRR/        one folder per capturing rank, its files its own: sNNNNNNNN.safetensors per sample N of --data
                   (then --eval_data), wNNNNN.safetensors per held-out walk prompt, and index.jsonl (one line per file:
-                  name, key, n tokens, kind; a walk file's prompt key). A sample file holds input_ids int32 [S], loss_mask uint8 [S], labels int32 [S]
-                  (y[j] = argmax lm_head(f[j-1]), y[0] = -1), features [S, m*D] (int8: plus scales fp32 [S, m], one
-                  per token and layer, x = q * scale), final [S, D] with --store_final; a walk file input_ids (prompt
-                  + the target's greedy continuation), prompt_len, features. Every file is written aside, synced and
-                  renamed: a killed capture leaves no file a reader would trust; a rerun captures what is missing.
+                  name, key, n tokens, kind; a walk file's prompt key). A sample file holds input_ids int32 [S],
+                  loss_mask uint8 [S], labels int32 [S] (y[j] = argmax lm_head(f[j-1]), y[0] = -1), features
+                  [S, m*D] (int8: plus scales fp32 [S, m], one per token and layer, x = q * scale), final [S, D] with
+                  --store_final; a walk file input_ids (prompt + the target's greedy continuation), prompt_len,
+                  features. Every file is written aside, synced and renamed: a killed capture leaves no file a reader
+                  would trust; a rerun captures what is missing.
 Disk per token: m * D * (2 bf16 | 4 fp32 | 1 int8 + 4/D) + 9 bytes (labels, tokens, mask), + D * 2|4 with f.
 A training batch row is found by its key, the sha1 of its tokens without trailing pad tokens: the same lookup serves
 the loss, the held-out loss and the walk, whatever the shuffle, and a row that is in no capture is refused.
@@ -135,8 +136,8 @@ def append_index(d, name, meta):
 
 
 def read_index(d):
-    """{name: {key, n, kind[, prompt]}} of a rank folder: its index lines (a torn last line ignored), and for a file the index
-    lacks (killed between the rename and the line) its header's metadata."""
+    """{name: {key, n, kind[, prompt]}} of a rank folder: its index lines (a torn last line ignored), and for a file
+    the index lacks (killed between the rename and the line) its header's metadata."""
     from safetensors import safe_open
     out, p = {}, os.path.join(d, INDEX)
     lines = open(p).read().split("\n") if os.path.isfile(p) else []
@@ -186,7 +187,6 @@ class Features:
              f"--target_layer_ids from {have}")
         D, self.layer_ids = m["hidden_size"], layer_ids
         self.columns = torch.cat([torch.arange(have.index(t) * D, (have.index(t) + 1) * D) for t in layer_ids])
-        self.rows = [have.index(t) for t in layer_ids]
         self.refresh()
 
     def refresh(self):
@@ -490,7 +490,8 @@ class Capture:
                 "target_layer_ids": self.layer_ids, "layer_convention": CONVENTION, "dtype": self.dtype,
                 "final": self.final, "pad_id": pad_of(t.tokenizer), "num_samples": len(samples),
                 "num_tokens": sum(len(ids) for ids, _ in samples), "complete": False,
-                "data": dflash.path_digest(a.data), "eval_data": dflash.path_digest(a.eval_data) if a.eval_data else None,
+                "data": dflash.path_digest(a.data),
+                "eval_data": dflash.path_digest(a.eval_data) if a.eval_data else None,
                 "max_len": a.max_len, "enable_thinking": a.enable_thinking,
                 "walk": {"seed": a.seed, "eval_fraction": dflash.eval_fraction(a), "prompts": len(prompts),
                          "tokens": a.eval_walk_tokens},

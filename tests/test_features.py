@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, SMALL, fails_with, refused, replace, tiny_qwen3, torch_threads, write_data
+from conftest import ROOT, SMALL, fails_with, replace, tiny_qwen3, torch_threads, write_data
 
 import dflash
 from dflash_tools import features
