@@ -195,7 +195,7 @@ class Features:
         for d in rank_dirs(self.path):
             for name, r in read_index(d).items():
                 p = os.path.join(d, name)
-                self.keys.setdefault(r["key"], []).append((r["n"], p))
+                self.keys.setdefault(r["key"], []).append((r["n"], r["kind"] == "sample", p))
                 if r["kind"] == "sample":
                     samples[int(name[1:-12])] = p
                 else:
@@ -205,12 +205,14 @@ class Features:
     def __len__(self):
         return len(self.order)
 
-    def add(self, key, n, p):  # a file written since (--capture_missing)
-        self.keys.setdefault(key, []).append((n, p))
+    def add(self, key, n, p, sample=True):  # a file written since (--capture_missing)
+        self.keys.setdefault(key, []).append((n, sample, p))
 
-    def find(self, key, S):  # the longest captured sample with this key that fits S tokens
-        fits = [(n, p) for n, p in self.keys.get(key, ()) if n <= S]
-        return max(fits) if fits else None
+    def find(self, key, S):
+        """(n, file) of the longest capture with this key that fits S tokens, a sample's before a walk's (a walk holds
+        no labels; the same tokens as a sample where the data is the target's own greedy continuations)."""
+        fits = [(n, sample, p) for n, sample, p in self.keys.get(key, ()) if n <= S]
+        return max(fits)[::2] if fits else None
 
     def read(self, p, dtype=torch.float32):
         from safetensors import safe_open
@@ -341,7 +343,7 @@ class FeatureTarget:
         p = self.store.prompts.get(key) if hasattr(self.store, "prompts") else None
         if p is None and self.capture is not None:  # --capture_missing: generated, captured now
             out = self.capture.generate(ids, max_new_tokens, **kw)
-            self.store.add(row_key(out[0], self.pad)[0], out.shape[1], self.capture.last)
+            self.store.add(row_key(out[0], self.pad)[0], out.shape[1], self.capture.last, sample=False)
             return out
         need(p is not None, f"--features {self.store.path}: a held-out walk prompt is not captured (other --seed, "
              f"--eval_fraction, --eval_data or --eval_walk_prompts than the capture's); pass the capture's, "
@@ -444,7 +446,7 @@ class Indexed:
         self.layer_ids = list(layer_ids)
         for i in tqdm(range(len(reader)), desc="indexing the dump", disable=len(reader) < 1000):
             key, n = row_key(reader.sample(i)["input_ids"], pad)
-            self.keys.setdefault(key, []).append((n, i))
+            self.keys.setdefault(key, []).append((n, True, i))
 
     find = Features.find
 
