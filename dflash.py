@@ -1822,6 +1822,7 @@ def check_run(args, world, device, master):
     """Set-up before any weights load: data, --out, resume point, drafter config (meta target; all problems at once)."""
     need(args.target, "--target is required (or run `python dflash.py` with no arguments for the demo)")
     need(args.data or args.plan, "--data is required (or run `python dflash.py` with no arguments for the demo)")
+    need(args.features or not args.capture_missing, "--capture_missing needs --features DIR, where it writes; add it")
     data = [(p, flag) for p, flag in ((args.data, "--data"), (args.eval_data, "--eval_data")) if p and not args.plan]
     problems = []
     for p, flag in data:  # not JSONL: its package and kind, before any weights load (a pipe is never opened)

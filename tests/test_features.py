@@ -372,3 +372,8 @@ def test_features_run_peaks_near_the_drafter_alone(cap, tmp_path):
     online, feats = (dict((n, v) for n, v, _ in plan.plan_rows(t, d, {**run, "features": f})) for f in (False, True))
     assert feats["target weights"] == t["io_params"] * 4 == 2 * 96 * 32 * 4
     assert online["peak per rank"] - feats["peak per rank"] >= t["decoder_params"] * 4
+
+
+def test_capture_missing_without_features_refused(cap, capsys, tmp_path):
+    fails_with(capsys, [*cap["base"], "--capture_missing", "--out", str(tmp_path / "o")], "--capture_missing needs "
+               "--features")
