@@ -423,6 +423,8 @@ def load_target(args, run, world, device):
              f"samples of {m.get('num_samples')}): rerun its capture (it continues), or add --capture_missing")
     elif store is not None:  # another trainer's dump: looked up by its tokens
         need(not args.capture_missing, "--capture_missing writes our format only; give a capture directory")
+        need(not args.eval_walk_prompts, f"--features {args.features} holds no held-out walks (the target's greedy "
+             f"continuations); pass --eval_walk_prompts 0, or capture with dflash_tools/features.py")
         store = Indexed(store, args.features, pad_of(meta.tokenizer), ids)
         need(args.labels == "data" or not len(store.reader) or store.reader.sample(0)["labels"] is not None,
              f"--features {args.features} holds no target labels (the greedy tokens --labels target trains on); "

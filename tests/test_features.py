@@ -377,3 +377,31 @@ def test_features_run_peaks_near_the_drafter_alone(cap, tmp_path):
 def test_capture_missing_without_features_refused(cap, capsys, tmp_path):
     fails_with(capsys, [*cap["base"], "--capture_missing", "--out", str(tmp_path / "o")], "--capture_missing needs "
                "--features")
+
+
+def test_another_trainers_dump_through_the_reader_interface(cap, tmp_path, monkeypatch, capsys):
+    """A dump that is not ours goes through dflash_tools/dumps.py's open_dump(path, layer_ids, target_record) ->
+    .manifest, len(), .sample(i); rows are found by their tokens (any order): here a reader serving our capture's
+    samples in reverse trains like online (no walk: it holds none, refused in one line unless --eval_walk_prompts 0)."""
+    import types
+    asked = []
+
+    class Reader:
+        def __init__(self, path, layer_ids, record):
+            self.inner, self.manifest = features.Features(cap["fp32"], layer_ids), {"target_layer_ids": layer_ids}
+            asked.append((path, layer_ids, record["fingerprint"]))
+
+        def __len__(self):
+            return len(self.inner)
+
+        def sample(self, i):
+            t = self.inner.sample(len(self.inner) - 1 - i)
+            return {k: t[k] for k in ("input_ids", "loss_mask", "features", "labels")}
+    monkeypatch.setitem(sys.modules, "dflash_tools.dumps", types.SimpleNamespace(open_dump=Reader))
+    os.makedirs(tmp_path / "dump")
+    base = replace(cap["base"], "--eval_walk_prompts", "0")
+    fails_with(capsys, [*cap["base"], "--features", str(tmp_path / "dump"), "--out", str(tmp_path / "x")],
+               "no held-out walks", "--eval_walk_prompts 0")
+    online = train(tmp_path / "online", *base)
+    assert records(train(tmp_path / "dumped", *base, "--features", str(tmp_path / "dump"))) == records(online)
+    assert asked[-1][1] == [0, 2]
