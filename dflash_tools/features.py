@@ -273,7 +273,8 @@ def read_tensor(files, module_name, what, name):
     """The tensor of module_name's weight: its own name, else the one name ending like it (checkpoint prefixes)."""
     from safetensors import safe_open
     want = f"{module_name}.weight"
-    hits = [want] if want in files else [k for k in files if k.endswith(want.split(".", 1)[-1])]
+    tail = ".".join(want.split(".")[-2:])  # embed_tokens.weight, lm_head.weight
+    hits = [want] if want in files else [k for k in files if k == tail or k.endswith("." + tail)]
     if not hits:
         return None
     need(len(hits) == 1, f"target {name!r}: {len(hits)} tensors could be its {what} ({', '.join(hits[:3])})")

@@ -405,3 +405,22 @@ def test_another_trainers_dump_through_the_reader_interface(cap, tmp_path, monke
     online = train(tmp_path / "online", *base)
     assert records(train(tmp_path / "dumped", *base, "--features", str(tmp_path / "dump"))) == records(online)
     assert asked[-1][1] == [0, 2]
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "qwen35_multimodal"])
+def test_tied_and_multimodal_targets_from_features(cap, tmp_path, kind):
+    """A tied target (Llama-3.2-like: no lm_head tensor in its safetensors; the embedding serves as both, the new
+    drafter's norm starts off the mask row as online) trains equal to online training; Qwen3.5's multimodal checkpoint
+    (its tensors under model.language_model.) too, to fp32 rounding (its Gated-DeltaNet scan rounds differently
+    padded: ~4e-9)."""
+    from conftest import tiny_family, tiny_qwen35_multimodal
+    target = tiny_family(tmp_path / "t", kind) if kind == "llama_tied" else tiny_qwen35_multimodal(tmp_path / "t")
+    feats = capture(target, cap["data"], tmp_path / "f", "--features_dtype", "fp32")
+    base = replace(cap["base"], "--target", target)
+    a, b = records(train(tmp_path / "online", *base)), records(train(tmp_path / "feats", *base, "--features", feats))
+    if kind == "llama_tied":
+        assert a == b
+    assert [sorted(r) for r in a] == [sorted(r) for r in b]
+    for x, y in zip(a, b):
+        for k in ("loss", "eval_loss", "eval_walk_tau", "tau"):
+            assert x.get(k) == pytest.approx(y.get(k), abs=1e-5), (x["step"], k)
