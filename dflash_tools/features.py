@@ -647,7 +647,8 @@ def capture(args):
     cap.target, cap.record = target, dflash.target_record(target)
     todo, walk = cap.open(ids)
     t0 = time.perf_counter()
-    with tqdm(total=len(todo) + len(walk), desc=f"capture rank {rank}", disable=rank != 0 and world > 1) as bar:
+    with tqdm(total=len(todo) + len(walk), desc=f"capture rank {rank}",
+              disable=rank != 0 and world > 1 or not todo + walk) as bar:
         for k in range(0, len(todo), args.batch_size):
             cap.sample(*todo[k:k + args.batch_size])
             bar.update(len(todo[k:k + args.batch_size]))

@@ -424,3 +424,25 @@ def test_tied_and_multimodal_targets_from_features(cap, tmp_path, kind):
     for x, y in zip(a, b):
         for k in ("loss", "eval_loss", "eval_walk_tau", "tau"):
             assert x.get(k) == pytest.approx(y.get(k), abs=1e-5), (x["step"], k)
+
+
+def test_a_killed_capture_leaves_nothing_a_reader_trusts(cap, capsys, tmp_path):
+    """What a kill leaves (a half-written .tmp file, a torn last index line, a file the index lacks) is ignored or
+    indexed from its own header; a rerun clears the .tmp file; a rerun with other flags is refused in one line."""
+    d = str(tmp_path / "copy")
+    shutil.copytree(cap["fp32"], d)
+    rank = os.path.join(d, "rank000")
+    with open(os.path.join(rank, "s00000005.safetensors.tmp999"), "wb") as f:
+        f.write(b"garbage")
+    lines = open(os.path.join(rank, "index.jsonl")).read().splitlines()
+    with open(os.path.join(rank, "index.jsonl"), "w") as f:  # sample 7's line lost, and a torn line at the end
+        f.write("\n".join(x for x in lines if '"s00000007' not in x) + '\n{"name": "s000')
+    store = features.Features(d)
+    assert len(store) == 40 and torch.equal(store.sample(7)["features"], features.Features(cap["fp32"]).sample(7)[
+        "features"])
+    capture(cap["q3"], cap["data"], d, "--features_dtype", "fp32")
+    assert not [n for n in os.listdir(rank) if ".tmp" in n]
+    with pytest.raises(SystemExit):
+        capture(cap["q3"], cap["data"], d)  # bf16 into an fp32 capture
+    err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("error:")]
+    assert len(err) == 1 and "another dtype" in err[0] and "new --out" in err[0]
