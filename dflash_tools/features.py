@@ -10,6 +10,7 @@ dense target; a hybrid Gated-DeltaNet target's chunked scan rounds differently p
     torchrun --nproc_per_node=8 dflash_tools/features.py capture ...        # samples split over the ranks
     python dflash.py --target T --data D --features FEATS --out runs/a ...  # trains from FEATS, no target layers
     python dflash.py ... --features FEATS --capture_missing                 # hybrid: captures what FEATS lacks
+    python dflash_tools/features.py bench     # a step from features against online: the demo's target, a mid shape
 
 The format (version 1), a directory:
   manifest.json   format, version; target: its record as checkpoints keep it (dflash.target_record: name, fingerprint,
