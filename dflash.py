@@ -415,6 +415,8 @@ def capture_hidden(target, layer_ids):
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
     """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], f (b, S, D) (right pads need no mask)."""
+    if hasattr(target, "stored"):  # features read from disk (a capture), the greedy labels in place of f
+        return target.stored(input_ids, layer_ids)
     with capture_hidden(target, layer_ids) as store:
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
@@ -422,6 +424,8 @@ def target_features(target, input_ids, layer_ids):
 @torch.no_grad()
 def greedy_labels(final, lm_head, chunk=None):
     """y[j] = argmax lm_head(f[j-1]), what greedy verification accepts: final (b, S, D) -> (b, S), y[0] = -1."""
+    if final.dtype == torch.long:  # --features: the target's greedy labels as captured
+        return final
     b, S, D = final.shape
     f = final[:, :-1].reshape(-1, D)
     chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
@@ -1949,7 +1953,8 @@ def progress_bar(total_steps, step, master, args):  # rank 0's tqdm bar, on a te
 
 def load_run_target(args, run, world, device):  # (target, its record): a drafter to go on must be trained on it
     shard = args.shard_target and world > 1
-    target = load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
+    target = import_tool("features", "--features").load_target(args, run, world, device) if args.features else \
+        load_target(args.target, device, DTYPES[args.dtype], args.trust_remote_code, shard=shard)
     record = target_record(target)
     for d, what in ((run.init_from, f"--init_from {args.init_from}"), (run.resume_dir, f"checkpoint {run.resume_dir}")):
         if d:
@@ -2232,7 +2237,8 @@ class ArgumentParser(argparse.ArgumentParser):
             if owner := next((title for title, m in chosen_plugins([], every=True) if bad[2:] in flag_dests(m)), 0):
                 self.error(f"{bad} is a flag of {owner}; add {owner.split(' (')[0]} (or drop {bad})")
             close = difflib.get_close_matches(bad, [o for o in self._option_string_actions if o.startswith("--")], 1)
-            fix = "--help lists the flags" + hasattr(self, "plugins") * " (plug-in flags need --variant/--loss/--stage)"
+            fix = "--help lists the flags" + hasattr(self, "plugins") * (
+                " (plug-in flags need their --variant/--loss/--stage/--features)")
             self.error(f"unknown flag {bad}; " + (f"did you mean {close[0]}?" if close else fix)
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
@@ -2243,13 +2249,13 @@ def tool_plugins():  # [(flag, module, architecture)] of dflash_tools/' plug-ins
 def chosen_plugins(argv, every=False):
     """[(title, module)] of the plug-ins argv names (every: all dflash_tools/'), setting TRUSTED and NAMED to those."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    for name in ("--variant", "--loss", "--stage", "--dflash2", "--trust_variant_code"):
+    for name in ("--variant", "--loss", "--stage", "--features", "--dflash2", "--trust_variant_code"):
         p.add_argument(name, action="store_true" if name in ("--dflash2", "--trust_variant_code") else "store")
     a = p.parse_known_args(argv)[0]
     need(not (a.dflash2 and a.variant not in (None, "dflash2")), f"--dflash2 is --variant dflash2, not {a.variant}")
     loss = a.loss if a.loss and a.loss != "ce" else None
-    given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage,
-             "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
+    given = {"--variant": "dflash2" if a.dflash2 else a.variant, "--stage": a.stage, "--features": a.features and
+             "features", "--loss": (loss.rpartition(":")[0] or "losses") if loss else None}
     TRUSTED.clear(), NAMED.clear()
     TRUSTED.update({os.path.realpath(v) if v.endswith(".py") else v for v in given.values() if v} | (
         {"*"} if a.trust_variant_code else set()))
@@ -2323,6 +2329,7 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--variant", help="a drafter variant: a dflash_tools/ module (dflash2), a module or a .py path")
     flag(g, "--dflash2", False, "--variant dflash2 (--init_from DFlash: plus DFlash2's pieces)", action="store_true")
     flag(g, "--stage", help="a training stage (default: SFT): a dflash_tools/ module, a module or a .py path")
+    flag(g, "--features", help="train from the target's features on disk (dflash_tools/features.py), no target layers")
     flag(g, "--trust_variant_code", False, "import the variant code a drafter's config.json names", action="store_true")
     g = p.add_argument_group("drafter geometry (new drafters; with --init_from only its own values)")
     flag(g, "--num_draft_layers", None, "drafter decoder layers (default: 5)", int, lo=1, hi=32)

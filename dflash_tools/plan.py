@@ -16,6 +16,8 @@ Per rank, with P_t target parameters, P_d drafter parameters, R ranks, T = batch
   backward          the gradients of one layer's saved tensors, alive while that layer runs backward
   loss buffers      one chunk of logits (vocab_chunk rows x V, fp32, and its bf16 original)
   target forward    the target pass under no_grad: captured features plus one layer's working set
+With --features (a capture on disk, dflash_tools/features.py) the target weights are its embedding and lm_head alone
+and the target forward is the batch's features as read: what remains is the drafter's, the embedding and lm_head.
 Every term but the weights grows linearly with --max_len at fixed anchors (flex: block-sparse; dense: each group
 of blocks' scores over its span of the context); the plan prices 4k to 256k and says where a run stops fitting.
 The peak is the static terms plus the larger of (activations + backward + loss buffers) and the target forward.
@@ -92,6 +94,9 @@ def plan_rows(target, drafter, run):
         weights = ("target weights", (decoder / R + rest) * tb,
                    f"{params_text(decoder)} decoder / {R} ranks + {params_text(rest)} whole, {tb} bytes")
         gathered = ("gathered target layers", 2 * target["layer_params"] * tb, "the running layer and the next one")
+    if run.get("features"):  # --features: the embedding and lm_head alone; a batch of captured features read
+        weights = ("target weights", target["io_params"] * tb, f"{params_text(target['io_params'])} params: embedding "
+                   f"and lm_head only (--features)")
     rows = [weights,
             ("drafter weights", Pd * 4, f"{params_text(Pd)} params, fp32"),
             ("drafter gradients", Pd * 4, "fp32"),
@@ -106,6 +111,9 @@ def plan_rows(target, drafter, run):
             ("target-forward buffers", (b * S * (target["context_layers"] + 3) * Dt + 3 * b * S *
                                         target["intermediate_size"]) * tb + logits(b * S),
              f"captured features + one layer, {b} x {S} tokens"), gathered]
+    if run.get("features"):  # no target forward: the batch's features and labels, as read
+        rows[-2] = ("target-forward buffers", b * S * (target["context_layers"] * Dt * tb + 8),
+                    f"--features: the batch's features and labels read, {b} x {S} tokens")
     if run.get("cuda"):
         rows.append(("CUDA context, NCCL, fragmentation", CUDA_ALLOWANCE, "allowance"))
     v = {name: value for name, value, _ in rows}
@@ -195,7 +203,8 @@ def target_sizes(meta_target, context_layers):
     V, D = meta_target.lm_head.weight.shape
     return {"params": count_params(meta_target.backbone, meta_target.lm_head), "hidden_size": D, "vocab_size": V,
             "intermediate_size": getattr(tc, "intermediate_size", None) or 4 * D, "context_layers": context_layers,
-            "decoder_params": count_params(meta_target.layers), "active_params": active_params(meta_target),
+            "decoder_params": count_params(meta_target.layers), "io_params": count_params(meta_target.embed,
+                                                                                           meta_target.lm_head), "active_params": active_params(meta_target),
             "layer_params": max(count_params(layer) for layer in meta_target.layers)}
 
 
@@ -239,7 +248,8 @@ def memory_plan(args, cfg, shapes, meta_target, world, device):
     tb = {"bf16": 2, "fp16": 2, "fp32": 4}.get(args["dtype"], 2 if on_gpu else 4)
     attention = args["attention"] if args["attention"] != "auto" else "flex" if on_gpu else "dense"
     run = {"world": world, "zero": args["zero"], "grad_checkpoint": args["grad_checkpoint"],
-           "shard_target": args["shard_target"],
+           "shard_target": args["shard_target"], "features": bool(args.get("features")) and not args.get(
+               "capture_missing"),
            "num_anchors": args["num_anchors"], "batch_size": args["batch_size"], "max_len": args["max_len"],
            "attention": attention, "target_bytes": tb, "act_bytes": 2 if on_gpu else 4, "cuda": on_gpu}
     d = drafter_sizes(cfg, shapes)

@@ -395,7 +395,7 @@ def test_a_plugin_flag_without_its_plugin_and_help_beside_it(f, tmp_path, capsys
     toy = write_toy(tmp_path / "plugins")
     argv = f["base"] + ["--out", str(tmp_path / "o")]
     one_error(capsys, dflash.main, argv + ["--toy_bias", "1"], "unknown flag --toy_bias",
-              "plug-in flags need --variant/--loss/--stage")
+              "plug-in flags need their --variant/--loss/--stage")
     with pytest.raises(SystemExit) as e:
         dflash.main(["--help", "--variant", toy])
     assert e.value.code == 0
