@@ -255,3 +255,27 @@ def test_nan_sample_is_skipped_and_counted(tmp_path, target, samples, capsys):
                    f"note: {g}: NaN or inf in its hidden states; skipped (2 so far)"], err
     assert open_dump(path, [0, 2], [0, 2], CONFIG, labels=False).sample(0) is not None  # no labels: its final unread
     assert torch.equal(dump.sample(2)["labels"], ours(target, samples[2][0], [0, 2])[1])
+
+
+def test_dflash_trains_from_a_speculators_dump_as_online(tmp_path):
+    """dflash.py --features on a speculators dump (vLLM ids 2, 3 = our layers 1, 2; id 4 = L, the labels through the
+    target's own final norm, read alone): the same losses as online training over the same data, to fp32 rounding
+    (the dump's states come from unpadded passes), and its foreign flags only beside --features."""
+    import json
+    from conftest import SMALL, tiny_qwen3, torch_threads, write_data
+    q3, data = tiny_qwen3(tmp_path / "q3"), write_data(tmp_path / "data.jsonl", 16)
+    rows = [(torch.tensor(ids), torch.tensor(mask)) for ids, mask in dflash.load_samples(data, None, 3072,
+                                                                                         say=lambda *a: None)]
+    dump = write_speculators(tmp_path / "dump", dflash.load_target(q3), rows, [2, 3, 4])
+    run = ["--target", q3, "--data", data, *SMALL, "--max_steps", "3", "--batch_size", "2", "--no_progress",
+           "--eval_walk_prompts", "0"]
+
+    def losses(out, *extra):
+        with torch_threads(1):
+            dflash.main([*run, *extra, "--out", str(out)])
+        return [json.loads(line)["loss"] for line in open(out / "metrics.jsonl") if '"loss"' in line]
+    online = losses(tmp_path / "online")
+    dumped = losses(tmp_path / "dumped", "--features", dump, "--dump_layer_ids", "2,3,4")
+    assert len(online) == len(dumped) == 3 and dumped == pytest.approx(online, rel=1e-4)
+    with pytest.raises(SystemExit):  # a dump's flag without --features: unknown here
+        dflash.main([*run, "--dump_layer_ids", "2,3,4", "--out", str(tmp_path / "x")])
