@@ -108,10 +108,12 @@ def prompts_of(batch):
 
 
 @torch.no_grad()
-def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0):
+def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0, continuation=None,
+            induced=True):
     """The exact walk of drafter on one prompt: eval.py's (greedy, or at temperature T its sampled continuation,
     drawn with a generator seeded by seed, and acceptance rule, a sampling rule's uniforms seeded by accept_seed),
-    recorded.
+    recorded. continuation: the target's greedy one, captured before (not generated again: it does not depend on
+    the drafter). induced False: no verification pass (the states past each first rejection stay the truth's).
     Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the continuation index of each
     block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
     import eval as tau_eval
@@ -119,7 +121,9 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     eos = target.eos_ids()
     sampling = tau_eval.Sampling(temperature) if temperature > 0 else None
     sampler = dflash.import_tool("sampling", "--onpolicy_temperature") if sampling else None
-    if sampling:
+    if continuation is not None:
+        dflash.need(not sampling, "a captured continuation is greedy; drop the temperature")
+    elif sampling:
         g = torch.Generator(dev).manual_seed(seed)
         continuation = sampler.sampled_continuation(target, prompt, num_tokens, eos, sampling, g)
     else:
@@ -135,14 +139,16 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
                                           torch.Generator().manual_seed(accept_seed))
     starts = torch.tensor(tau_eval.step_anchors(lengths), dtype=torch.long, device=dev)
     accepted, proposals = torch.tensor(lengths, dtype=torch.long, device=dev) - 1, drafts[starts]
-    verify, verify_tokens = verify_states(target, ids[0], starts + len(prompt), accepted, proposals, final[0])
+    verify, verify_tokens = verify_states(target, ids[0], starts + len(prompt), accepted, proposals, final[0],
+                                          induced)
     return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0], "starts": starts,
             "accepted": accepted, "proposals": proposals, "verify": verify,  # the generation (P + n - 1 tokens),
-            "target_tokens": 2 * len(ids[0]) - 1 + verify_tokens}  # the hooked pass, the verification pass
+            # the hooked pass, the verification pass
+            "target_tokens": (len(ids[0]) - 1 if continuation is None else 0) + len(ids[0]) + verify_tokens}
 
 
 @torch.no_grad()
-def verify_states(target, ids, anchors, accepted, proposals, final):
+def verify_states(target, ids, anchors, accepted, proposals, final, induced=True):
     """The target's final hidden states where serving's verification reads them: (n, B, D), [j, i] the state before
     offset i of block j (anchored at anchors[j], its drafts proposals[j]), on [ids up to the anchor, d1 ... d(i-1)];
     [j, 0] zeros. Offsets up to the first rejection (i <= m+1: the prefix is the continuation) are the walk's pass's
@@ -152,7 +158,7 @@ def verify_states(target, ids, anchors, accepted, proposals, final):
     i = torch.arange(B, device=ids.device)
     out = final[(anchors[:, None] + i - 1).clamp(0, S - 1)]
     out[:, 0] = 0
-    rows = [j for j in range(n) if anchors[j] + accepted[j] + 2 < S and accepted[j] + 2 < B]  # a draft-induced state
+    rows = [j for j in range(n) if induced and anchors[j] + accepted[j] + 2 < S and accepted[j] + 2 < B]
     if not rows:
         return out, 0
     seqs = [torch.cat([ids[:anchors[j] + 1], proposals[j]]) for j in rows]
@@ -166,12 +172,15 @@ def verify_states(target, ids, anchors, accepted, proposals, final):
     return out, sum(map(len, seqs))
 
 
-def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step):
-    """The rollouts of a collated micro-batch's prompts, each seeded by (seed, step, its sample key)."""
+def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step, captured=False, induced=True):
+    """The rollouts of a collated micro-batch's prompts, each seeded by (seed, step, its sample key); captured: each
+    row's loss tokens are already the target's greedy continuation of its prompt (walked, not generated again)."""
     was = drafter.training
     drafter.eval()
+    kept = lambda r, p: batch["input_ids"][r, len(p):][batch["loss_mask"][r, len(p):] > 0].tolist()  # noqa: E731
     out = [rollout(drafter, target, p, num_tokens, temperature, dflash.mix_seed(seed, step, batch["keys"][r]),
-                   dflash.mix_seed(seed, step, batch["keys"][r], 1)) for r, p in prompts_of(batch)]
+                   dflash.mix_seed(seed, step, batch["keys"][r], 1), kept(r, p) if captured else None, induced)
+           for r, p in prompts_of(batch)]
     drafter.train(was)
     return out
 
@@ -301,6 +310,8 @@ class Stage(dflash.SFT):
     trains on the state's latest rollouts); a micro-batch's loss is its rollouts' terms over the global batch's sum
     of their weights, plus --onpolicy_sft_weight times the SFT loss on its random anchors."""
 
+    captured = False  # True: the samples' loss tokens are the target's greedy continuations (a bench's, captured once)
+
     def __init__(self, args, state):
         self.args, self.state, self.s = args, state, settings(args)
 
@@ -313,7 +324,8 @@ class Stage(dflash.SFT):
         compute = {"target_tokens": 0, "drafter_fwd_tokens": 0}
         if "rollouts" not in state or step % s["onpolicy_every"] == 0:
             state["rollouts"] = [rollout_batch(raw, inp.target, mb, s["onpolicy_tokens"], s["onpolicy_temperature"],
-                                               self.args.seed, step) for mb in micro_batches]
+                                               self.args.seed, step, self.captured, s["onpolicy_rejected"] != "none"
+                                               and s["onpolicy_rejected_from"] == "drafts") for mb in micro_batches]
             state["rollout_step"] = step
             rolled = [r for rs in state["rollouts"] for r in rs]
             compute["target_tokens"] += sum(r["target_tokens"] for r in rolled)

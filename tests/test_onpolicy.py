@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import dflash
 import eval as ev
 from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, randomize, reference_greedy, tiny_cfg,
-                      tiny_qwen3, torch_threads, train_on_continuations, write_data)
+                      tiny_qwen3, torch_threads, train_on_continuations, write_data, write_lines)
 from dflash_tools import dflash2, onpolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -371,9 +371,10 @@ def test_stage_needs_a_trained_drafter_and_its_flags_need_the_stage(cli, capsys)
 
 
 def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
-    """The measurement's pieces on the tiny run (2 held-out prompts, 8-token continuations, a budget of 6 SFT steps):
-    the held-out set, one run of each arm A-D, and the table. Each arm reaches each fraction of its budget; an
-    on-policy step costs more than an SFT step, and D's (the SFT term's blocks besides) more than C's."""
+    """The measurement's pieces on the tiny run (2 held-out prompts, 8-token continuations, 4 updates of 2): the new
+    sequences keep no prompt that begins as an SFT prompt, the held-out set carries the target's top-1 probability,
+    every arm runs and is evaluated per prompt, an on-policy update costs more FLOPs than an SFT one, and the report
+    pairs the arms prompt by prompt."""
     from dflash_tools import onpolicy_bench as ob
     from dflash_tools import tiny_target
     d, work = cli["dir"], tmp_path / "work"
@@ -382,25 +383,40 @@ def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
     os.symlink(d / "q3", work / "cache" / "tiny_qwen35")
     shutil.copy(d / "data.jsonl", work / "cache" / "demo_data.jsonl")
     shutil.copytree(d / "sft", work / "sft_dflash")
-    for name, value in dict(TOKENS=8, PROMPTS=2, BATCH=2, ANCHORS=6, LAYER_IDS=[1, 2]).items():
+    for name, value in dict(TOKENS=8, HELDOUT=2, HELDOUT_TOKENS=8, BATCH=2, ANCHORS=6, LAYER_IDS=[1, 2]).items():
         monkeypatch.setattr(ob, name, value)
     target = dflash.load_target(str(work / "cache" / "tiny_qwen35"))
-    prompts = [json.loads(line)["input_ids"][:6] for line in open(d / "data.jsonl")][:2]
-    monkeypatch.setattr(tiny_target, "heldout_prompts", lambda path, num_prompts: prompts[:num_prompts])
-    items = ob.held_out_set(target, str(work / "cache" / "tiny_qwen35"), str(work / "heldout.pt"))
-    assert [it["j"] for it in items] == [0, 1, 2] * 2 and all(len(it["cont"]) == 8 for it in items)
-    budget = ob.budget_of(target, dflash.load_drafter(str(d / "sft" / "step_2")), 6)
+    old = [json.loads(line)["input_ids"][:6] for line in open(d / "data.jsonl")]
+    fresh = [[(t + 7) % 40 for t in p] for p in old[:6]]  # (none begins as an old prompt does: checked below)
+    assert not {tuple(p) for p in fresh} & {tuple(p) for p in old}
+
+    def regenerated(path, out, num_samples, seed):  # what make_regenerated_data writes: old prompts among new ones
+        rows = [p + reference_greedy(target, p, 8) for p in [old[0]] + fresh + [old[1]]][:num_samples]
+        return write_lines(tmp_path / "raw.jsonl", [json.dumps({"input_ids": r, "loss_mask": [0] * 6 + [1] * 8})
+                                                    for r in rows])
+    monkeypatch.setattr(tiny_target, "make_regenerated_data", regenerated)
+    ob.new_sequences(str(work / "cache" / "tiny_qwen35"), str(d / "data.jsonl"), str(work / "cache" / "new.jsonl"), 6)
+    assert [json.loads(line)["input_ids"][:6] for line in open(work / "cache" / "new.jsonl")] == fresh
+    monkeypatch.setattr(tiny_target, "heldout_prompts", lambda path, num_prompts: fresh[:num_prompts])
+    held = ob.held_out_set(target, str(work / "cache" / "tiny_qwen35"), str(work / "heldout.pt"))
+    with torch.no_grad():  # the top-1 probability at each position that predicts a continuation token
+        top1 = torch.cat([target.model(input_ids=torch.tensor([p + reference_greedy(target, p, 8)])).logits[0, 5:-1]
+                          .softmax(-1).max(-1).values for p in fresh[:2]])
+    assert len(held["items"]) == 2 and held["top1"] == pytest.approx(top1.mean().item(), abs=1e-5)
     with torch_threads(1):
         for arm in ob.ARMS:
-            ob.run_one(str(work), "dflash", arm, 0, budget)  # (one thread, as the bench's processes run)
+            ob.run_one(str(work), "dflash", arm, 0, 4)  # (one thread, as the bench's processes run)
     runs = {arm: json.load(open(work / "runs" / f"dflash_{arm}_0.json")) for arm in ob.ARMS}
     for arm, r in runs.items():
-        assert [c["compute"] >= f * budget for c, f in zip(r["curve"][1:], ob.FRACTIONS)] == [True] * 4, arm
-        assert r["curve"][0]["tau_greedy"] >= 1 and r["curve"][-1]["tau_t1"] >= 1
-    per_step = {arm: r["curve"][-1]["compute"] / r["curve"][-1]["step"] for arm, r in runs.items()}
-    assert per_step["A"] < per_step["C"] < per_step["D"], per_step  # D adds the SFT term's blocks to C's rollouts
+        assert [c["step"] for c in r["curve"]] == [0, 2, 4] and len(r["curve"][-1]["taus"]) == 2, arm
+        assert all(t >= 1 for t in r["curve"][-1]["taus"])
+    flops = {arm: r["curve"][-1]["flops"] for arm, r in runs.items()}
+    assert flops["A"] < flops["P"] and flops["C0"] < flops["P"], flops  # P: the verification pass besides C0's walk
     pytest.importorskip("matplotlib")  # (the plot; requirements.txt installs it)
     ob.report(str(work), str(tmp_path / "plot.png"))
     table = (work / "table.md").read_text()
-    assert all(f"{arm}: {ob.ARMS[arm]} | 1 |" in table for arm in ob.ARMS) and "k=1,2,3" in table
+    assert all(f"| {arm}: {ob.ARMS[arm]} |" in table for arm in ob.ARMS) and "| P − B0 |" in table
+    m, lo, hi, n = ob.paired([runs["P"]], [runs["B0"]])
+    want = sum(a - b for a, b in zip(runs["P"]["curve"][-1]["taus"], runs["B0"]["curve"][-1]["taus"])) / 2
+    assert m == pytest.approx(want) and lo <= m <= hi and n == 1
     assert os.path.getsize(tmp_path / "plot.png") > 0
