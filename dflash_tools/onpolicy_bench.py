@@ -344,4 +344,4 @@ def main():
 
 
 if __name__ == "__main__":
-    dflash.run_main(main)
+    dflash.run_main(lambda _: main(), None)
