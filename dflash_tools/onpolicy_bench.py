@@ -18,9 +18,9 @@ target: paired per-prompt differences with bootstrap intervals, so that the benc
    blocks, CE only) on the new prompts; Ps P with its teacher sharpened to T = 0.25 (this target is flat: its mean
    top-1 probability on held-out greedy text is 0.30; 0.82 at T = 0.25);
 3. per run: each held-out prompt's tau (eval.py's greedy walk) at the start, mid-run and the end, P(draft k
-   accepted), the seconds and FLOPs of its updates; the report: the paired per-prompt differences (P - B0, P - A,
-   B0 - A, P - C0, Ps - B0) of the final tau, averaged over seeds, with bootstrap 95% intervals that resample the prompts and
-   the seeds; B0 - A is the positive control (no interval away from 0 there: the bench has no power).
+   accepted), the seconds and FLOPs of its updates; the report: the paired per-prompt differences (B0 - A, P - B0,
+   P - A, P - C0, C0 - B0, Ps - B0) of the final tau, averaged over seeds, with bootstrap 95% intervals that resample the
+   prompts and the seeds; B0 - A is the positive control (no interval away from 0 there: the bench has no power).
 
 FLOPs ~ 2 * params * tokens: target forward tokens (the hooked passes, the verification pass, SFT's passes) at the
 target's non-embedding parameters plus its lm_head, drafter forward tokens (blocks x B, the walk's drafting included)
@@ -47,7 +47,7 @@ from dflash_tools import demo, onpolicy  # noqa: E402
 
 ARMS = {"A": "continued SFT, old data", "B0": "SFT, new sequences", "P": "Draft-OPD, new prompts",
         "C0": "walked blocks, CE only, new prompts", "Ps": "P, teacher sharpened to T = 0.25"}
-PAIRS = (("P", "B0"), ("P", "A"), ("B0", "A"), ("P", "C0"), ("Ps", "B0"))
+PAIRS = (("B0", "A"), ("P", "B0"), ("P", "A"), ("P", "C0"), ("C0", "B0"), ("Ps", "B0"))  # data, signal, placement
 STEPS, BATCH, ANCHORS, LR, TOKENS, HELDOUT, HELDOUT_TOKENS = 200, 4, 16, 3e-4, 64, 96, 128
 FRACTIONS = (0.5, 1.0)
 LAYER_IDS = [int(x) for x in demo.DEMO_FLAGS[demo.DEMO_FLAGS.index("--target_layer_ids") + 1].split(",")]
@@ -234,28 +234,41 @@ def report(work, png):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| paired difference (final τ) | " + " | ".join(f"{v} mean [95% CI]" for v in variants) + " |",
               "|---" * (1 + len(variants)) + "|"]
+    diff = {}  # (pair, variant) -> its cell
     for x, y in PAIRS:
-        cells = []
         for v in variants:
-            if not (of(v, x) and of(v, y)):
-                cells.append("-")
-                continue
-            m, lo, hi, n = paired(of(v, x), of(v, y))
-            mark = "" if lo <= 0 <= hi else " *"
-            cells.append(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]{mark}")
-        if any(c != "-" for c in cells):
-            lines.append(f"| {x} − {y} | " + " | ".join(cells) + " |")
+            if of(v, x) and of(v, y):
+                m, lo, hi, n = paired(of(v, x), of(v, y))
+                diff[x, y, v] = f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("" if lo <= 0 <= hi else " *")
+        if any((x, y, v) in diff for v in variants):
+            lines.append(f"| {x} − {y} | " + " | ".join(diff.get((x, y, v), "-") for v in variants) + " |")
+    # the README's table: each arm's tau and cost, each pair's difference on the row of its first arm
+    short = ["| arm | s/update (× A) | " + " | ".join(f"{v} τ | {v} paired Δτ [95% CI]" for v in variants) + " |",
+             "|---" * (2 + 2 * len(variants)) + "|"]
+    for arm in ("SFT", *arms):
+        pairs = [(x, y) for x, y in PAIRS if x == arm and any((x, y, v) in diff for v in variants)] or [None]
+        for j, pair in enumerate(pairs):
+            cells = []
+            for v in variants:
+                rs = of(v, arm if arm != "SFT" else arms[0])
+                ends = [r["curve"][0] for r in rs[:1]] if arm == "SFT" else [r["curve"][-1] for r in rs]
+                tau = f"{mean([e['tau'] for e in ends]):.3f}" if ends and j == 0 else ""
+                cells += [tau, f"{pair[0]} − {pair[1]}: {diff[pair + (v,)]}" if pair and pair + (v,) in diff else ""]
+            s = [mean([r["curve"][-1]["seconds"] / r["steps"] for r in of(v, arm)]) for v in variants if of(v, arm)]
+            cost = f"{s[0]:.2f} ({s[0] / sec[variants[0]]:.1f}×)" if arm != "SFT" and s and sec[variants[0]] else ""
+            name = "SFT checkpoint" if arm == "SFT" else f"{arm} {ARMS[arm]}"
+            short.append(f"| {name if j == 0 else ''} | {cost if j == 0 else ''} | " + " | ".join(cells) + " |")
     seeds = sorted({r["seed"] for r in runs})
     lines.append(f"\n{len(seeds)} seeds; * the interval excludes 0. {runs[0]['steps']} updates of "
                  f"{runs[0]['batch']} sequences, LR {runs[0]['lr']:g} (5% warmup, cosine to 0).")
-    table = "\n".join(lines)
+    table = "\n".join(lines) + "\n\n" + "\n".join(short)
     print(table)
     with open(os.path.join(work, "table.md"), "w") as f:
         f.write(table + "\n")
     from dflash_tools.plot import pyplot
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(variants), figsize=(5.5 * len(variants), 3.8), squeeze=False)
-    for ax, v in zip(axes[0], variants):
+    fig, axes = plt.subplots(2, len(variants), figsize=(5.5 * len(variants), 7), squeeze=False)
+    for col, v in enumerate(variants):
         for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4")):
             rs = of(v, arm)
             if not rs:
@@ -263,10 +276,14 @@ def report(work, png):
             n = min(len(r["curve"]) for r in rs)
             x = [r["curve"][i]["step"] for r in rs[:1] for i in range(n)]
             y = [[r["curve"][i]["tau"] for r in rs] for i in range(n)]
-            ax.plot(x, [mean(t) for t in y], "-o", color=color, label=f"{arm} {ARMS[arm]}", ms=3)
-            ax.fill_between(x, [min(t) for t in y], [max(t) for t in y], color=color, alpha=0.15)
-        ax.set_xlabel("updates")
-        ax.set_title(f"{v}: held-out τ (greedy)")
+            axes[0][col].plot(x, [mean(t) for t in y], "-o", color=color, label=f"{arm} {ARMS[arm]}", ms=3)
+            axes[0][col].fill_between(x, [min(t) for t in y], [max(t) for t in y], color=color, alpha=0.15)
+            depth = [mean([r["curve"][-1]["depth"][k] for r in rs]) for k in range(B - 1)]
+            axes[1][col].plot(range(1, B), depth, "-o", color=color, label=arm, ms=3)
+        axes[0][col].set_xlabel("updates")
+        axes[0][col].set_title(f"{v}: held-out τ (greedy), mean and range of seeds")
+        axes[1][col].set_xlabel("draft k")
+        axes[1][col].set_title(f"{v}: P(draft k accepted) after the updates")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
