@@ -19,8 +19,9 @@ target: paired per-prompt differences with bootstrap intervals, so that the benc
    top-1 probability on held-out greedy text is 0.30; 0.82 at T = 0.25);
 3. per run: each held-out prompt's tau (eval.py's greedy walk) at the start, mid-run and the end, P(draft k
    accepted), the seconds and FLOPs of its updates; the report: the paired per-prompt differences (B0 - A, P - B0,
-   P - A, P - C0, C0 - B0, Ps - B0) of the final tau, averaged over seeds, with bootstrap 95% intervals that resample the
-   prompts and the seeds; B0 - A is the positive control (no interval away from 0 there: the bench has no power).
+   P - A, P - C0, C0 - B0, Ps - B0) of the final tau, averaged over seeds, with bootstrap 95% intervals that
+   resample the prompts and the seeds; B0 - A is the positive control (no interval away from 0 there: the bench has
+   no power).
 
 FLOPs ~ 2 * params * tokens: target forward tokens (the hooked passes, the verification pass, SFT's passes) at the
 target's non-embedding parameters plus its lm_head, drafter forward tokens (blocks x B, the walk's drafting included)
