@@ -16,7 +16,8 @@ target: paired per-prompt differences with bootstrap intervals, so that the benc
    control), P Draft-OPD on the new prompts (the stage's defaults: walked blocks, fkl2 + k3 at offsets m+1..,
    0.8^(offset-1), the rejected drafts' p from the verification pass), C0 the previous stage's best arm (walked
    blocks, CE only) on the new prompts; Ps P with its teacher sharpened to T = 0.25 (this target is flat: its mean
-   top-1 probability on held-out greedy text is 0.30; 0.82 at T = 0.25);
+   top-1 probability on held-out greedy text is 0.30; 0.82 at T = 0.25); with --arms also Pc, P with CE on the
+   committed tokens (C0 plus the k3 term on the rejected drafts);
 3. per run: each held-out prompt's tau (eval.py's greedy walk) at the start, mid-run and the end, P(draft k
    accepted), the seconds and FLOPs of its updates; the report: the paired per-prompt differences (B0 - A, P - B0,
    P - A, P - C0, C0 - B0, Ps - B0) of the final tau, averaged over seeds, with bootstrap 95% intervals that
@@ -47,8 +48,9 @@ import dflash  # noqa: E402
 from dflash_tools import demo, onpolicy  # noqa: E402
 
 ARMS = {"A": "continued SFT, old data", "B0": "SFT, new sequences", "P": "Draft-OPD, new prompts",
-        "C0": "walked blocks, CE only, new prompts", "Ps": "P, teacher sharpened to T = 0.25"}
-PAIRS = (("B0", "A"), ("P", "B0"), ("P", "A"), ("P", "C0"), ("C0", "B0"), ("Ps", "B0"))  # data, signal, placement
+        "C0": "walked blocks, CE only, new prompts", "Ps": "P, teacher sharpened to T = 0.25",
+        "Pc": "P with CE on the committed tokens"}
+PAIRS = (("B0", "A"), ("P", "B0"), ("P", "A"), ("P", "C0"), ("C0", "B0"), ("Ps", "B0"), ("Pc", "C0"))
 STEPS, BATCH, ANCHORS, LR, TOKENS, HELDOUT, HELDOUT_TOKENS = 200, 4, 16, 3e-4, 64, 96, 128
 FRACTIONS = (0.5, 1.0)
 LAYER_IDS = [int(x) for x in demo.DEMO_FLAGS[demo.DEMO_FLAGS.index("--target_layer_ids") + 1].split(",")]
@@ -139,6 +141,8 @@ def stage_args(arm, seed):
         args.onpolicy_accepted, args.onpolicy_rejected = "ce", "none"
     if arm == "Ps":
         args.onpolicy_teacher_temperature = 0.25
+    if arm == "Pc":
+        args.onpolicy_accepted = "ce"
     return args
 
 
@@ -270,7 +274,7 @@ def report(work, png):
     plt = pyplot()
     fig, axes = plt.subplots(2, len(variants), figsize=(5.5 * len(variants), 7), squeeze=False)
     for col, v in enumerate(variants):
-        for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4")):
+        for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5")):
             rs = of(v, arm)
             if not rs:
                 continue
