@@ -247,22 +247,24 @@ def report(work, png):
                 diff[x, y, v] = f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("" if lo <= 0 <= hi else " *")
         if any((x, y, v) in diff for v in variants):
             lines.append(f"| {x} − {y} | " + " | ".join(diff.get((x, y, v), "-") for v in variants) + " |")
-    # the README's table: each arm's tau and cost, each pair's difference on the row of its first arm
+    # the README's table: each arm's tau and cost; each pair on its first arm's row, else its second's, else a new one
+    rows = {arm: [] for arm in arms}
+    for x, y in PAIRS:
+        if any((x, y, v) in diff for v in variants):
+            free = [a for a in (x, y) if not rows[a]]
+            rows[free[0] if free else x].append((x, y))
     short = ["| arm | s/update (× A) | " + " | ".join(f"{v} τ | {v} paired Δτ [95% CI]" for v in variants) + " |",
              "|---" * (2 + 2 * len(variants)) + "|"]
-    for arm in ("SFT", *arms):
-        pairs = [(x, y) for x, y in PAIRS if x == arm and any((x, y, v) in diff for v in variants)] or [None]
-        for j, pair in enumerate(pairs):
+    for arm in arms:
+        for j, pair in enumerate(rows[arm] or [None]):
             cells = []
             for v in variants:
-                rs = of(v, arm if arm != "SFT" else arms[0])
-                ends = [r["curve"][0] for r in rs[:1]] if arm == "SFT" else [r["curve"][-1] for r in rs]
-                tau = f"{mean([e['tau'] for e in ends]):.3f}" if ends and j == 0 else ""
-                cells += [tau, f"{pair[0]} − {pair[1]}: {diff[pair + (v,)]}" if pair and pair + (v,) in diff else ""]
+                ends = [r["curve"][-1] for r in of(v, arm)]
+                cells += [f"{mean([e['tau'] for e in ends]):.3f}" if ends and j == 0 else "",
+                          f"{pair[0]} − {pair[1]}: {diff[pair + (v,)]}" if pair and pair + (v,) in diff else ""]
             s = [mean([r["curve"][-1]["seconds"] / r["steps"] for r in of(v, arm)]) for v in variants if of(v, arm)]
-            cost = f"{s[0]:.2f} ({s[0] / sec[variants[0]]:.1f}×)" if arm != "SFT" and s and sec[variants[0]] else ""
-            name = "SFT checkpoint" if arm == "SFT" else f"{arm} {ARMS[arm]}"
-            short.append(f"| {name if j == 0 else ''} | {cost if j == 0 else ''} | " + " | ".join(cells) + " |")
+            cost = f"{s[0]:.2f} ({s[0] / sec[variants[0]]:.1f}×)" if j == 0 and s and sec[variants[0]] else ""
+            short.append(f"| {f'{arm} {ARMS[arm]}' if j == 0 else ''} | {cost} | " + " | ".join(cells) + " |")
     seeds = sorted({r["seed"] for r in runs})
     lines.append(f"\n{len(seeds)} seeds; * the interval excludes 0. {runs[0]['steps']} updates of "
                  f"{runs[0]['batch']} sequences, LR {runs[0]['lr']:g} (5% warmup, cosine to 0).")
