@@ -121,7 +121,8 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     eos = target.eos_ids()
     sampling = tau_eval.Sampling(temperature) if temperature > 0 else None
     sampler = dflash.import_tool("sampling", "--onpolicy_temperature") if sampling else None
-    if continuation is not None:
+    captured = continuation is not None
+    if captured:
         dflash.need(not sampling, "a captured continuation is greedy; drop the temperature")
     elif sampling:
         g = torch.Generator(dev).manual_seed(seed)
@@ -144,7 +145,7 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0], "starts": starts,
             "accepted": accepted, "proposals": proposals, "verify": verify,  # the generation (P + n - 1 tokens),
             # the hooked pass, the verification pass
-            "target_tokens": (len(ids[0]) - 1 if continuation is None else 0) + len(ids[0]) + verify_tokens}
+            "target_tokens": (0 if captured else len(ids[0]) - 1) + len(ids[0]) + verify_tokens}
 
 
 @torch.no_grad()

@@ -83,6 +83,19 @@ def test_target_distribution_is_the_walk_pass(tiny):
     assert verified > 0 and r["target_tokens"] == 2 * S - 1 + verified
 
 
+def test_a_captured_greedy_continuation_is_walked_as_a_generated_one(tiny):
+    """Given the target's greedy continuation (captured once), the rollout is the generated one's, less the generation's
+    target tokens; a captured continuation at T > 0 is one error line."""
+    target, drafter, prompt = tiny["target"], tiny["dflash"], tiny["prompts"][1]
+    r = onpolicy.rollout(drafter, target, prompt, TOKENS)
+    c = onpolicy.rollout(drafter, target, prompt, TOKENS, continuation=r["ids"][len(prompt):].tolist())
+    for k in ("ids", "starts", "accepted", "proposals", "verify", "final"):
+        assert torch.equal(r[k], c[k]), k
+    assert r["target_tokens"] - c["target_tokens"] == len(r["ids"]) - 1
+    with pytest.raises(dflash.DFlashError, match="captured continuation is greedy"):
+        onpolicy.rollout(drafter, target, prompt, TOKENS, 1.0, continuation=c["ids"][len(prompt):].tolist())
+
+
 # -----------------------------------------------------------------------------
 # The objective against a direct recomputation, block by block
 
