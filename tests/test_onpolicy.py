@@ -359,6 +359,9 @@ def test_cli_stage_resumes_bitwise(cli):
 
 @pytest.mark.parametrize("extra,needles", [
     (["--onpolicy_rejected", "none", "--onpolicy_decay", "0.5"], ["--onpolicy_decay", "drop one"]),
+    (["--onpolicy_rejected", "tv1", "--onpolicy_decay", "0.5"], ["--onpolicy_rejected tv1", "drop one"]),
+    (["--onpolicy_teacher_temperature", "0"], ["--onpolicy_teacher_temperature"]),
+    (["--onpolicy_rejected_from", "prompt"], ["--onpolicy_rejected_from"]),
     (["--loss", "dpace"], ["--loss dpace", "own objective"]),
     (["--labels", "data"], ["--labels data"]),
     (["--onpolicy_tokens", "1"], ["--onpolicy_tokens 1"]),
