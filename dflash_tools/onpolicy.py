@@ -19,7 +19,8 @@ starts. A block with m accepted drafts covers offsets 1..B-1 (those inside the c
     (a variant's own terms too) (--onpolicy_accepted);
   - the rejected drafts, offsets m+1..B-1 (the first rejected draft included), weight decay^(i-1) by offset i:
     k3, the k3 estimator of KL(q || p) at the drafted token d, p(d)/q(d) - log(p(d)/q(d)) - 1; or rkl, KL(q || p);
-    or tv, total variation; or tv1, total variation at offset m+1 only, weight 1 (--onpolicy_rejected, --decay);
+    or tv, total variation; or tv1, total variation at offset m+1 only, weight 1 (--onpolicy_rejected,
+    --onpolicy_decay);
 summed and divided by the global batch's sum of those weights; plus --onpolicy_sft_weight times the usual SFT loss
 (dflash.dflash_loss) on random anchors of the same samples (default 0). As the authors' code: log-probabilities in
 fkl2 clamped to [-10, log(1 - eps)], k3's log-ratio to [-20, 20], both terms at most 10. --onpolicy_rejected_from
