@@ -116,7 +116,7 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     recorded. continuation: the target's greedy one, captured before (not generated again: it does not depend on
     the drafter). induced False: no verification pass (the states past each first rejection stay the truth's).
     Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the continuation index of each
-    block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
+    block's anchor, accepted (n,), proposals (n, B-1), verify (n, B, D) verify_states', target_tokens}."""
     import eval as tau_eval
     dev, cfg = target.lm_head.weight.device, drafter.cfg
     eos = target.eos_ids()
@@ -144,9 +144,8 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
     verify, verify_tokens = verify_states(target, ids[0], starts + len(prompt), accepted, proposals, final[0],
                                           induced)
     return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0], "starts": starts,
-            "accepted": accepted, "proposals": proposals, "verify": verify,  # the generation (P + n - 1 tokens),
-            # the hooked pass, the verification pass
-            "target_tokens": (0 if captured else len(ids[0]) - 1) + len(ids[0]) + verify_tokens}
+            "accepted": accepted, "proposals": proposals, "verify": verify,  # target tokens: the generation (P + n
+            "target_tokens": (0 if captured else len(ids[0]) - 1) + len(ids[0]) + verify_tokens}  # - 1), two passes
 
 
 @torch.no_grad()
