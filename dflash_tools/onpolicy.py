@@ -5,21 +5,32 @@ samples (the tokens before their first loss token): the target continues each pr
 --onpolicy_temperature with eval.py's sampling), one hooked target pass over prompt + continuation gives the
 drafter's context features and the target's final hidden states, and the drafter is walked along the continuation
 exactly as eval.py walks it (its draft rule's drafts; a rule that samples its block is rejection-sampled at T > 0).
-The rollout records the block starts, the proposals, the accepted lengths, and those hidden states: through the
-target's lm_head they give the target's distribution p at every verified position, so no second target pass runs.
+The rollout records the block starts, the proposals, the accepted lengths and the target's final hidden states where
+serving's verification reads them: before offset i of a block anchored at a, the state on [context, anchor, d1 ...
+d(i-1)]. Up to the first rejection that prefix is the continuation (the walk's pass has it); past it, ONE batched
+target pass over [tokens up to each anchor, its B-1 drafts] gives the rest (the draft-induced states). Through the
+target's lm_head they give the target's distribution p at every verified position.
 
-The objective re-runs the drafter, with gradient, at the recorded block starts. A block anchored at a with m
-accepted drafts covers offsets 1..B-1 (those inside the continuation):
-  - offsets 1..m+1 (the accepted drafts and the first rejection): CE to the target's greedy token, through the
-    drafter's own block_loss (a variant's own terms too), or forward KL(p || q) (--onpolicy_accepted);
-  - offsets m+1+k, k >= 1 (the rejected proposals): reverse KL(q || p) or total variation, weighted
-    decay^(k-1) (--onpolicy_rejected, --onpolicy_decay);
+The objective (Draft-OPD's, arXiv 2605.29343, by default) re-runs the drafter, with gradient, at the recorded block
+starts. A block with m accepted drafts covers offsets 1..B-1 (those inside the continuation):
+  - the committed tokens, offsets 1..m+1 (the accepted drafts and the first rejection), weight 1: fkl2, the
+    two-outcome forward KL at the committed token y, p(y) log(p(y)/q(y)) + (1-p(y)) log((1-p(y))/(1-q(y)));
+    or fkl, KL(p || q) over the vocabulary; or ce, CE to the target's greedy token through the drafter's block_loss
+    (a variant's own terms too) (--onpolicy_accepted);
+  - the rejected drafts, offsets m+1..B-1 (the first rejected draft included), weight decay^(i-1) by offset i:
+    k3, the k3 estimator of KL(q || p) at the drafted token d, p(d)/q(d) - log(p(d)/q(d)) - 1; or rkl, KL(q || p);
+    or tv, total variation; or tv1, total variation at offset m+1 only, weight 1 (--onpolicy_rejected,
+    --onpolicy_decay);
 summed and divided by the global batch's sum of those weights; plus --onpolicy_sft_weight times the usual SFT loss
-(dflash.dflash_loss) on random anchors of the same samples. q is what the drafter's logprobs hook says it drafts
-from (DFlash: the softmax of its logits; a variant may add distributions over some tokens, each against p
-renormalised over those, the token before each position given). p is the target's softmax at the rollout
-temperature (1 for greedy rollouts). The logits exist one chunk of tokens at a time, recomputed in backward (memory
-bounded as in SFT). The stage runs on dflash.train_step (the Stage class): the optimizer step is the core's.
+(dflash.dflash_loss) on random anchors of the same samples (default 0). As the authors' code: log-probabilities in
+fkl2 clamped to [-10, log(1 - eps)], k3's log-ratio to [-20, 20], both terms at most 10. --onpolicy_rejected_from
+truth takes the rejected drafts' p from the target on the true continuation instead (teacher-forced). q is what the
+drafter's logprobs hook says it drafts from (DFlash: the softmax of its logits; a variant may add distributions over
+some tokens, each against p renormalised over those, the token before each position given: the drafted one on the
+rejected side; at one token, a distribution without it adds nothing). p is the target's softmax at
+--onpolicy_teacher_temperature (default: the rollout temperature, 1 for greedy rollouts; < 1 sharpens it). The
+logits exist one chunk of tokens at a time, recomputed in backward (memory bounded as in SFT). The stage runs on
+dflash.train_step (the Stage class): the optimizer step is the core's.
 
 Rollout seeds derive from (--seed, step, sample key) and the rollouts live in the stage's state (saved in every
 checkpoint), so a resumed run is bitwise the same. Each step appends a line to <out>/onpolicy.jsonl: the rollouts'
@@ -27,6 +38,7 @@ age in optimizer steps, their walked tau, the two loss terms, and the step's com
 drafter forward and backward tokens)."""
 import itertools
 import json
+import math
 import os
 from contextlib import nullcontext
 
@@ -36,8 +48,10 @@ from torch.utils.checkpoint import checkpoint
 
 import dflash
 
-DEFAULTS = {"onpolicy_every": 1, "onpolicy_tokens": 64, "onpolicy_temperature": 0.0, "onpolicy_accepted": "fkl",
-            "onpolicy_rejected": "rkl", "onpolicy_decay": 0.8, "onpolicy_sft_weight": 0.1}
+DEFAULTS = {"onpolicy_every": 1, "onpolicy_tokens": 64, "onpolicy_temperature": 0.0, "onpolicy_accepted": "fkl2",
+            "onpolicy_rejected": "k3", "onpolicy_rejected_from": "drafts", "onpolicy_decay": 0.8,
+            "onpolicy_sft_weight": 0.0, "onpolicy_teacher_temperature": None}
+LOGP_MIN, LOSS_MAX = -10.0, 10.0  # the authors' clamps: fkl2's log-probabilities, each token's loss
 
 
 def add_flags(g):
@@ -46,13 +60,17 @@ def add_flags(g):
       "(default 1)", int, lo=1)
     f(g, "--onpolicy_tokens", None, "tokens the target generates per rollout prompt (default 64)", int, lo=1)
     f(g, "--onpolicy_temperature", None, "rollout temperature, 0: greedy (default 0)", float, hi=100)
-    f(g, "--onpolicy_accepted", None, "loss on the accepted drafts and the first rejection (default fkl)",
-      choices=["ce", "fkl"])
-    f(g, "--onpolicy_rejected", None, "loss on the rejected proposals (default rkl; none: off)",
-      choices=["rkl", "tv", "none"])
-    f(g, "--onpolicy_decay", None, "weight decay^(k-1) of the k-th rejected proposal (default 0.8)", float,
+    f(g, "--onpolicy_accepted", None, "loss on the committed tokens, the accepted drafts and the first rejection "
+      "(default fkl2: the two-outcome forward KL at the token)", choices=["fkl2", "fkl", "ce"])
+    f(g, "--onpolicy_rejected", None, "loss on the rejected drafts (default k3: the k3 estimator of KL(q||p) at the "
+      "drafted token; tv1: total variation at the first one; none: off)", choices=["k3", "rkl", "tv", "tv1", "none"])
+    f(g, "--onpolicy_rejected_from", None, "the rejected drafts' p: drafts, the verifier's state on the drafted "
+      "prefix (default); truth, the target's on the true continuation", choices=["drafts", "truth"])
+    f(g, "--onpolicy_decay", None, "weight decay^(i-1) of the rejected draft at block offset i (default 0.8)", float,
       open_lo=True, hi=1)
-    f(g, "--onpolicy_sft_weight", None, "weight of the SFT loss on random anchors (default 0.1; 0: off)", float)
+    f(g, "--onpolicy_sft_weight", None, "weight of the SFT loss on random anchors (default 0: off)", float)
+    f(g, "--onpolicy_teacher_temperature", None, "the target's temperature in p (default: the rollout's, 1 for "
+      "greedy; < 1 sharpens it)", float, open_lo=True, hi=100)
 
 
 def settings(args):
@@ -70,8 +88,8 @@ def check(args):
          "--labels")
     need(not getattr(args, "shard_target", False), "--shard_target: the on-policy rollouts generate per rank; drop "
          "--shard_target")
-    need(not (args.onpolicy_rejected == "none" and args.onpolicy_decay is not None), "--onpolicy_decay weighs the "
-         "rejected proposals, and --onpolicy_rejected none drops them; drop one")
+    need(not (args.onpolicy_rejected in ("none", "tv1") and args.onpolicy_decay is not None), "--onpolicy_decay "
+         f"weighs the rejected drafts by offset, --onpolicy_rejected {args.onpolicy_rejected} none; drop one")
     s = settings(args)
     need(s["onpolicy_tokens"] >= 2, "--onpolicy_tokens 1 gives no block to walk; use 2 or more")
     need(s["onpolicy_temperature"] == 0 or s["onpolicy_temperature"] > 1e-3, "--onpolicy_temperature: 0 (greedy) "
@@ -91,18 +109,23 @@ def prompts_of(batch):
 
 
 @torch.no_grad()
-def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0):
+def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept_seed=0, continuation=None,
+            induced=True):
     """The exact walk of drafter on one prompt: eval.py's (greedy, or at temperature T its sampled continuation,
     drawn with a generator seeded by seed, and acceptance rule, a sampling rule's uniforms seeded by accept_seed),
-    recorded.
+    recorded. continuation: the target's greedy one, captured before (not generated again: it does not depend on
+    the drafter). induced False: no verification pass (the states past each first rejection stay the truth's).
     Returns {ids (S,), prompt_len, features (S, m*D), final (S, D), starts (n,) the continuation index of each
-    block's anchor, accepted (n,), proposals (n, B-1), target_tokens}."""
+    block's anchor, accepted (n,), proposals (n, B-1), verify (n, B, D) verify_states', target_tokens}."""
     import eval as tau_eval
     dev, cfg = target.lm_head.weight.device, drafter.cfg
     eos = target.eos_ids()
     sampling = tau_eval.Sampling(temperature) if temperature > 0 else None
     sampler = dflash.import_tool("sampling", "--onpolicy_temperature") if sampling else None
-    if sampling:
+    captured = continuation is not None
+    if captured:
+        dflash.need(not sampling, "a captured continuation is greedy; drop the temperature")
+    elif sampling:
         g = torch.Generator(dev).manual_seed(seed)
         continuation = sampler.sampled_continuation(target, prompt, num_tokens, eos, sampling, g)
     else:
@@ -116,20 +139,49 @@ def rollout(drafter, target, prompt, num_tokens, temperature=0.0, seed=0, accept
         p_truth = sampler.truth_probs(target, final, len(prompt), continuation, sampling)
         lengths = sampler.sampled_lengths(continuation, p_truth, details["q"],
                                           torch.Generator().manual_seed(accept_seed))
-    starts = tau_eval.step_anchors(lengths)
-    return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0],
-            "starts": torch.tensor(starts, dtype=torch.long, device=dev),
-            "accepted": torch.tensor(lengths, dtype=torch.long, device=dev) - 1,
-            "proposals": drafts[starts] if starts else drafts[:0],
-            "target_tokens": 2 * len(ids[0]) - 1}  # the cached generation (P + n - 1 tokens), the hooked pass
+    starts = torch.tensor(tau_eval.step_anchors(lengths), dtype=torch.long, device=dev)
+    accepted, proposals = torch.tensor(lengths, dtype=torch.long, device=dev) - 1, drafts[starts]
+    verify, verify_tokens = verify_states(target, ids[0], starts + len(prompt), accepted, proposals, final[0],
+                                          induced)
+    return {"ids": ids[0], "prompt_len": len(prompt), "features": features[0], "final": final[0], "starts": starts,
+            "accepted": accepted, "proposals": proposals, "verify": verify,  # target tokens: the generation (P + n
+            "target_tokens": (0 if captured else len(ids[0]) - 1) + len(ids[0]) + verify_tokens}  # - 1), two passes
 
 
-def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step):
-    """The rollouts of a collated micro-batch's prompts, each seeded by (seed, step, its sample key)."""
+@torch.no_grad()
+def verify_states(target, ids, anchors, accepted, proposals, final, induced=True):
+    """The target's final hidden states where serving's verification reads them: (n, B, D), [j, i] the state before
+    offset i of block j (anchored at anchors[j], its drafts proposals[j]), on [ids up to the anchor, d1 ... d(i-1)];
+    [j, 0] zeros. Offsets up to the first rejection (i <= m+1: the prefix is the continuation) are the walk's pass's
+    (final (S, D)); the later ones inside the continuation come from ONE batched pass over [ids[:a+1], the B-1 drafts]
+    of the blocks that have them, as serving verifies a block. Returns (states, that pass's tokens)."""
+    n, B, S = proposals.shape[0], proposals.shape[1] + 1, len(ids)
+    i = torch.arange(B, device=ids.device)
+    out = final[(anchors[:, None] + i - 1).clamp(0, S - 1)]
+    out[:, 0] = 0
+    rows = [j for j in range(n) if induced and anchors[j] + accepted[j] + 2 < S and accepted[j] + 2 < B]
+    if not rows:
+        return out, 0
+    seqs = [torch.cat([ids[:anchors[j] + 1], proposals[j]]) for j in rows]
+    batch = torch.stack([F.pad(x, (0, max(map(len, seqs)) - len(x))) for x in seqs])  # right pads: causal, unseen
+    with dflash.capture_hidden(target, []) as store:
+        target.backbone(input_ids=batch, use_cache=False)
+    for r, j in enumerate(rows):
+        a, m = anchors[j].item(), accepted[j].item()
+        hi = min(B, S - a)  # offsets inside the continuation
+        out[j, m + 2:hi] = store["final"][r, a + m + 1:a + hi - 1].to(out.dtype)
+    return out, sum(map(len, seqs))
+
+
+def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step, captured=False, induced=True):
+    """The rollouts of a collated micro-batch's prompts, each seeded by (seed, step, its sample key); captured: each
+    row's loss tokens are already the target's greedy continuation of its prompt (walked, not generated again)."""
     was = drafter.training
     drafter.eval()
+    kept = lambda r, p: batch["input_ids"][r, len(p):][batch["loss_mask"][r, len(p):] > 0].tolist()  # noqa: E731
     out = [rollout(drafter, target, p, num_tokens, temperature, dflash.mix_seed(seed, step, batch["keys"][r]),
-                   dflash.mix_seed(seed, step, batch["keys"][r], 1)) for r, p in prompts_of(batch)]
+                   dflash.mix_seed(seed, step, batch["keys"][r], 1), kept(r, p) if captured else None, induced)
+           for r, p in prompts_of(batch)]
     drafter.train(was)
     return out
 
@@ -140,70 +192,89 @@ def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step):
 def pack(rollouts, cfg, device):
     """Rollouts -> padded tensors: ids (b, S), context (b, S, m*D), final (b, S, D), then region_weights' first
     arguments: lengths (b,), anchors, valid, accepted (b, N), with N the most blocks of a row (padding anchors are
-    invalid)."""
+    invalid); then the blocks' inputs as drafted, [anchor, d1 ... d(B-1)] (b, N, B), and the verifier's states
+    (b, N, B, D)."""
     S = max(len(r["ids"]) for r in rollouts)
     N = max(1, max(len(r["starts"]) for r in rollouts))
     pad = lambda t, n: F.pad(t, (0, 0) * (t.dim() - 1) + (0, n - t.shape[0]))  # noqa: E731
-    ids = torch.stack([pad(r["ids"], S) for r in rollouts]).to(device)
-    context = torch.stack([pad(r["features"], S) for r in rollouts]).to(device)
-    final = torch.stack([pad(r["final"], S) for r in rollouts]).to(device)
-    anchors = torch.stack([pad(r["starts"] + r["prompt_len"], N) for r in rollouts]).to(device)
-    accepted = torch.stack([pad(r["accepted"], N) for r in rollouts]).to(device)
+    stack = lambda key, n, f=lambda t, r: t: torch.stack([pad(f(r[key], r), n) for r in rollouts]).to(device)  # noqa
+    ids, context, final = stack("ids", S), stack("features", S), stack("final", S)
+    anchors = stack("starts", N, lambda t, r: t + r["prompt_len"])
+    drafted = torch.cat([ids.gather(1, anchors)[..., None], stack("proposals", N)], -1)
     valid = torch.stack([torch.arange(N) < len(r["starts"]) for r in rollouts]).to(device)
     lengths = torch.tensor([len(r["ids"]) for r in rollouts], device=device)
-    return ids, context, final, lengths, anchors, valid, accepted
+    return ids, context, final, lengths, anchors, valid, stack("accepted", N), drafted, stack("verify", N)
 
 
 def region_weights(lengths, anchors, valid, accepted, B, decay, rejected):
-    """(b, N, B) weights of the accepted side (offsets 1..m+1: 1) and of the rejected side (offset m+1+k, k >= 1:
-    decay^(k-1); 0 when rejected is "none"), both 0 outside the continuation and on padding blocks."""
+    """(b, N, B) weights of the committed side (offsets 1..m+1: 1) and of the rejected side (offsets m+1..B-1:
+    decay^(i-1) at offset i; tv1: offset m+1 only, 1; none: 0), both 0 outside the continuation and on padding."""
     i = torch.arange(B, device=anchors.device)
     inside = (anchors[..., None] + i < lengths[:, None, None]) & valid[..., None] & (i > 0)
     m = accepted[..., None]
     acc = (inside & (i <= m + 1)).float()
-    k = (i - m - 1).clamp(min=1).float()
-    rej = torch.where(inside & (i > m + 1), decay ** (k - 1), 0.0) if rejected != "none" else torch.zeros_like(acc)
-    return acc, rej
+    if rejected == "none":
+        return acc, torch.zeros_like(acc)
+    if rejected == "tv1":
+        return acc, (inside & (i == m + 1)).float()
+    return acc, torch.where(inside & (i >= m + 1), decay ** (i - 1).float(), 0.0)
 
 
-def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None):
+TOKEN_MODES = ("fkl2", "k3")  # the estimators at one token (the committed or the drafted one)
+
+
+def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None, token=None):
     """Per-token divergence (T,) of the drafter's q (from final-normed hidden states h (T, D), with gradient) to the
-    target's p (from its final hidden states f (T, D)): mode "fkl" KL(p||q), "rkl" KL(q||p), "tv" total variation.
-    q is what the drafter's logprobs hook says it drafts from (prev (T,): the token before each row): a weighted sum
-    over its distributions, each against p renormalised over its tokens. Chunks of tokens, recomputed in backward:
-    no (T, V) tensor is kept."""
+    target's p (from its final hidden states f (T, D)): mode "fkl" KL(p||q), "rkl" KL(q||p), "tv"/"tv1" total
+    variation; at token (T,): "fkl2" the two-outcome forward KL, "k3" the k3 estimator of KL(q||p), both clamped as
+    the module docstring says. q is what the drafter's logprobs hook says it drafts from (prev (T,): the token before
+    each row): a weighted sum over its distributions, each against p renormalised over its tokens (at a token one
+    does not hold, it adds nothing). Chunks of tokens, recomputed in backward: no (T, V) tensor is kept."""
     chunk = dflash.vocab_chunk(lm_head.weight.shape[0])
-    T = max(temperature, 0.0) or 1.0
+    fp32 = torch.promote_types(lm_head.weight.dtype, torch.float32)  # (float64 in the tests)
+    top = math.log1p(-torch.finfo(torch.float32).eps)
 
     def div(logq, logp):
+        if mode == "fkl2":
+            lq, lp = logq.clamp(LOGP_MIN, top), logp.clamp(LOGP_MIN, top)
+            return (lp.exp() * (lp - lq) + (1 - lp.exp()) * (torch.log1p(-lp.exp()) - torch.log1p(-lq.exp()))
+                    ).clamp(max=LOSS_MAX)
+        if mode == "k3":
+            r = (logp - logq).clamp(-20, 20)
+            return (r.exp() - r - 1).clamp(max=LOSS_MAX)
         if mode == "fkl":
             return (logp.exp() * (logp - logq)).sum(-1)
         if mode == "rkl":
             return (logq.exp() * (logq - logp)).sum(-1)
         return 0.5 * (logq.exp() - logp.exp()).abs().sum(-1)
 
-    fp32 = torch.promote_types(lm_head.weight.dtype, torch.float32)  # (float64 in the tests)
-
-    def piece(hc, fc, pc):
+    def piece(hc, fc, pc, tc):
         with torch.no_grad():
-            logp = F.log_softmax(lm_head(fc.to(lm_head.weight.dtype)).to(fp32) / T, -1)
+            logp = F.log_softmax(lm_head(fc.to(lm_head.weight.dtype)).to(fp32) / temperature, -1)
         out = 0
         for weight, logq, ids in drafter.logprobs(lm_head(hc.to(lm_head.weight.dtype)).to(fp32), hc, pc, progress):
             p = logp if ids is None else logp.gather(1, ids)  # over some tokens: p renormalised over them
-            out = out + weight * div(logq, p if ids is None else p - p.logsumexp(-1, keepdim=True))
+            p = p if ids is None else p - p.logsumexp(-1, keepdim=True)
+            if mode not in TOKEN_MODES:
+                out = out + weight * div(logq, p)
+                continue
+            at = tc[:, None] if ids is None else (ids == tc[:, None]).float().argmax(1, keepdim=True)
+            held = 1.0 if ids is None else (ids == tc[:, None]).any(1).to(fp32)
+            out = out + weight * held * div(logq.gather(1, at)[:, 0], p.gather(1, at)[:, 0])
         return out
 
-    parts = [checkpoint(piece, h[s:s + chunk], f[s:s + chunk], prev[s:s + chunk], use_reentrant=False)
-             if torch.is_grad_enabled() else piece(h[s:s + chunk], f[s:s + chunk], prev[s:s + chunk])
+    token = prev if token is None else token
+    parts = [checkpoint(piece, *(x[s:s + chunk] for x in (h, f, prev, token)), use_reentrant=False)
+             if torch.is_grad_enabled() else piece(*(x[s:s + chunk] for x in (h, f, prev, token)))
              for s in range(0, len(h), chunk)]
     return torch.cat(parts) if parts else h.new_zeros(0)
 
 
 def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
     """The on-policy loss of one micro-batch's rollouts, unnormalised: (sum of weighted token losses, its weight
-    total, the stats of the drafter's block_loss on the accepted side, drafter tokens run)."""
+    total, the stats of the drafter's block_loss on the committed side, drafter tokens run)."""
     dev, B = target.lm_head.weight.device, cfg.block_size
-    ids, context, final, lengths, anchors, valid, accepted = pack(rollouts, cfg, dev)
+    ids, context, final, lengths, anchors, valid, accepted, drafted, verify = pack(rollouts, cfg, dev)
     acc_w, rej_w = region_weights(lengths, anchors, valid, accepted, B, s["onpolicy_decay"], s["onpolicy_rejected"])
     block_ids = dflash.block_input_ids(ids, anchors, B, cfg.mask_token_id)
     with torch.no_grad():
@@ -217,17 +288,21 @@ def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
         with torch.no_grad():
             _, stats = raw.block_loss(hidden.detach(), target.lm_head, greedy, acc_w, block_ids, progress=progress)
         loss = hidden.new_zeros((), dtype=torch.float32)
-    # before each drafted position a+i: the target's state final[a+i-1] and the token ids[a+i-1]
-    f, prev = dflash.block_labels(final, anchors - 1, B), dflash.block_labels(ids, anchors - 1, B)
-    T = s["onpolicy_temperature"]
-    for mode, w in (("fkl", acc_w if s["onpolicy_accepted"] == "fkl" else None),
-                    (s["onpolicy_rejected"], rej_w if s["onpolicy_rejected"] != "none" else None)):
-        if w is None:
+    # the committed side at offset i: the target's state final[a+i-1], the token before ids[a+i-1], the token ids[a+i]
+    sides = [(s["onpolicy_accepted"], acc_w, dflash.block_labels(final, anchors - 1, B),
+              dflash.block_labels(ids, anchors - 1, B), dflash.block_labels(ids, anchors, B))]
+    if s["onpolicy_rejected"] != "none":  # the rejected side: the verifier's state, the drafted tokens
+        drafts = s["onpolicy_rejected_from"] == "drafts"
+        sides.append((s["onpolicy_rejected"], rej_w, verify if drafts else sides[0][2],
+                      F.pad(drafted[..., :-1], (1, 0)) if drafts else sides[0][3], drafted))
+    T = s["onpolicy_teacher_temperature"] or s["onpolicy_temperature"] or 1.0
+    for mode, w, f, prev, token in sides:
+        if mode == "ce":
             continue
         sel = (w.flatten() > 0).nonzero().squeeze(1)
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
         loss = loss + (divergence(raw, h, f.reshape(-1, f.shape[-1])[sel], prev.flatten()[sel], target.lm_head,
-                                  mode, T, progress) * w.flatten()[sel]).sum()
+                                  mode, T, progress, token.flatten()[sel]) * w.flatten()[sel]).sum()
     return loss, acc_w.sum() + rej_w.sum(), stats, int(valid.sum()) * B
 
 
@@ -235,6 +310,8 @@ class Stage(dflash.SFT):
     """The on-policy stage on dflash.train_step's one optimizer step: plan rolls out when the step asks for it (else
     trains on the state's latest rollouts); a micro-batch's loss is its rollouts' terms over the global batch's sum
     of their weights, plus --onpolicy_sft_weight times the SFT loss on its random anchors."""
+
+    captured = False  # True: the samples' loss tokens are the target's greedy continuations (a bench's, captured once)
 
     def __init__(self, args, state):
         self.args, self.state, self.s = args, state, settings(args)
@@ -248,7 +325,8 @@ class Stage(dflash.SFT):
         compute = {"target_tokens": 0, "drafter_fwd_tokens": 0}
         if "rollouts" not in state or step % s["onpolicy_every"] == 0:
             state["rollouts"] = [rollout_batch(raw, inp.target, mb, s["onpolicy_tokens"], s["onpolicy_temperature"],
-                                               self.args.seed, step) for mb in micro_batches]
+                                               self.args.seed, step, self.captured, s["onpolicy_rejected"] != "none"
+                                               and s["onpolicy_rejected_from"] == "drafts") for mb in micro_batches]
             state["rollout_step"] = step
             rolled = [r for rs in state["rollouts"] for r in rs]
             compute["target_tokens"] += sum(r["target_tokens"] for r in rolled)
@@ -262,7 +340,7 @@ class Stage(dflash.SFT):
         for mb, rs, (shares, work) in zip(micro_batches, state["rollouts"], sft):
             dflash.need(rs or work, "a micro-batch has no prompt to roll out (each of its samples starts in the "
                         "loss) and --onpolicy_sft_weight is 0; give prompts or an --onpolicy_sft_weight")
-            acc, rej = region_weights(*pack(rs, cfg, dev)[3:], cfg.block_size, s["onpolicy_decay"],
+            acc, rej = region_weights(*pack(rs, cfg, dev)[3:7], cfg.block_size, s["onpolicy_decay"],
                                       s["onpolicy_rejected"]) if rs else (torch.zeros((), device=dev),) * 2
             yield {"op": acc.sum() + rej.sum(), **shares}, (rs, work)
 

@@ -1,32 +1,40 @@
-"""The on-policy stage against continued SFT at equal compute, on the demo's tiny target (dflash_tools/onpolicy.py).
+"""Draft-OPD (the on-policy stage's default objective, dflash_tools/onpolicy.py) against SFT on the demo's tiny
+target: paired per-prompt differences with bootstrap intervals, so that the bench can decide.
 
-    python dflash_tools/onpolicy_bench.py --work out/opbench            # build, SFT, all arms, table and plot
-    python dflash_tools/onpolicy_bench.py --work out/opbench --report   # the table and plot of finished runs
+    python dflash_tools/onpolicy_bench.py --work out/opd            # set-up, the arms, table and plot
+    python dflash_tools/onpolicy_bench.py --work out/opd --report   # the table and plot of finished runs
 
-1. the demo's target (tiny_target.py, 300 pretraining steps; on CUDA when there is one), its regenerated data and
-   the demo's SFT drafters (dflash.py --demo's flags: DFlash, and DFlash2 with --dflash2), each from scratch;
-2. held-out prompts (the demo's 24), their greedy 64-token continuations and two T = 1 samples each, and the
-   target's features over them, computed once and shared by every run;
-3. arms, from the SFT checkpoint, each run until the same compute budget, evaluated at fractions of it:
-   A continued SFT on the same data; B SFT on rollout sequences (the target's T = 1 continuations of the step's
-   prompts, seeded as the on-policy arms'); C on-policy blocks (T = 1 rollouts) with CE only; D the full objective;
-   with --arms, C0 and D0: C and D from greedy rollouts (the serving walk of greedy decoding), E0: D0 without its
-   reverse KL on the rejected drafts;
-4. a JSON per run, the README table (held-out tau greedy, at T = 1, P(draft k accepted) greedy; mean and spread
-   over seeds) and the plot of tau against compute.
+1. set-up, once: the demo's target, its regenerated data (2048 stdlib prompts x 64 greedy tokens) and the demo's
+   SFT drafters (dflash.py --demo's flags: DFlash, and DFlash2 with --dflash2), each to the end of its cosine
+   schedule; NEW training prompts (stdlib training files, none beginning as an SFT prompt does) with their greedy
+   64-token continuations, captured once (a greedy rollout's text does not depend on the drafter: only its walk
+   does); HELDOUT held-out prompts (held-out files) x 128 greedy tokens with the target's features; and the
+   target's mean top-1 probability on that held-out text;
+2. arms, each from the SFT checkpoint, STEPS updates of BATCH sequences, AdamW at LR with 5% linear warmup then
+   cosine decay to 0 (dflash.lr_at), the same for every arm:
+   A   continued SFT on the old data (random anchors), B0 SFT on the new sequences (random anchors: the authors'
+   control), P Draft-OPD on the new prompts (the stage's defaults: walked blocks, fkl2 + k3 at offsets m+1..,
+   0.8^(offset-1), the rejected drafts' p from the verification pass), C0 the previous stage's best arm (walked
+   blocks, CE only) on the new prompts; Ps P with its teacher sharpened to T = 0.25 (this target is flat: its mean
+   top-1 probability on held-out greedy text is 0.30; 0.82 at T = 0.25); with --arms also Pc, P with CE on the
+   committed tokens (C0 plus the k3 term on the rejected drafts);
+3. per run: each held-out prompt's tau (eval.py's greedy walk) at the start, mid-run and the end, P(draft k
+   accepted), the seconds and FLOPs of its updates; the report: the paired per-prompt differences (B0 - A, P - B0,
+   P - A, P - C0, C0 - B0, Ps - B0) of the final tau, averaged over seeds, with bootstrap 95% intervals that
+   resample the prompts and the seeds; B0 - A is the positive control (no interval away from 0 there: the bench has
+   no power).
 
-Compute is counted as FLOPs ~ 2 * params * tokens: target forward tokens (generation, the hooked passes, the SFT
-passes) at the target's non-embedding parameters plus its lm_head, drafter forward tokens (blocks x B, the rollout's
-drafting included) at the drafter's parameters (without DFlash2's codebooks, which are lookups) plus the lm_head,
-and drafter backward tokens at twice that.
+FLOPs ~ 2 * params * tokens: target forward tokens (the hooked passes, the verification pass, SFT's passes) at the
+target's non-embedding parameters plus its lm_head, drafter forward tokens (blocks x B, the walk's drafting included)
+at the drafter's (without DFlash2's codebooks) plus the lm_head, drafter backward tokens at twice that.
 
-The README's figures: this project's 2-core AMD EPYC (torch 2.13, transformers 5.24), everything on the CPU, the
-runs two or three at a time with one thread each: --seeds 3 --budget_sft_steps 48, then --arms C0,D0 and E0
-(build 3 min, the two SFT runs 15 min, the 42 runs 35 min)."""
+The README's figures: this project's 2-core AMD EPYC (torch 2.13), two runs at a time with one thread each, the
+defaults, then --arms Pc --variants dflash: SFT 10 min, new sequences and held-out set 2 min, the 22 runs 29 min."""
 import argparse
 import glob
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -37,235 +45,256 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import dflash  # noqa: E402
-from dflash_tools import demo, onpolicy, sampling as sampler  # noqa: E402
+from dflash_tools import demo, onpolicy  # noqa: E402
 
-ARMS = {"A": "continued SFT", "B": "SFT on rollout sequences", "C": "on-policy blocks, CE only", "D": "full objective",
-        "C0": "C, greedy rollouts", "D0": "D, greedy rollouts", "E0": "D0 without the rejected term"}
-# (C0, D0, E0: --arms; B at T = 0 would be A's data)
-BATCH, ANCHORS, LR, ROLLOUT_T, TOKENS, PROMPTS = 8, 32, 3e-4, 1.0, 64, demo.DEMO_PROMPTS
-FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+ARMS = {"A": "continued SFT, old data", "B0": "SFT, new sequences", "P": "Draft-OPD, new prompts",
+        "C0": "walked blocks, CE only, new prompts", "Ps": "P, teacher sharpened to T = 0.25",
+        "Pc": "P with CE on the committed tokens"}
+PAIRS = (("B0", "A"), ("P", "B0"), ("P", "A"), ("P", "C0"), ("C0", "B0"), ("Ps", "B0"), ("Pc", "C0"))
+STEPS, BATCH, ANCHORS, LR, TOKENS, HELDOUT, HELDOUT_TOKENS = 200, 4, 16, 3e-4, 64, 96, 128
+FRACTIONS = (0.5, 1.0)
 LAYER_IDS = [int(x) for x in demo.DEMO_FLAGS[demo.DEMO_FLAGS.index("--target_layer_ids") + 1].split(",")]
 
 
 # -----------------------------------------------------------------------------
-# Set-up: target, data, SFT drafters, the held-out set
+# Set-up: target, data, SFT drafters, the new sequences, the held-out set
 
 def build_target(cache):
-    """The demo's target (tiny_target.build_tiny_target's recipe), pretrained on CUDA when there is one."""
+    """The demo's target (tiny_target.build_tiny_target's recipe, cached)."""
     from dflash_tools import tiny_target as tt
-    out = os.path.join(cache, "tiny_qwen35")
-    if os.path.exists(os.path.join(out, "DONE")) or not torch.cuda.is_available():
-        return tt.build_tiny_target(cache, demo.DEMO_PRETRAIN_STEPS)
-    os.makedirs(out, exist_ok=True)
-    torch.manual_seed(0)
-    train_files, heldout_files = tt.stdlib_split()
-    tokenizer = tt.train_tokenizer([tt._read(f) for f in train_files])
-    tokens = tt._encode_files(tokenizer, train_files)
-    model = tt.Qwen3_5ForCausalLM(tt.tiny_config(tokenizer)).cuda()
-    stats = tt.pretrain(model, tokens.cuda(), demo.DEMO_PRETRAIN_STEPS)
-    model.cpu().save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    with open(os.path.join(out, "train_stats.json"), "w") as f:
-        json.dump(stats, f)
-    open(os.path.join(out, "DONE"), "w").close()
-    return out
+    return tt.build_tiny_target(cache, demo.DEMO_PRETRAIN_STEPS)
 
 
 def sft(target_path, data, out, dflash2):
-    """The demo's SFT run (its flags), on CUDA with dense attention and no compile when there is CUDA."""
+    """The demo's SFT run (its flags)."""
     if os.path.exists(os.path.join(out, "latest")):
         return dflash.latest_checkpoint(out)
-    dev = ["--attention", "dense", "--compile", "off", "--dtype", "fp32"] if torch.cuda.is_available() else []
-    dflash.main(["--target", target_path, "--data", data, *demo.DEMO_FLAGS, *dev, *(["--dflash2"] if dflash2 else []),
+    dflash.main(["--target", target_path, "--data", data, *demo.DEMO_FLAGS, *(["--dflash2"] if dflash2 else []),
                  "--eval_walk_prompts", "0", "--out", out])
     return dflash.latest_checkpoint(out)
 
 
+def new_sequences(target_path, old, path, n):
+    """n new prompts with their greedy continuations (make_regenerated_data's, another seed), none beginning as a
+    prompt of the SFT data (old) does."""
+    from dflash_tools.tiny_target import make_regenerated_data
+    if os.path.exists(path):
+        return path
+    raw = make_regenerated_data(target_path, path + ".raw", num_samples=n + n // 4, seed=1)
+    first = lambda row: tuple(row["input_ids"][:min(8, row["loss_mask"].index(1))])  # noqa: E731 (its prompt's)
+    seen = {first(json.loads(line)) for line in open(old)}
+    rows = [row for row in map(json.loads, open(raw)) if first(row) not in seen][:n]
+    dflash.need(len(rows) == n, f"only {len(rows)} new prompts of {n}; cut more")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
 @torch.no_grad()
 def held_out_set(target, target_path, path):
-    """The demo's held-out prompts, their greedy continuations and 2 samples at T = 1, each with the target's
-    features, final hidden states and (sampled) the truth probabilities: what every evaluation walks."""
-    import eval as ev
+    """HELDOUT held-out prompts, their greedy continuations, the target's features; and the target's mean top-1
+    probability over the continuation's positions (how peaked the teacher is)."""
     from dflash_tools.tiny_target import heldout_prompts
     if os.path.exists(path):
         return torch.load(path, weights_only=True)
-    prompts, eos, items = heldout_prompts(target_path, num_prompts=PROMPTS), target.eos_ids(), []
-    s = ev.Sampling(1.0)
-    for i, p in enumerate(prompts):
-        for j in range(3):  # j = 0: greedy; 1, 2: T = 1
-            g = torch.Generator().manual_seed(dflash.mix_seed(7, i, j))
-            cont = dflash.greedy_continuation(target, p, TOKENS, eos) if j == 0 else sampler.sampled_continuation(
-                target, p, TOKENS, eos, s, g)
-            ids = torch.tensor([p + cont])
-            feats, final = dflash.target_features(target, ids, LAYER_IDS)
-            items.append({"prompt": torch.tensor(p), "cont": torch.tensor(cont), "features": feats[0], "j": j,
-                          "p_truth": sampler.truth_probs(target, final, len(p), cont, s) if j else torch.ones(1),
-                          "seed": dflash.mix_seed(7, i, j, 1)})
-    torch.save(items, path)
-    return items
+    items, top1 = [], []
+    for p in heldout_prompts(target_path, num_prompts=HELDOUT):
+        cont = dflash.greedy_continuation(target, p, HELDOUT_TOKENS, target.eos_ids())
+        feats, final = dflash.target_features(target, torch.tensor([p + cont]), LAYER_IDS)
+        top1.append(target.lm_head(final[0, len(p) - 1:-1]).softmax(-1).max(-1).values)
+        items.append({"prompt": torch.tensor(p), "cont": torch.tensor(cont), "features": feats[0]})
+    top1 = torch.cat(top1)
+    out = {"items": items, "top1": top1.mean().item(), "top1_median": top1.median().item()}
+    torch.save(out, path)
+    return out
 
 
 @torch.no_grad()
 def evaluate(drafter, target, items):
-    """Pooled tau greedy and at T = 1 (eval.py's walk, dflash.walk_continuation: DFlash's argmax along the sampled
-    continuation; a rule that samples its block, DFlash2's selector, by sampling.sampled_lengths), and P(draft k
-    accepted) greedy, k = 1..B-1."""
+    """Each prompt's tau (eval.py's greedy walk) and the pooled P(draft k accepted), k = 1..B-1."""
     drafter.eval()
-    lengths = {0: [], 1: []}
+    taus, lengths = [], []
     for it in items:
-        p, cont = it["prompt"].tolist(), it["cont"].tolist()
-        T = 1.0 if it["j"] else 0.0
-        walks, _, more = dflash.walk_continuation(drafter, target, p, cont, features=it["features"][None],
-                                                  temperature=T)
-        ls = walks["tau"]
-        if T and "q" in more:
-            ls = sampler.sampled_lengths(cont, it["p_truth"], more["q"], torch.Generator().manual_seed(it["seed"]))
-        lengths[min(it["j"], 1)] += ls
+        walks, _, _ = dflash.walk_continuation(drafter, target, it["prompt"].tolist(), it["cont"].tolist(),
+                                               features=it["features"][None])
+        taus.append(sum(walks["tau"]) / len(walks["tau"]))
+        lengths += walks["tau"]
     drafter.train()
-    g = lengths[0]
-    return {"tau_greedy": sum(g) / len(g), "tau_t1": sum(lengths[1]) / len(lengths[1]),
-            "depth": [c / len(g) for c in dflash.acceptance_counts(g, drafter.cfg.block_size)[1]]}
+    depth = dflash.acceptance_counts(lengths, drafter.cfg.block_size)[1]
+    return {"tau": sum(taus) / len(taus), "taus": taus, "depth": [c / len(lengths) for c in depth]}
 
 
 # -----------------------------------------------------------------------------
-# One run: an arm from the SFT checkpoint until the compute budget
+# One run: an arm from the SFT checkpoint, STEPS updates
 
 def flops_per_token(target, drafter):
     pt = sum(p.numel() for n, p in target.model.named_parameters() if "embed" not in n)
     pd = sum(p.numel() for n, p in drafter.named_parameters() if "codebook" not in n) + target.lm_head.weight.numel()
-    return 2 * pt, 2 * pd
+    return 2 * pt + 2 * target.lm_head.weight.numel(), 2 * pd
 
 
-def budget_of(target, drafter, sft_steps):
-    """sft_steps steps of arm A: the target's tokens of a batch (48-token prompts), its anchors' blocks fwd and bwd."""
-    ft, fd = flops_per_token(target, drafter)
-    return sft_steps * (ft * BATCH * (48 + TOKENS) + fd * 3 * BATCH * ANCHORS * drafter.cfg.block_size)
+def stage_args(arm, seed):
+    """The on-policy arms' flags: the stage's defaults (P), its CE-only arm (C0), P sharpened (Ps)."""
+    args = argparse.Namespace(**{k: None for k in onpolicy.DEFAULTS}, seed=seed, out=None)
+    args.onpolicy_tokens = TOKENS
+    if arm == "C0":
+        args.onpolicy_accepted, args.onpolicy_rejected = "ce", "none"
+    if arm == "Ps":
+        args.onpolicy_teacher_temperature = 0.25
+    if arm == "Pc":
+        args.onpolicy_accepted = "ce"
+    return args
 
 
-def run_one(work, variant, arm, seed, budget, results=None):
+def run_one(work, variant, arm, seed, steps, results=None):
     torch.manual_seed(seed)
     torch.set_num_threads(1)
-    import eval as ev
     target = dflash.load_target(os.path.join(work, "cache", "tiny_qwen35"))
-    items = torch.load(os.path.join(work, "heldout.pt"), weights_only=True)
-    ckpt = dflash.latest_checkpoint(os.path.join(work, f"sft_{variant}"))
-    drafter = dflash.load_drafter(ckpt).train()
+    items = torch.load(os.path.join(work, "heldout.pt"), weights_only=True)["items"]
+    drafter = dflash.load_drafter(dflash.latest_checkpoint(os.path.join(work, f"sft_{variant}"))).train()
     cfg = drafter.cfg
-    samples = dflash.load_samples(os.path.join(work, "cache", "demo_data.jsonl"), target.tokenizer, 128,
-                                  say=lambda *a: None, eos_ids=target.eos_ids(), vocab_size=target.vocab_size)
-    train, _ = dflash.split_eval(samples, 0.05, 0)  # the SFT run's own split: its held-out rows stay out
-    batches = dflash.Batches(train, BATCH, 1, 0, 1, seed, 0)
+    data = os.path.join(work, "cache", "demo_data.jsonl" if arm == "A" else "new.jsonl")
+    samples = dflash.load_samples(data, target.tokenizer, 128, say=lambda *a: None, eos_ids=target.eos_ids(),
+                                  vocab_size=target.vocab_size)
+    if arm == "A":
+        samples, _ = dflash.split_eval(samples, 0.05, 0)  # the SFT run's own split: its held-out rows stay out
+    batches = dflash.Batches(samples, BATCH, 1, 0, 1, seed, 0)
     opt = torch.optim.AdamW(drafter.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     ft, fd = flops_per_token(target, drafter)
     kw = dict(gamma=4.0, noise_std=0.02, labels="target", raw_model=drafter)
-    args = argparse.Namespace(**{k: None for k in onpolicy.DEFAULTS}, seed=seed, out=None)
-    args.onpolicy_temperature, args.onpolicy_tokens = 0.0 if arm.endswith("0") else ROLLOUT_T, TOKENS
-    if arm.startswith("E"):
-        args.onpolicy_rejected = "none"
-    if arm.startswith("C"):
-        args.onpolicy_accepted, args.onpolicy_rejected, args.onpolicy_sft_weight = "ce", "none", 0.0
-    state, spent, step, t0 = {}, 0.0, 0, time.time()
-    curve = [{"compute": 0.0, "step": 0, **evaluate(drafter, target, items)}]
-    marks = [f * budget for f in FRACTIONS]
-    while marks:
-        mb = batches.get(step, 0)
-        if arm in ("A", "B"):
-            tokens = 0
-            if arm == "B":  # the rollout sequences: the target's T = 1 continuations of the step's prompts
-                rows = []
-                for r, p in onpolicy.prompts_of(mb):
-                    g = torch.Generator().manual_seed(dflash.mix_seed(seed, step, mb["keys"][r]))
-                    c = sampler.sampled_continuation(target, p, TOKENS, target.eos_ids(), ev.Sampling(ROLLOUT_T), g)
-                    rows.append((p + c, [0] * len(p) + [1] * len(c)))
-                    tokens += len(p) + len(c) - 1
-                mb = dflash.collate(rows, 0, [mb["keys"][r] for r, _ in onpolicy.prompts_of(mb)])
-            a, v = dflash.batch_anchors(mb, ANCHORS)
-            dflash.train_step(drafter, opt, target, cfg, [mb], LR, ANCHORS, 1.0, 1, progress=(step, 10 ** 6), **kw)
-            n = int(v.sum()) * cfg.block_size
-            spent += ft * (tokens + mb["tokens"]) + fd * 3 * n
+    state, flops, seconds = {}, 0.0, 0.0
+    curve = [{"step": 0, **evaluate(drafter, target, items)}]
+    for step in range(steps):
+        mb, lr, t0 = batches.get(step, 0), dflash.lr_at(step, steps, LR, 0.05), time.time()
+        if arm in ("A", "B0"):
+            _, v = dflash.batch_anchors(mb, ANCHORS)
+            dflash.train_step(drafter, opt, target, cfg, [mb], lr, ANCHORS, 1.0, 1, progress=(step, steps), **kw)
+            flops += ft * mb["tokens"] + fd * 3 * int(v.sum()) * cfg.block_size
         else:
-            total, _, _ = dflash.train_step(drafter, opt, target, cfg, [mb], LR, ANCHORS, 1.0, 1,
-                                            stage=onpolicy.Stage(args, state), progress=(step, 10 ** 6), **kw)
-            spent += (ft * total["target_tokens"] + fd * (total["drafter_fwd_tokens"]
+            stage = onpolicy.Stage(stage_args(arm, seed), state)
+            stage.captured = True  # the new sequences are the target's greedy continuations of their prompts
+            total, _, _ = dflash.train_step(drafter, opt, target, cfg, [mb], lr, ANCHORS, 1.0, 1, stage=stage,
+                                            progress=(step, steps), **kw)
+            flops += (ft * total["target_tokens"] + fd * (total["drafter_fwd_tokens"]
                                                           + 2 * total["drafter_bwd_tokens"])).item()
-        step += 1
-        if spent >= marks[0]:
-            marks.pop(0)
-            curve.append({"compute": spent, "step": step, "seconds": time.time() - t0,
-                          **evaluate(drafter, target, items)})
-    result = {"variant": variant, "arm": arm, "seed": seed, "budget": budget, "curve": curve,
-              "flops_per_token": [ft, fd]}
+        seconds += time.time() - t0
+        if any(step + 1 == round(f * steps) for f in FRACTIONS):
+            curve.append({"step": step + 1, "seconds": seconds, "flops": flops, **evaluate(drafter, target, items)})
+            print(f"{variant} {arm} seed {seed}: step {step + 1}, tau {curve[-1]['tau']:.3f}, "
+                  f"{seconds / (step + 1):.2f} s/update", flush=True)
+    result = {"variant": variant, "arm": arm, "seed": seed, "steps": steps, "curve": curve, "batch": BATCH,
+              "anchors": ANCHORS, "lr": LR}
     with open(os.path.join(results or work, "runs", f"{variant}_{arm}_{seed}.json"), "w") as f:
         json.dump(result, f)
 
 
 # -----------------------------------------------------------------------------
-# The report: README table and plot
+# The report: paired differences with bootstrap intervals, the README table and plot
+
+def paired(runs_x, runs_y, resamples=10000, seed=0):
+    """Mean over prompts and seeds of tau_x - tau_y per prompt (runs paired by seed) and its bootstrap 95% interval,
+    resampling the seeds and the prompts."""
+    seeds = sorted({r["seed"] for r in runs_x} & {r["seed"] for r in runs_y})
+    x = {r["seed"]: r["curve"][-1]["taus"] for r in runs_x}
+    y = {r["seed"]: r["curve"][-1]["taus"] for r in runs_y}
+    d = torch.tensor([[a - b for a, b in zip(x[s], y[s])] for s in seeds], dtype=torch.float64)  # (seeds, prompts)
+    g = torch.Generator().manual_seed(seed)
+    si = torch.randint(0, d.shape[0], (resamples, d.shape[0]), generator=g)
+    pi = torch.randint(0, d.shape[1], (resamples, d.shape[1]), generator=g)
+    boot = d[si[:, :, None], pi[:, None, :]].mean((1, 2))
+    lo, hi = torch.quantile(boot, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return d.mean().item(), lo, hi, len(seeds)
+
 
 def report(work, png):
     runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(work, "runs", "*.json")))]
     if not runs:
         raise SystemExit(f"error: no finished runs in {os.path.join(work, 'runs')}")
+    held = torch.load(os.path.join(work, "heldout.pt"), weights_only=True)
+    variants = [v for v in ("dflash", "dflash2") if any(r["variant"] == v for r in runs)]
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    of = lambda v, a: [r for r in runs if r["variant"] == v and r["arm"] == a]  # noqa: E731
     B = len(runs[0]["curve"][0]["depth"]) + 1
-    lines = [f"| drafter | arm | seeds | steps | τ greedy | τ T=1 | P(draft k accepted) greedy, k = 1..{B - 1} |",
-             "|---|---|---|---|---|---|---|"]
-    stat = lambda xs: (sum(xs) / len(xs), (max(xs) - min(xs)) / 2 if len(xs) > 1 else 0.0)  # noqa: E731
-    for variant in ("dflash", "dflash2"):
-        start = [r for r in runs if r["variant"] == variant]
-        if not start:
-            continue
-        s0 = start[0]["curve"][0]
-        lines.append(f"| {variant} | SFT checkpoint | - | 0 | {s0['tau_greedy']:.3f} | {s0['tau_t1']:.3f} | "
-                     + " ".join(f"{x:.3f}" for x in s0["depth"]) + " |")
-        for arm in ARMS:
-            rs = [r for r in start if r["arm"] == arm]
-            if not rs:
-                continue
-            last = [r["curve"][-1] for r in rs]
-            g, t = stat([c["tau_greedy"] for c in last]), stat([c["tau_t1"] for c in last])
-            depth = [stat([c["depth"][k] for c in last])[0] for k in range(len(last[0]["depth"]))]
-            lines.append(f"| {variant} | {arm}: {ARMS[arm]} | {len(rs)} | {round(stat([c['step'] for c in last])[0])} "
-                         f"| {g[0]:.3f} ± {g[1]:.3f} | {t[0]:.3f} ± {t[1]:.3f} | "
-                         + " ".join(f"{x:.3f}" for x in depth) + " |")
-    # the README's table: one row per arm, both drafters side by side, P(draft k accepted) at 3 depths
-    ks = sorted({0, (B - 2) // 2, B - 2})  # of the B - 1 offsets: the first, the middle and the last
-    head = "P(k acc.) k=" + ",".join(str(k + 1) for k in ks)
-    short = [f"| arm | DFlash τ greedy | τ T=1 | {head} | DFlash2 τ greedy | τ T=1 | {head} |",
-             "|---|---|---|---|---|---|---|"]
-    for arm in ("SFT", *ARMS):
+    ks = sorted({0, (B - 2) // 2, B - 2})
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    sec = {v: mean([r["curve"][-1]["seconds"] / r["steps"] for r in of(v, "A")]) if of(v, "A") else None
+           for v in variants}
+    lines = [f"Target's mean top-1 probability on the held-out greedy text: {held['top1']:.3f} (median "
+             f"{held['top1_median']:.3f}); {len(held['items'])} prompts x {HELDOUT_TOKENS} tokens.", "",
+             "| arm | " + " | ".join(f"{v} τ | P(k acc.) k={','.join(str(k + 1) for k in ks)} | s/update (× A)"
+                                     for v in variants) + " |", "|---" * (1 + 3 * len(variants)) + "|"]
+    for arm in ("SFT", *arms):
         cells = []
-        for variant in ("dflash", "dflash2"):
-            rs = [r for r in runs if r["variant"] == variant and (arm == "SFT" or r["arm"] == arm)]
-            last = [r["curve"][0] for r in rs[:1]] if arm == "SFT" else [r["curve"][-1] for r in rs]
-            if not last:
+        for v in variants:
+            rs = of(v, arm if arm != "SFT" else arms[0])
+            if not rs:
                 cells += ["-"] * 3
                 continue
-            g, t = stat([c["tau_greedy"] for c in last]), stat([c["tau_t1"] for c in last])
-            pm = lambda x: f"{x[0]:.3f}" + (f" ± {x[1]:.3f}" if len(last) > 1 else "")  # noqa: E731
-            cells += [pm(g), pm(t), " ".join(f"{stat([c['depth'][k] for c in last])[0]:.2f}" for k in ks)]
-        name = "SFT checkpoint" if arm == "SFT" else f"{arm} {ARMS[arm]}"
-        short.append(f"| {name} | " + " | ".join(cells) + " |")
+            ends = [r["curve"][0] if arm == "SFT" else r["curve"][-1] for r in (rs[:1] if arm == "SFT" else rs)]
+            depth = " ".join(f"{mean([e['depth'][k] for e in ends]):.2f}" for k in ks)
+            s = mean([r["curve"][-1]["seconds"] / r["steps"] for r in rs])
+            cost = "-" if arm == "SFT" else f"{s:.2f} ({s / sec[v]:.1f}×)" if sec[v] else f"{s:.2f}"
+            cells += [f"{mean([e['tau'] for e in ends]):.3f}", depth, cost]
+        name = "SFT checkpoint" if arm == "SFT" else f"{arm}: {ARMS[arm]}"
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| paired difference (final τ) | " + " | ".join(f"{v} mean [95% CI]" for v in variants) + " |",
+              "|---" * (1 + len(variants)) + "|"]
+    diff = {}  # (pair, variant) -> its cell
+    for x, y in PAIRS:
+        for v in variants:
+            if of(v, x) and of(v, y):
+                m, lo, hi, n = paired(of(v, x), of(v, y))
+                diff[x, y, v] = f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" + ("" if lo <= 0 <= hi else " *")
+        if any((x, y, v) in diff for v in variants):
+            lines.append(f"| {x} − {y} | " + " | ".join(diff.get((x, y, v), "-") for v in variants) + " |")
+    # the README's table: each arm's tau and cost; each pair on its first arm's row, else its second's, else a new one
+    rows = {arm: [] for arm in arms}
+    for x, y in PAIRS:
+        if any((x, y, v) in diff for v in variants):
+            free = [a for a in (x, y) if not rows[a]]
+            rows[free[0] if free else x].append((x, y))
+    short = ["| arm | s/update (× A) | " + " | ".join(f"{v} τ | {v} paired Δτ [95% CI]" for v in variants) + " |",
+             "|---" * (2 + 2 * len(variants)) + "|"]
+    for arm in arms:
+        for j, pair in enumerate(rows[arm] or [None]):
+            cells = []
+            for v in variants:
+                ends = [r["curve"][-1] for r in of(v, arm)]
+                cells += [f"{mean([e['tau'] for e in ends]):.3f}" if ends and j == 0 else "",
+                          f"{pair[0]} − {pair[1]}: {diff[pair + (v,)]}" if pair and pair + (v,) in diff else ""]
+            s = [mean([r["curve"][-1]["seconds"] / r["steps"] for r in of(v, arm)]) for v in variants if of(v, arm)]
+            cost = f"{s[0]:.2f} ({s[0] / sec[variants[0]]:.1f}×)" if j == 0 and s and sec[variants[0]] else ""
+            short.append(f"| {f'{arm} {ARMS[arm]}' if j == 0 else ''} | {cost} | " + " | ".join(cells) + " |")
+    seeds = sorted({r["seed"] for r in runs})
+    lines.append(f"\n{len(seeds)} seeds; * the interval excludes 0. {runs[0]['steps']} updates of "
+                 f"{runs[0]['batch']} sequences, LR {runs[0]['lr']:g} (5% warmup, cosine to 0).")
     table = "\n".join(lines) + "\n\n" + "\n".join(short)
     print(table)
     with open(os.path.join(work, "table.md"), "w") as f:
         f.write(table + "\n")
     from dflash_tools.plot import pyplot
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "tau_greedy", "held-out τ, greedy"), (axes[1], "tau_t1", "held-out τ, T = 1")):
-        for variant, style in (("dflash", "-"), ("dflash2", "--")):
-            for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5", "C6")):
-                rs = [r for r in runs if r["variant"] == variant and r["arm"] == arm]
-                if not rs:
-                    continue
-                n = min(len(r["curve"]) for r in rs)
-                x = [sum(r["curve"][i]["compute"] for r in rs) / len(rs) / 1e9 for i in range(n)]
-                y = [[r["curve"][i][key] for r in rs] for i in range(n)]
-                ax.plot(x, [sum(v) / len(v) for v in y], style, color=color, label=f"{variant} {arm}")
-                ax.fill_between(x, [min(v) for v in y], [max(v) for v in y], color=color, alpha=0.12)
-        ax.set_xlabel("compute (GFLOPs: target and drafter tokens x 2 x params)")
-        ax.set_title(title)
-    axes[0].legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(2, len(variants), figsize=(5.5 * len(variants), 7), squeeze=False)
+    for col, v in enumerate(variants):
+        for arm, color in zip(ARMS, ("C0", "C1", "C2", "C3", "C4", "C5")):
+            rs = of(v, arm)
+            if not rs:
+                continue
+            n = min(len(r["curve"]) for r in rs)
+            x = [r["curve"][i]["step"] for r in rs[:1] for i in range(n)]
+            y = [[r["curve"][i]["tau"] for r in rs] for i in range(n)]
+            axes[0][col].plot(x, [mean(t) for t in y], "-o", color=color, label=f"{arm} {ARMS[arm]}", ms=3)
+            axes[0][col].fill_between(x, [min(t) for t in y], [max(t) for t in y], color=color, alpha=0.15)
+            depth = [mean([r["curve"][-1]["depth"][k] for r in rs]) for k in range(B - 1)]
+            axes[1][col].plot(range(1, B), depth, "-o", color=color, label=arm, ms=3)
+        start = next(r["curve"][0]["depth"] for r in runs if r["variant"] == v)
+        axes[1][col].plot(range(1, B), start, "--", color="k", label="SFT checkpoint")
+        axes[0][col].set_xlabel("updates")
+        axes[0][col].set_title(f"{v}: held-out τ (greedy), mean and range of seeds")
+        axes[1][col].set_xlabel("draft k")
+        axes[1][col].set_title(f"{v}: P(draft k accepted) after the updates")
+    axes[0][0].legend(fontsize=7)
+    axes[1][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     print(f"wrote {png} and {os.path.join(work, 'table.md')}")
@@ -273,49 +302,55 @@ def report(work, png):
 
 # -----------------------------------------------------------------------------
 
+def setup(work, results):
+    """The target, both SFT drafters (two processes), the new sequences and the held-out set, each built once."""
+    from dflash_tools.tiny_target import make_regenerated_data
+    t0, cache = time.time(), os.path.join(work, "cache")
+    target_path = build_target(cache)
+    data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"),
+                                 num_samples=demo.DEMO_TRAIN_SAMPLES)
+    print(f"target and data {time.time() - t0:.0f}s", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    code = (f"import sys; sys.path.insert(0, {ROOT!r}); import torch; torch.set_num_threads(1); "
+            f"from dflash_tools import onpolicy_bench as b; b.sft({target_path!r}, {data!r}, ")
+    procs = [subprocess.Popen([sys.executable, "-c", code + f"{os.path.join(work, 'sft_' + v)!r}, {v == 'dflash2'})"],
+                              stdout=open(os.path.join(results, f"sft_{v}.log"), "w"), stderr=subprocess.STDOUT,
+                              env=env) for v in ("dflash", "dflash2")]
+    dflash.need(all(p.wait() == 0 for p in procs), f"an SFT run failed: see {results}/sft_*.log")
+    print(f"SFT {time.time() - t0:.0f}s", flush=True)
+    torch.set_num_threads(2)
+    new_sequences(target_path, data, os.path.join(cache, "new.jsonl"), STEPS * BATCH)
+    target = dflash.load_target(target_path)
+    held = held_out_set(target, target_path, os.path.join(work, "heldout.pt"))
+    print(f"new sequences and held-out set {time.time() - t0:.0f}s; the target's mean top-1 probability on the "
+          f"held-out greedy text {held['top1']:.3f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", default=os.path.join(ROOT, "out", "opbench"))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--budget_sft_steps", type=float, default=48, help="the compute budget, in SFT steps of A")
-    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--arms", default="A,B,C,D", help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--work", default=os.path.join(ROOT, "out", "opd"))
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=STEPS, help="updates per arm")
+    ap.add_argument("--jobs", type=int, default=2, help="runs at once, one thread each")
+    ap.add_argument("--arms", default="A,B0,P,C0,Ps", help=f"of {', '.join(ARMS)}")
+    ap.add_argument("--variants", default="dflash,dflash2")
     ap.add_argument("--report", action="store_true")
     ap.add_argument("--results", help="where the runs' JSON and logs go (default: --work)")
-    ap.add_argument("--one", nargs=4, metavar=("VARIANT", "ARM", "SEED", "BUDGET"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=4, metavar=("VARIANT", "ARM", "SEED", "STEPS"), help=argparse.SUPPRESS)
     ap.add_argument("--png", default=os.path.join(ROOT, "dflash_tools", "onpolicy_bench.png"))
     a = ap.parse_args()
-    global TOKENS, PROMPTS
-    if os.environ.get("OPBENCH_QUICK"):  # the code path in seconds (a check, not a measurement)
-        TOKENS, PROMPTS = 12, 2
+    bad = [x for x in a.arms.split(",") if x not in ARMS]
+    dflash.need(not bad, f"--arms {','.join(bad)}: not an arm; choose from {', '.join(ARMS)}")
     if a.one:
-        return run_one(a.work, a.one[0], a.one[1], int(a.one[2]), float(a.one[3]), a.results)
+        return run_one(a.work, a.one[0], a.one[1], int(a.one[2]), int(a.one[3]), a.results)
     results = a.results or a.work
     if a.report:
         return report(results, a.png)
     t0 = time.time()
-    cache = os.path.join(a.work, "cache")
     os.makedirs(os.path.join(results, "runs"), exist_ok=True)
-    target_path = build_target(cache)
-    print(f"target {time.time() - t0:.0f}s", flush=True)
-    from dflash_tools.tiny_target import make_regenerated_data
-    data = make_regenerated_data(target_path, os.path.join(cache, "demo_data.jsonl"),
-                                 num_samples=demo.DEMO_TRAIN_SAMPLES)
-    print(f"data {time.time() - t0:.0f}s", flush=True)
-    procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
-                               f"from dflash_tools import onpolicy_bench as b; b.sft({target_path!r}, {data!r}, "
-                               f"{os.path.join(a.work, 'sft_' + v)!r}, {v == 'dflash2'})"],
-                              stdout=open(os.path.join(results, f"sft_{v}.log"), "w"), stderr=subprocess.STDOUT)
-             for v in ("dflash", "dflash2")]
-    target = dflash.load_target(target_path)
-    held_out_set(target, target_path, os.path.join(a.work, "heldout.pt"))
-    assert all(p.wait() == 0 for p in procs), "an SFT run failed: see sft_*.log"
-    print(f"SFT {time.time() - t0:.0f}s", flush=True)
-    budget = budget_of(target, dflash.load_drafter(dflash.latest_checkpoint(os.path.join(a.work, "sft_dflash"))),
-                       a.budget_sft_steps)
-    jobs = [(v, arm, s) for s in range(a.seeds) for v in ("dflash", "dflash2") for arm in a.arms.split(",")]
-    running = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    setup(a.work, results)
+    jobs = [(v, arm, s) for s in range(a.seeds) for v in a.variants.split(",") for arm in a.arms.split(",")]
+    running, env = [], {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     while jobs or running:
         while jobs and len(running) < a.jobs:
             v, arm, s = jobs.pop(0)
@@ -323,7 +358,7 @@ def main():
                 continue
             log = open(os.path.join(results, "runs", f"{v}_{arm}_{s}.log"), "w")
             running.append(subprocess.Popen([sys.executable, __file__, "--work", a.work, "--results", results, "--one",
-                                             v, arm, str(s), str(budget)], stdout=log, stderr=subprocess.STDOUT,
+                                             v, arm, str(s), str(a.steps)], stdout=log, stderr=subprocess.STDOUT,
                                             env=env))
         time.sleep(1)
         done = [p for p in running if p.poll() is not None]
@@ -332,8 +367,8 @@ def main():
             print(f"{time.time() - t0:.0f}s: {len(done)} run(s) ended, {len(running)} running, {len(jobs)} queued",
                   flush=True)
     print(f"arms {time.time() - t0:.0f}s", flush=True)
-    report(results, a.png)  # (rerun with --report where the plot needs matplotlib)
+    report(results, a.png)
 
 
 if __name__ == "__main__":
-    main()
+    dflash.run_main(lambda _: main(), None)

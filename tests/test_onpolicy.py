@@ -6,6 +6,7 @@ one line. Tiny random models on CPU, fp32."""
 import copy
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import dflash
 import eval as ev
 from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, randomize, reference_greedy, tiny_cfg,
-                      tiny_qwen3, torch_threads, train_on_continuations, write_data)
+                      tiny_qwen3, torch_threads, train_on_continuations, write_data, write_lines)
 from dflash_tools import dflash2, onpolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -76,81 +77,121 @@ def test_target_distribution_is_the_walk_pass(tiny):
     with torch.no_grad():
         logits = target.model(input_ids=r["ids"][None]).logits[0]
     assert torch.allclose(target.lm_head(r["final"]), logits, atol=1e-5)
-    assert r["target_tokens"] == 2 * len(r["ids"]) - 1
+    B, S, P = tiny["dflash"].cfg.block_size, len(r["ids"]), len(prompt)
+    verified = sum(P + k + B for k, m in zip(r["starts"].tolist(), r["accepted"].tolist()) if P + k + m + 2 < S
+                   and m + 2 < B)  # [ids up to the anchor, B-1 drafts] of each block with a draft-induced state
+    assert verified > 0 and r["target_tokens"] == 2 * S - 1 + verified
+
+
+def test_a_captured_greedy_continuation_is_walked_as_a_generated_one(tiny):
+    """Given the target's greedy continuation (captured once), the rollout is the generated one's, less the generation's
+    target tokens; a captured continuation at T > 0 is one error line."""
+    target, drafter, prompt = tiny["target"], tiny["dflash"], tiny["prompts"][1]
+    r = onpolicy.rollout(drafter, target, prompt, TOKENS)
+    c = onpolicy.rollout(drafter, target, prompt, TOKENS, continuation=r["ids"][len(prompt):].tolist())
+    for k in ("ids", "starts", "accepted", "proposals", "verify", "final"):
+        assert torch.equal(r[k], c[k]), k
+    assert r["target_tokens"] - c["target_tokens"] == len(r["ids"]) - 1
+    with pytest.raises(dflash.DFlashError, match="captured continuation is greedy"):
+        onpolicy.rollout(drafter, target, prompt, TOKENS, 1.0, continuation=c["ids"][len(prompt):].tolist())
 
 
 # -----------------------------------------------------------------------------
 # The objective against a direct recomputation, block by block
 
 
+def token_div(mode, lq, lp):
+    """The authors' estimators at one token, from its two log-probabilities, with their clamps written out."""
+    if mode == "k3":
+        r = min(max(lp - lq, -20.0), 20.0)
+        return min(math.exp(r) - r - 1, 10.0) if not torch.is_tensor(lq) else torch.clamp(
+            torch.exp(torch.clamp(lp - lq, -20, 20)) - torch.clamp(lp - lq, -20, 20) - 1, max=10.0)
+    top = math.log1p(-torch.finfo(torch.float32).eps)
+    lq, lp = torch.clamp(lq, -10.0, top), torch.clamp(torch.as_tensor(lp, dtype=lq.dtype), -10.0, top)
+    pq, pp = lq.exp(), lp.exp()
+    return torch.clamp(pp * (lp - lq) + (1 - pp) * (torch.log(1 - pp) - torch.log(1 - pq)), max=10.0)
+
+
 def direct_loss(drafter, target, rollouts, s, alpha):
     """The objective written out: each recorded block run alone through the drafter's forward, the full softmaxes,
-    the regions and weights from the accepted lengths by hand; DFlash2's selector term with explicit loops."""
+    the regions and weights from the accepted lengths by hand (the rejected drafts' p from the recorded verifier
+    states, checked against a draft-verify loop below); DFlash2's selector term with explicit loops."""
     cfg, B, M = drafter.cfg, drafter.cfg.block_size, drafter.cfg.mask_token_id
-    T = s["onpolicy_temperature"] or 1.0
+    T = s["onpolicy_teacher_temperature"] or s["onpolicy_temperature"] or 1.0
     W = target.lm_head.weight
     total, norm = 0.0, 0.0
     for r in rollouts:
         ids, S, P = r["ids"], len(r["ids"]), r["prompt_len"]
-        for k, m in zip(r["starts"].tolist(), r["accepted"].tolist()):
+        for j, (k, m) in enumerate(zip(r["starts"].tolist(), r["accepted"].tolist())):
             a = P + k
+            drafted = [ids[a].item()] + r["proposals"][j].tolist()
             x = F.embedding(torch.tensor([[[ids[a].item()] + [M] * (B - 1)]]), target.embed.weight)
             h = drafter(r["features"][None], x, torch.tensor([[a]]), torch.ones(1, 1, dtype=torch.bool))[0, 0]
             for i in range(1, B):
                 if a + i >= S:
                     break
-                logp = F.log_softmax(W @ r["final"][a + i - 1] / T, -1)
                 z = W @ h[i]
                 if isinstance(drafter, dflash2.Drafter):
                     z = dflash2.unary_logits(z, cfg.output_multiplier, cfg.final_logit_softcapping)
                 logq = F.log_softmax(z, -1)
-                pred = ids[a + i - 1].item() if i > 1 else ids[a].item()
                 label = (W @ r["final"][a + i - 1]).argmax().item()
-                if i <= m + 1:
-                    w, mode = 1.0, s["onpolicy_accepted"]
-                elif s["onpolicy_rejected"] != "none":
-                    w, mode = s["onpolicy_decay"] ** (i - m - 2), s["onpolicy_rejected"]
-                else:
-                    continue
-                terms = [(logq, logp, 1.0)]
-                if isinstance(drafter, dflash2.Drafter):
-                    top = z.topk(cfg.selector_top_k)
-                    sc = torch.stack([top.values[j] + (drafter.candidate_selector.predecessor_codebook[pred]
-                                                       * drafter.candidate_selector.hidden_projection(h[i])
-                                                       ) @ drafter.candidate_selector.successor_codebook[c]
-                                      for j, c in enumerate(top.indices.tolist())])
-                    pc = logp[top.indices]
-                    if mode == "ce":
-                        hit = (top.indices == label).nonzero()
-                        sel = (sc.logsumexp(0) - sc[hit[0, 0]]) if len(hit) else sc.sum() * 0
-                        terms.append((sel, None, alpha))
-                    else:
-                        terms.append((F.log_softmax(sc, 0), pc - pc.logsumexp(0), alpha))
-                for lq, lp, c in terms:
-                    if lp is None:
-                        total = total + w * c * lq
-                    elif mode == "ce":
-                        total = total + w * c * -lq[label]
-                    elif mode == "fkl":
-                        total = total + w * c * (lp.exp() * (lp - lq)).sum()
-                    elif mode == "rkl":
-                        total = total + w * c * (lq.exp() * (lq - lp)).sum()
-                    else:
-                        total = total + w * c * 0.5 * (lq.exp() - lp.exp()).abs().sum()
-                norm += w
+                sides = []
+                if i <= m + 1:  # committed: the truth's state, predecessor and token
+                    sides.append((1.0, s["onpolicy_accepted"], r["final"][a + i - 1], ids[a + i - 1].item(),
+                                  ids[a + i].item()))
+                rej = s["onpolicy_rejected"]
+                if rej != "none" and (i == m + 1 if rej == "tv1" else i >= m + 1):
+                    w = 1.0 if rej == "tv1" else s["onpolicy_decay"] ** (i - 1)
+                    drafts = s["onpolicy_rejected_from"] == "drafts"
+                    state = r["verify"][j, i] if drafts and i > m + 1 else r["final"][a + i - 1]
+                    sides.append((w, rej, state, drafted[i - 1] if drafts else ids[a + i - 1].item(), drafted[i]))
+                for w, mode, state, pred, tok in sides:
+                    logp = F.log_softmax(W @ state / T, -1)
+                    terms = [(logq, logp, 1.0, None)]
+                    if isinstance(drafter, dflash2.Drafter):
+                        top = z.topk(cfg.selector_top_k)
+                        sc = torch.stack([top.values[c] + (drafter.candidate_selector.predecessor_codebook[pred]
+                                                           * drafter.candidate_selector.hidden_projection(h[i])
+                                                           ) @ drafter.candidate_selector.successor_codebook[t]
+                                          for c, t in enumerate(top.indices.tolist())])
+                        pc = logp[top.indices]
+                        if mode == "ce":
+                            hit = (top.indices == label).nonzero()
+                            sel = (sc.logsumexp(0) - sc[hit[0, 0]]) if len(hit) else sc.sum() * 0
+                            terms.append((sel, None, alpha, None))
+                        else:
+                            terms.append((F.log_softmax(sc, 0), pc - pc.logsumexp(0), alpha, top.indices.tolist()))
+                    for lq, lp, c, held in terms:
+                        if lp is None:
+                            total = total + w * c * lq
+                        elif mode == "ce":
+                            total = total + w * c * -lq[label]
+                        elif mode in ("fkl2", "k3"):
+                            if held is None:
+                                total = total + w * c * token_div(mode, lq[tok], lp[tok])
+                            elif tok in held:
+                                total = total + w * c * token_div(mode, lq[held.index(tok)], lp[held.index(tok)])
+                        elif mode == "fkl":
+                            total = total + w * c * (lp.exp() * (lp - lq)).sum()
+                        elif mode == "rkl":
+                            total = total + w * c * (lq.exp() * (lq - lp)).sum()
+                        else:
+                            total = total + w * c * 0.5 * (lq.exp() - lp.exp()).abs().sum()
+                    norm += w
     return total / norm
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
-@pytest.mark.parametrize("accepted,rejected,T", [("fkl", "rkl", 0.0), ("ce", "tv", 0.0), ("fkl", "tv", 0.7)])
-def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted, rejected, T):
+@pytest.mark.parametrize("accepted,rejected,T,source", [("fkl2", "k3", 0.0, "drafts"), ("ce", "tv", 0.0, "drafts"),
+                                                        ("fkl", "rkl", 0.7, "truth"), ("fkl2", "tv1", 0.0, "drafts")])
+def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted, rejected, T, source):
     target, prompts = tiny["target"], tiny["prompts"][:2]
     drafter = copy.deepcopy(tiny[variant]).double().train()
     target64 = copy.copy(target)
     target64.lm_head = copy.deepcopy(target.lm_head).double()
     target64.embed = copy.deepcopy(target.embed).double()
     s = {**onpolicy.DEFAULTS, "onpolicy_accepted": accepted, "onpolicy_rejected": rejected, "onpolicy_decay": 0.7,
-         "onpolicy_temperature": T}
+         "onpolicy_temperature": T, "onpolicy_rejected_from": source}
     rollouts = [onpolicy.rollout(tiny[variant], target, p, 12, T, seed=i, accept_seed=i) for i, p in enumerate(prompts)]
     rollouts = [{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in r.items()}
                 for r in rollouts]
@@ -160,13 +201,52 @@ def test_objective_gradient_equals_direct_recomputation(tiny, variant, accepted,
     got = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
     drafter.zero_grad()
     ref = direct_loss(drafter, target64, rollouts, s, getattr(drafter, "alpha", 0.0))
-    tol = 1e-6  # fp32 parts: the weights decay^(k-1), the drafter's own CE (block_loss)
+    tol = 1e-6  # fp32 parts: the weights decay^(i-1), the drafter's own CE (block_loss)
     assert (loss / norm).item() == pytest.approx(ref.item(), rel=tol)
     ref.backward()
     want = {n: p.grad for n, p in drafter.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys() and len(got) > 4
     for n in got:
         assert (got[n] - want[n]).norm() <= tol * want[n].norm() and want[n].norm() > 0, n
+
+
+def test_rejected_drafts_p_is_a_draft_verify_loops_verification(tiny):
+    """Speculative decoding written out (the drafter drafts a block at the last committed token from the target's
+    features of the committed text, the target verifies [committed, drafts] in one forward, the greedy-matching prefix
+    and the target's token are committed): its blocks are the rollout's, and the target's logits where it verified
+    each rejected draft are the recorded verifier states through lm_head; past the first rejection they differ from
+    the true continuation's (the draft-induced states)."""
+    target, drafter = tiny["target"], tiny["dflash"]
+    cfg, B = drafter.cfg, drafter.cfg.block_size
+    induced = 0
+    for prompt in tiny["prompts"][:3]:
+        r = onpolicy.rollout(drafter, target, prompt, TOKENS)
+        P, S = len(prompt), len(r["ids"])
+        seq = r["ids"][:P + 1].tolist()  # the prefill's token
+        blocks = []
+        with torch.no_grad():
+            while len(seq) < S:
+                a = len(seq) - 1
+                feats, _ = dflash.target_features(target, torch.tensor([seq]), cfg.target_layer_ids)
+                x = F.embedding(torch.tensor([[[seq[a]] + [cfg.mask_token_id] * (B - 1)]]), target.embed.weight)
+                h = drafter(feats, x, torch.tensor([[a]]), torch.ones(1, 1, dtype=torch.bool))[0, 0]
+                drafts = (target.lm_head(h[1:])).argmax(-1).tolist()
+                logits = target.model(input_ids=torch.tensor([seq + drafts])).logits[0]
+                want = logits[a:a + B].argmax(-1).tolist()  # the target's token at offsets 1..B (B: the bonus)
+                m = next((i for i in range(B - 1) if drafts[i] != want[i]), B - 1)
+                m = min(m, S - 1 - a)  # (the walk's continuation ends at S)
+                blocks.append((a, m, drafts, logits))
+                seq += drafts[:m] + ([want[m]] if a + m + 1 < S else [])
+        assert seq == r["ids"].tolist()
+        assert [b[0] - P for b in blocks] == r["starts"].tolist() and [b[1] for b in blocks] == r["accepted"].tolist()
+        for j, (a, m, drafts, logits) in enumerate(blocks):
+            assert r["proposals"][j].tolist() == drafts
+            for i in range(1, min(B, S - a)):
+                got = target.lm_head(r["verify"][j, i])
+                assert torch.allclose(got, logits[a + i - 1], atol=1e-4), (j, i)
+                if i > m + 1:
+                    induced += not torch.allclose(got, target.lm_head(r["final"][a + i - 1]), atol=1e-3)
+    assert induced > 0
 
 
 def test_the_stage_names_no_variant():
@@ -182,7 +262,10 @@ def test_region_weights_by_hand():
     acc, rej = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2, 4, 0]]), valid, torch.tensor([[1, 3, 0]]),
                                        5, 0.5, "rkl")
     assert acc.tolist() == [[[0, 1, 1, 0, 0], [0, 1, 1, 1, 0], [0] * 5]]
-    assert rej.tolist() == [[[0, 0, 0, 1, 0.5], [0] * 5, [0] * 5]]
+    assert rej.tolist() == [[[0, 0, 0.5, 0.25, 0.125], [0] * 5, [0] * 5]]  # offsets m+1.., 0.5^(offset-1)
+    _, first = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2]]), torch.tensor([[True]]),
+                                       torch.tensor([[1]]), 5, 0.5, "tv1")
+    assert first.tolist() == [[[0, 0, 1, 0, 0]]]
     _, none = onpolicy.region_weights(torch.tensor([8]), torch.tensor([[2]]), torch.tensor([[True]]),
                                       torch.tensor([[1]]), 5, 0.5, "none")
     assert not none.any()
@@ -248,7 +331,8 @@ def cli(tmp_path_factory):
     with torch_threads(1):
         dflash.main([*base, "--max_steps", "2", "--out", str(d / "sft")])
     stage = ["--stage", "onpolicy", "--init_from", str(d / "sft" / "step_2"), "--onpolicy_every", "2",
-             "--onpolicy_tokens", "8", "--onpolicy_temperature", "0.7", "--max_steps", "3"]
+             "--onpolicy_tokens", "8", "--onpolicy_temperature", "0.7", "--onpolicy_sft_weight", "0.1",
+             "--max_steps", "3"]
     return {"dir": d, "base": base, "stage": stage}
 
 
@@ -275,6 +359,9 @@ def test_cli_stage_resumes_bitwise(cli):
 
 @pytest.mark.parametrize("extra,needles", [
     (["--onpolicy_rejected", "none", "--onpolicy_decay", "0.5"], ["--onpolicy_decay", "drop one"]),
+    (["--onpolicy_rejected", "tv1", "--onpolicy_decay", "0.5"], ["--onpolicy_rejected tv1", "drop one"]),
+    (["--onpolicy_teacher_temperature", "0"], ["--onpolicy_teacher_temperature"]),
+    (["--onpolicy_rejected_from", "prompt"], ["--onpolicy_rejected_from"]),
     (["--loss", "dpace"], ["--loss dpace", "own objective"]),
     (["--labels", "data"], ["--labels data"]),
     (["--onpolicy_tokens", "1"], ["--onpolicy_tokens 1"]),
@@ -300,9 +387,10 @@ def test_stage_needs_a_trained_drafter_and_its_flags_need_the_stage(cli, capsys)
 
 
 def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
-    """The measurement's pieces on the tiny run (2 held-out prompts, 8-token continuations, a budget of 6 SFT steps):
-    the held-out set, one run of each arm A-D, and the table. Each arm reaches each fraction of its budget; an
-    on-policy step costs more than an SFT step, and D's (the SFT term's blocks besides) more than C's."""
+    """The measurement's pieces on the tiny run (2 held-out prompts, 8-token continuations, 4 updates of 2): the new
+    sequences keep no prompt that begins as an SFT prompt, the held-out set carries the target's top-1 probability,
+    every arm runs and is evaluated per prompt, an on-policy update costs more FLOPs than an SFT one, and the report
+    pairs the arms prompt by prompt."""
     from dflash_tools import onpolicy_bench as ob
     from dflash_tools import tiny_target
     d, work = cli["dir"], tmp_path / "work"
@@ -311,25 +399,40 @@ def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
     os.symlink(d / "q3", work / "cache" / "tiny_qwen35")
     shutil.copy(d / "data.jsonl", work / "cache" / "demo_data.jsonl")
     shutil.copytree(d / "sft", work / "sft_dflash")
-    for name, value in dict(TOKENS=8, PROMPTS=2, BATCH=2, ANCHORS=6, LAYER_IDS=[1, 2]).items():
+    for name, value in dict(TOKENS=8, HELDOUT=2, HELDOUT_TOKENS=8, BATCH=2, ANCHORS=6, LAYER_IDS=[1, 2]).items():
         monkeypatch.setattr(ob, name, value)
     target = dflash.load_target(str(work / "cache" / "tiny_qwen35"))
-    prompts = [json.loads(line)["input_ids"][:6] for line in open(d / "data.jsonl")][:2]
-    monkeypatch.setattr(tiny_target, "heldout_prompts", lambda path, num_prompts: prompts[:num_prompts])
-    items = ob.held_out_set(target, str(work / "cache" / "tiny_qwen35"), str(work / "heldout.pt"))
-    assert [it["j"] for it in items] == [0, 1, 2] * 2 and all(len(it["cont"]) == 8 for it in items)
-    budget = ob.budget_of(target, dflash.load_drafter(str(d / "sft" / "step_2")), 6)
+    old = [json.loads(line)["input_ids"][:6] for line in open(d / "data.jsonl")]
+    fresh = [[(t + 7) % 40 for t in p] for p in old[:6]]  # (none begins as an old prompt does: checked below)
+    assert not {tuple(p) for p in fresh} & {tuple(p) for p in old}
+
+    def regenerated(path, out, num_samples, seed):  # what make_regenerated_data writes: old prompts among new ones
+        rows = [p + reference_greedy(target, p, 8) for p in [old[0]] + fresh + [old[1]]][:num_samples]
+        return write_lines(tmp_path / "raw.jsonl", [json.dumps({"input_ids": r, "loss_mask": [0] * 6 + [1] * 8})
+                                                    for r in rows])
+    monkeypatch.setattr(tiny_target, "make_regenerated_data", regenerated)
+    ob.new_sequences(str(work / "cache" / "tiny_qwen35"), str(d / "data.jsonl"), str(work / "cache" / "new.jsonl"), 6)
+    assert [json.loads(line)["input_ids"][:6] for line in open(work / "cache" / "new.jsonl")] == fresh
+    monkeypatch.setattr(tiny_target, "heldout_prompts", lambda path, num_prompts: fresh[:num_prompts])
+    held = ob.held_out_set(target, str(work / "cache" / "tiny_qwen35"), str(work / "heldout.pt"))
+    with torch.no_grad():  # the top-1 probability at each position that predicts a continuation token
+        top1 = torch.cat([target.model(input_ids=torch.tensor([p + reference_greedy(target, p, 8)])).logits[0, 5:-1]
+                          .softmax(-1).max(-1).values for p in fresh[:2]])
+    assert len(held["items"]) == 2 and held["top1"] == pytest.approx(top1.mean().item(), abs=1e-5)
     with torch_threads(1):
         for arm in ob.ARMS:
-            ob.run_one(str(work), "dflash", arm, 0, budget)  # (one thread, as the bench's processes run)
+            ob.run_one(str(work), "dflash", arm, 0, 4)  # (one thread, as the bench's processes run)
     runs = {arm: json.load(open(work / "runs" / f"dflash_{arm}_0.json")) for arm in ob.ARMS}
     for arm, r in runs.items():
-        assert [c["compute"] >= f * budget for c, f in zip(r["curve"][1:], ob.FRACTIONS)] == [True] * 4, arm
-        assert r["curve"][0]["tau_greedy"] >= 1 and r["curve"][-1]["tau_t1"] >= 1
-    per_step = {arm: r["curve"][-1]["compute"] / r["curve"][-1]["step"] for arm, r in runs.items()}
-    assert per_step["A"] < per_step["C"] < per_step["D"], per_step  # D adds the SFT term's blocks to C's rollouts
+        assert [c["step"] for c in r["curve"]] == [0, 2, 4] and len(r["curve"][-1]["taus"]) == 2, arm
+        assert all(t >= 1 for t in r["curve"][-1]["taus"])
+    flops = {arm: r["curve"][-1]["flops"] for arm, r in runs.items()}
+    assert flops["A"] < flops["P"] and flops["C0"] < flops["P"], flops  # P: the verification pass besides C0's walk
     pytest.importorskip("matplotlib")  # (the plot; requirements.txt installs it)
     ob.report(str(work), str(tmp_path / "plot.png"))
     table = (work / "table.md").read_text()
-    assert all(f"{arm}: {ob.ARMS[arm]} | 1 |" in table for arm in ob.ARMS) and "k=1,2,3" in table
+    assert all(f"| {arm}: {ob.ARMS[arm]} |" in table for arm in ob.ARMS) and "| P − B0 |" in table
+    m, lo, hi, n = ob.paired([runs["P"]], [runs["B0"]])
+    want = sum(a - b for a, b in zip(runs["P"]["curve"][-1]["taus"], runs["B0"]["curve"][-1]["taus"])) / 2
+    assert m == pytest.approx(want) and lo <= m <= hi and n == 1
     assert os.path.getsize(tmp_path / "plot.png") > 0
