@@ -69,7 +69,7 @@ naming the last complete checkpoint.
 import argparse
 import difflib
 import hashlib
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -954,24 +954,10 @@ TRUSTED = set()  # plug-ins outside dflash_tools/ that may be imported (a module
 NAMED = {}  # architecture -> the module this command's --variant names: it reads checkpoints of that architecture
 
 def plugin(spec, why):
-    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (DFLASH_MODULE: its key, as saved)."""
+    """A plug-in: dflash_tools/<spec>.py, or when TRUSTED a module or .py path (dflash_tools/plugins.py imports it)."""
     if re.fullmatch(r"\w+", spec) and os.path.isfile(os.path.join(TOOLS, f"{spec}.py")):
         return import_tool(spec, why)
-    key = os.path.realpath(spec) if spec.endswith(".py") else spec  # as a checkpoint names it: from any dir or link
-    need(TRUSTED & {key, "*"}, f"{why} is code from {spec!r}; pass --variant or --trust_variant_code", Unreadable)
-    need(os.path.isfile(key) or not key.endswith(".py"), f"{why}: no file {spec}; give --variant its path", Unreadable)
-    name = "dflash_plugin_" + hashlib.sha256(key.encode()).hexdigest()[:12]  # one module a file
-    try:
-        module = importlib.import_module(key) if not key.endswith(".py") else sys.modules.get(name)
-    except ModuleNotFoundError as e:
-        raise Unreadable(f"{why}: no module {spec!r} ({first_line(e)}); copy dflash_tools/ beside {sys.argv[0]}, or "
-                         f"give a module or a .py path") from None
-    if module is None:  # a .py path, imported once
-        loader = importlib.util.spec_from_file_location(name, key)
-        module = sys.modules[name] = importlib.util.module_from_spec(loader)
-        loader.loader.exec_module(module)
-    module.DFLASH_MODULE = key
-    return module
+    return import_tool("plugins", why).outside(spec, why)
 
 
 # -----------------------------------------------------------------------------

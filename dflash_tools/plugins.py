@@ -1,10 +1,33 @@
-"""The plug-ins of dflash_tools/, found from their files without importing them: dflash.py lists them for --help
-and an unknown flag's owner, and finds the module of a variant checkpoint's architecture here."""
+"""Plug-ins: those of dflash_tools/, found from their files without importing them (dflash.py lists them for --help
+and an unknown flag's owner, and finds the module of a variant checkpoint's architecture here); and those outside it,
+a module or a .py path, imported when trusted."""
+import hashlib
+import importlib.util
 import os
 import pathlib
 import re
+import sys
 
-from dflash import TOOLS
+from dflash import TOOLS, TRUSTED, Unreadable, first_line, need
+
+
+def outside(spec, why):
+    """The trusted plug-in spec, a module or a .py path (DFLASH_MODULE: its key, as a checkpoint saves it)."""
+    key = os.path.realpath(spec) if spec.endswith(".py") else spec  # as a checkpoint names it: from any dir or link
+    need(TRUSTED & {key, "*"}, f"{why} is code from {spec!r}; pass --variant or --trust_variant_code", Unreadable)
+    need(os.path.isfile(key) or not key.endswith(".py"), f"{why}: no file {spec}; give --variant its path", Unreadable)
+    name = "dflash_plugin_" + hashlib.sha256(key.encode()).hexdigest()[:12]  # one module a file
+    try:
+        module = importlib.import_module(key) if not key.endswith(".py") else sys.modules.get(name)
+    except ModuleNotFoundError as e:
+        raise Unreadable(f"{why}: no module {spec!r} ({first_line(e)}); copy dflash_tools/ beside {sys.argv[0]}, or "
+                         f"give a module or a .py path") from None
+    if module is None:  # a .py path, imported once
+        loader = importlib.util.spec_from_file_location(name, key)
+        module = sys.modules[name] = importlib.util.module_from_spec(loader)
+        loader.loader.exec_module(module)
+    module.DFLASH_MODULE = key
+    return module
 
 
 def tool_plugins():
