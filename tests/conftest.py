@@ -691,3 +691,15 @@ def small_demo(demo_cache, monkeypatch):
             dflash.main(["--demo", *flags, "--out", str(out), "--max_steps", "3", "--eval_walk_prompts", "2",
                          "--eval_walk_tokens", "8"])
     return run
+
+
+def signalling_step(sig, at=2):
+    """dflash.train_step that sends sig to this process before its at-th call (a scheduler's signal mid-run)."""
+    real, n = dflash.train_step, []
+
+    def step(*a, **k):
+        n.append(1)
+        if len(n) == at:
+            os.kill(os.getpid(), sig)
+        return real(*a, **k)
+    return step

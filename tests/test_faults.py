@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, SMALL, fails_with, one_error, refused, tiny_cfg, tiny_qwen3, tree_bytes, write_data
+from conftest import (ROOT, SMALL, fails_with, one_error, refused, signalling_step, tiny_cfg, tiny_qwen3, tree_bytes,
+                      write_data)
 
 import dflash
 import eval as ev
@@ -329,13 +330,7 @@ def test_a_plugin_raising_mid_step_is_named_with_the_step(f, tmp_path, capsys):
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGUSR2])
 def test_a_time_limit_warning_saves_and_stops(f, tmp_path, monkeypatch, capsys, sig):
     """Slurm's --signal=USR1@90 (Lightning's requeue), submitit's USR2: killed by the default action, unsaved."""
-    real, n = dflash.train_step, []
-
-    def step(*a, **k):
-        n.append(1)
-        if len(n) == 2:
-            os.kill(os.getpid(), sig)
-        return real(*a, **k)
+    step = signalling_step(sig)
     monkeypatch.setattr(dflash, "train_step", step)
     out = str(tmp_path / "o")
     with pytest.raises(SystemExit) as e:

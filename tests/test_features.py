@@ -375,8 +375,8 @@ def test_features_run_peaks_near_the_drafter_alone(cap, tmp_path):
 
 
 def test_capture_missing_without_features_refused(cap, capsys, tmp_path):
-    fails_with(capsys, [*cap["base"], "--capture_missing", "--out", str(tmp_path / "o")], "unknown flag --capture_missing",
-               "need their --variant/--loss/--stage/--features")
+    fails_with(capsys, [*cap["base"], "--capture_missing", "--out", str(tmp_path / "o")],
+               "unknown flag --capture_missing", "need their --variant/--loss/--stage/--features")
 
 
 def test_another_trainers_dump_through_the_reader_interface(cap, tmp_path, monkeypatch, capsys):
@@ -397,7 +397,9 @@ def test_another_trainers_dump_through_the_reader_interface(cap, tmp_path, monke
         def sample(self, i):
             t = self.inner.sample(len(self.inner) - 1 - i)
             return {k: t[k] for k in ("input_ids", "loss_mask", "features", "labels")}
-    monkeypatch.setitem(sys.modules, "dflash_tools.dumps", types.SimpleNamespace(open_dump=Reader, add_flags=lambda g: None))
+    fake = types.SimpleNamespace(open_dump=Reader, add_flags=lambda g: None)
+    monkeypatch.setitem(sys.modules, "dflash_tools.dumps", fake)
+    monkeypatch.setattr(sys.modules["dflash_tools"], "dumps", fake, raising=False)  # (imported by an earlier test)
     os.makedirs(tmp_path / "dump")
     base = replace(cap["base"], "--eval_walk_prompts", "0")
     fails_with(capsys, [*cap["base"], "--features", str(tmp_path / "dump"), "--out", str(tmp_path / "x")],
@@ -406,7 +408,8 @@ def test_another_trainers_dump_through_the_reader_interface(cap, tmp_path, monke
     assert records(train(tmp_path / "dumped", *base, "--features", str(tmp_path / "dump"))) == records(online)
     assert asked[-1][1] == [0, 2]
     kw = asked[-1][2]  # what dumps.open_dump is given: the target's config, lm_head and final norm, the dump's flags
-    assert kw["labels"] and kw["dump_layer_ids"] is None and kw["target_config"].hidden_size == kw["norm"].weight.numel()
+    assert kw["labels"] and kw["dump_layer_ids"] is None
+    assert kw["target_config"].hidden_size == kw["norm"].weight.numel()
 
 
 @pytest.mark.parametrize("kind", ["llama_tied", "qwen35_multimodal"])

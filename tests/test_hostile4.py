@@ -14,8 +14,8 @@ import torch
 
 import dflash
 import eval as ev
-from conftest import (ROOT, VOCAB, ZL, fails_with, one_error, refused, replace, tiny_cfg, tiny_qwen35, tiny_tokenizer,
-                      tree_bytes, write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors)
+from conftest import (ROOT, VOCAB, ZL, fails_with, one_error, refused, replace, signalling_step, tiny_cfg, tiny_qwen35,
+                      tiny_tokenizer, tree_bytes, write_data, write_lines, write_zlab_dir, zlab_config, zlab_tensors)
 from dflash import DFlashError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -449,13 +449,7 @@ def test_kernel_warnings_only_when_true_and_actionable(tmp_path, capfd):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_an_interrupted_run_exits_non_zero_and_is_resumable(w, capsys, tmp_path, sig):
     """Ctrl-C or SIGTERM ended with exit 0 (a scheduler reads that as done): 128 + signal, after the checkpoint."""
-    real, n = dflash.train_step, []
-
-    def step(*a, **k):
-        n.append(1)
-        if len(n) == 2:
-            os.kill(os.getpid(), sig)
-        return real(*a, **k)
+    step = signalling_step(sig)
     out = str(tmp_path / "o")
     mp = pytest.MonkeyPatch()
     mp.setattr(dflash, "train_step", step)
