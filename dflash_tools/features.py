@@ -431,9 +431,11 @@ def load_target(args, run, world, device):
     record = dflash.target_record(FeatureTarget(meta, embed, head, None, args.target))
     ids, f = run.cfg.target_layer_ids, os.path.join(args.features, MANIFEST)
     fresh = args.capture_missing and not os.path.isfile(f)  # hybrid from nothing: the capture below makes it
+    foreign = not fresh and not os.path.isfile(f)  # another trainer's dump: its labels may need the final norm
     store = None if fresh else open_features(args.features, ids, record, dict(
         dump_layer_ids=getattr(args, "dump_layer_ids", None), target_config=meta.model.config, lm_head=head,
-        norm=None if os.path.isfile(f) else final_norm(args, meta, device), labels=args.labels == "target", data=getattr(args, "dump_data", None)))
+        norm=final_norm(args, meta, device) if foreign else None, labels=args.labels == "target",
+        data=getattr(args, "dump_data", None)))
     if isinstance(store, Features):
         m = store.manifest
         need(m["target"]["fingerprint"] == record["fingerprint"], f"--features {args.features} was captured from "
@@ -458,6 +460,9 @@ def load_target(args, run, world, device):
             capture.dtype, capture.final = store.manifest["dtype"], store.manifest["final"]
         capture.open(store.manifest["target_layer_ids"] if store is not None else ids)
         store = Features(args.features, ids)
+    need(not getattr(dflash.loss_of(args), "target_logits", False) or (isinstance(store, Features) and
+         store.manifest.get("final")), f"--loss {args.loss} needs the target's distribution, f, which --features "
+         f"{args.features} does not hold; capture with --store_final (our format), or train online")
     return FeatureTarget(meta, embed, head, store, args.target, capture=capture)
 
 

@@ -451,3 +451,29 @@ def test_a_killed_capture_leaves_nothing_a_reader_trusts(cap, capsys, tmp_path):
         capture(cap["q3"], cap["data"], d)  # bf16 into an fp32 capture
     err = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("error:")]
     assert len(err) == 1 and "another dtype" in err[0] and "new --out" in err[0]
+
+
+KL_LOSS = '''import dflash
+
+
+class ForwardKL(dflash.CE):
+    target_logits = True
+
+    def token_loss(self, logits, labels, target_logits):
+        logp = target_logits.log_softmax(-1)
+        return (logp.exp() * (logp - logits.log_softmax(-1))).sum(-1)
+
+
+LOSSES = {"fkl": lambda args: ForwardKL()}
+'''
+
+
+def test_a_loss_on_the_targets_distribution_needs_the_stored_final_state(cap, tmp_path, capsys):
+    """A --loss that asks for the target's logits reads f from the capture: refused in one line where it was not stored
+    (it would read the labels in its place), and with --store_final equal to online training."""
+    (tmp_path / "kl.py").write_text(KL_LOSS)
+    base = [*cap["base"], "--loss", f"{tmp_path / 'kl.py'}:fkl"]
+    fails_with(capsys, [*base, "--features", cap["fp32"], "--out", str(tmp_path / "x")], "needs the target's "
+               "distribution", "--store_final")
+    final = capture(cap["q3"], cap["data"], tmp_path / "final", "--features_dtype", "fp32", "--store_final")
+    assert records(train(tmp_path / "feats", *base, "--features", final)) == records(train(tmp_path / "online", *base))
