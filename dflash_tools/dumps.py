@@ -125,6 +125,9 @@ class Dump:
     def __len__(self):
         return len(self.files)
 
+    def tokens(self, i):  # sample i's input_ids alone, for an index by tokens (no features cut, no labels derived)
+        return self.read(i)[0]
+
     def sample(self, i):
         f = self.files[i]
         input_ids, loss_mask, stack, final = self.read(i)  # stack (S, n, D): the dump's layers, in its slot order
@@ -227,6 +230,9 @@ class SpeculatorsDump(Dump):
         # vLLM's id k: the stream entering decoder layer k = our layer k-1 (id 0, the embedding's output, is none of
         # ours); id L enters the final norm: our layer L-1 and, through norm and lm_head, the labels
         return {k - 1: s for s, k in enumerate(ids) if k >= 1}, ids.index(L) if L in ids else None, True
+
+    def tokens(self, i):  # from the dataset: no hidden states read (sample(i) checks the file's token_ids)
+        return torch.as_tensor(self.ds[self.rows[i]]["input_ids"]).long()
 
     def read(self, i):
         from safetensors.torch import load_file

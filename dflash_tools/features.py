@@ -34,7 +34,8 @@ the loss, the held-out loss and the walk, whatever the shuffle, and a row that i
 
 A loss needing the target's distribution (not its greedy labels) needs f: capture with --store_final.
 Other trainers' dumps (SpecForge, speculators): dflash_tools/dumps.py reads them behind the same reader interface,
-open_features(path, layer_ids) -> .manifest, len(), .sample(i) -> input_ids, loss_mask, features, labels (or None).
+open_features(path, layer_ids) -> .manifest, len(), .sample(i) -> input_ids, loss_mask, features, labels (or None);
+optional .tokens(i): sample i's input_ids alone (a dump is indexed by its tokens without reading its features).
 """
 import argparse
 import errno
@@ -467,18 +468,19 @@ def load_target(args, run, world, device):
 
 
 class Indexed:
-    """Another trainer's dump (the reader interface) made searchable by tokens: every sample's key, read once."""
+    """Another trainer's dump (the reader interface) made searchable by tokens: every sample's tokens, read once."""
 
     def __init__(self, reader, path, pad, layer_ids):
         self.reader, self.path, self.manifest, self.prompts, self.keys = reader, path, reader.manifest, {}, {}
         self.layer_ids = list(layer_ids)
         skipped = 0
+        tokens = getattr(reader, "tokens", None)  # a sample's tokens alone (dumps.py's): no features read twice
         for i in tqdm(range(len(reader)), desc="indexing the dump", disable=len(reader) < 1000):
-            t = reader.sample(i)
-            if t is None:  # a sample the reader skips (non-finite): counted, and a batch holding it is refused
+            ids = tokens(i) if tokens else (reader.sample(i) or {}).get("input_ids")
+            if ids is None:  # a sample the reader skips (non-finite): counted, and a batch holding it is refused
                 skipped += 1
                 continue
-            key, n = row_key(t["input_ids"], pad)
+            key, n = row_key(ids, pad)
             self.keys.setdefault(key, []).append((n, True, i))
         if skipped:
             print(f"note: --features {path}: {skipped} of {len(reader)} samples skipped (non-finite features)",
@@ -488,6 +490,8 @@ class Indexed:
 
     def read(self, i, dtype=torch.float32):
         t = self.reader.sample(i)
+        need(t is not None, f"--features {self.path}: a batch holds its sample {i}, whose features are not finite "
+             f"(the reader skipped it, named above); drop that sample from --data, or capture it again")
         return {**t, "features": t["features"].to(dtype), "final": None}
 
 

@@ -279,3 +279,14 @@ def test_dflash_trains_from_a_speculators_dump_as_online(tmp_path):
     assert len(online) == len(dumped) == 3 and dumped == pytest.approx(online, rel=1e-4)
     with pytest.raises(SystemExit):  # a dump's flag without --features: unknown here
         dflash.main([*run, "--dump_layer_ids", "2,3,4", "--out", str(tmp_path / "x")])
+
+
+def test_a_dump_is_indexed_by_its_tokens_alone(tmp_path, target, samples, monkeypatch):
+    """Opening a dump for training reads each sample's tokens, never its hidden states (those are read when a batch
+    needs them): speculators' from its dataset, SpecForge's from the record, equal to sample()'s input_ids."""
+    dump = open_dump(write_speculators(tmp_path / "s", target, samples, [2, 3, L]), [1, 2], [2, 3, L], CONFIG,
+                     target.lm_head, target.norm)
+    monkeypatch.setattr(type(dump), "read", lambda self, i: pytest.fail("hidden states read for an index"))
+    assert [dump.tokens(i).tolist() for i in range(len(dump))] == [s[0].tolist() for s in samples]
+    monkeypatch.undo()
+    assert all(torch.equal(dump.tokens(i), dump.sample(i)["input_ids"]) for i in range(len(dump)))
