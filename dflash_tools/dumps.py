@@ -231,8 +231,21 @@ class SpeculatorsDump(Dump):
         # ours); id L enters the final norm: our layer L-1 and, through norm and lm_head, the labels
         return {k - 1: s for s, k in enumerate(ids) if k >= 1}, ids.index(L) if L in ids else None, True
 
-    def tokens(self, i):  # from the dataset: no hidden states read (sample(i) checks the file's token_ids)
-        return torch.as_tensor(self.ds[self.rows[i]]["input_ids"]).long()
+    def tokens(self, i):
+        """Row i's tokens from the dataset, and its file's header checked against its size and the row (no hidden
+        states read: sample(i) checks the file's token_ids): a truncated file is named before training starts."""
+        from safetensors import safe_open
+        f, ids = self.files[i], torch.as_tensor(self.ds[self.rows[i]]["input_ids"]).long()
+        try:
+            with safe_open(f, "pt") as h:
+                shapes = {k: h.get_slice(k).get_shape() for k in h.keys()}
+        except Exception as e:
+            raise unreadable(f, e) from None
+        S, n = len(ids), len(self.dump_ids)
+        want = {"hidden_states": [S, n, self.D], "token_ids": [S]}
+        bad = [f"{k} {shapes.get(k, 'missing')}, not {v}" for k, v in want.items() if shapes.get(k) != v]
+        need(not bad, f"{f}: {'; '.join(bad)} (row {self.rows[i]} of {self.data!r}: {S} tokens, {n} layer ids); {REDO}")
+        return ids
 
     def read(self, i):
         from safetensors.torch import load_file

@@ -95,7 +95,7 @@ def read_saved_dataset(path, what):
         need(len(ds) == 1, f"{what} {path!r} holds the splits {', '.join(ds)}; pass one of them: "
              f"{os.path.join(path, next(iter(ds)))}")
         path, ds = os.path.join(path, next(iter(ds))), next(iter(ds.values()))
-    for i, row in enumerate(ds):
+    for i, row in enumerate(ds.with_format(None)):  # as lists (speculators' prepare_data.py saves torch format)
         yield f"{path} row {i}", drop_nulls(row)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -131,8 +131,12 @@ def text_part(content, where):
 def dir_digest(path):
     """{size, sha256} of a save_to_disk directory's files (names and bytes, in name order), as dflash records a
     data file's: a resume can tell the data changed."""
-    h, size = hashlib.sha256(), 0
-    for root, _, files in sorted(os.walk(path)):
+    h, size, walked = hashlib.sha256(), 0, []
+    for root, dirs, files in os.walk(path):
+        walked.append((root, files))
+        if "state.json" in files:  # a Dataset's own files: not its folders (speculators' hidden_states/ lie in it)
+            dirs.clear()
+    for root, files in sorted(walked):
         for name in sorted(files):
             with open(os.path.join(root, name), "rb") as f:
                 digest, size = hashlib.file_digest(f, "sha256").hexdigest(), size + os.fstat(f.fileno()).st_size
