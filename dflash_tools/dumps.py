@@ -27,7 +27,7 @@ import sys
 import torch
 
 from dflash import DFlashError, first_line, flag, greedy_labels, int_list, need
-from dflash_tools.formats import optional_package, saved_dataset
+from dflash_tools.formats import optional_package, safetensors_header, saved_dataset
 
 HS_FILE = re.compile(r"hs_(\d+)\.safetensors")         # speculators: one per dataset row
 CKPT_FILE = re.compile(r"data_(\d+)\.ckpt(\.gz)?")      # SpecForge: one per sample
@@ -234,12 +234,10 @@ class SpeculatorsDump(Dump):
     def tokens(self, i):
         """Row i's tokens from the dataset, and its file's header checked against its size and the row (no hidden
         states read: sample(i) checks the file's token_ids): a truncated file is named before training starts."""
-        from safetensors import safe_open
         f, ids = self.files[i], torch.as_tensor(self.ds[self.rows[i]]["input_ids"]).long()
         try:
-            with safe_open(f, "pt") as h:
-                shapes = {k: h.get_slice(k).get_shape() for k in h.keys()}
-        except Exception as e:
+            shapes = {k: t["shape"] for k, t in safetensors_header(f)[0].items()}
+        except (OSError, ValueError) as e:
             raise unreadable(f, e) from None
         S, n = len(ids), len(self.dump_ids)
         want = {"hidden_states": [S, n, self.D], "token_ids": [S]}

@@ -66,6 +66,7 @@ sys.path.insert(0, ROOT)  # this folder's scripts import dflash.py from the repo
 
 import dflash  # noqa: E402
 from dflash import need  # noqa: E402
+from dflash_tools.formats import SAFETENSORS_BYTES, safetensors_header  # noqa: E402
 
 FORMAT, VERSION, MANIFEST, INDEX = "dflash-features", 1, "manifest.json", "index.jsonl"
 CONVENTION = "h[t]: the residual stream after decoder layer t (hidden_states[t + 1]), before the final norm"
@@ -109,27 +110,26 @@ DIGEST_ROWS = DIGEST_VALUES = 8  # a tensor's sample in weights_digest: rows alo
 
 @functools.lru_cache(maxsize=4)
 def weights_digest(name):
-    """A sha256 (16 hex digits) of every tensor of target name's safetensors: name, dtype, shape and a sample of its
-    values (DIGEST_ROWS rows along the first dimension, the first DIGEST_VALUES entries of each), each read by a slice;
-    None for a target without safetensors."""
-    from safetensors import safe_open
+    """A sha256 (16 hex digits) of every tensor of target name's safetensors: its name, dtype, shape and the bytes of
+    a sample of its entries (DIGEST_ROWS rows along the first dimension, the first DIGEST_VALUES entries of each), read
+    at their offsets; None for a target without safetensors."""
     try:
         files = weight_files(name)
     except dflash.DFlashError:
         return None
     parts = {}
     for path in sorted(set(files.values())):
-        with safe_open(path, "pt") as f:
-            for k in f.keys():
-                s = f.get_slice(k)
-                shape = s.get_shape()
-                if shape and all(shape):
-                    rows = sorted({round(i * (shape[0] - 1) / (DIGEST_ROWS - 1)) for i in range(DIGEST_ROWS)})
-                    cut = [slice(0, 1)] * max(len(shape) - 2, 0) + [slice(0, DIGEST_VALUES)] * (len(shape) > 1)
-                    values = torch.cat([s[(slice(r, r + 1), *cut)].float().flatten() for r in rows])
-                else:  # a scalar, or a tensor with no entries
-                    values = f.get_tensor(k).float().flatten()
-                parts[k] = f"{k} {s.get_dtype()} {shape}".encode() + values.numpy().tobytes()
+        tensors, data = safetensors_header(path)
+        with open(path, "rb") as f:
+            for k, t in tensors.items():
+                shape, (start, end) = t["shape"], t["data_offsets"]
+                size = SAFETENSORS_BYTES.get(t["dtype"], 1)
+                row = (end - start) // max(shape[0], 1) if shape else end - start  # bytes a row along dimension 0
+                rows = sorted({round(i * (shape[0] - 1) / (DIGEST_ROWS - 1)) for i in range(DIGEST_ROWS)}) \
+                    if shape and shape[0] else [0]
+                sample = b"".join(os.pread(f.fileno(), min(row, DIGEST_VALUES * size), data + start + r * row)
+                                  for r in rows)
+                parts[k] = f"{k} {t['dtype']} {shape}".encode() + sample
     return hashlib.sha256(b"".join(parts[k] for k in sorted(parts))).hexdigest()[:16]
 
 
@@ -277,15 +277,13 @@ class Features:
     def check(self):
         """Every file's safetensors header against its size and the shapes the manifest and index give, before a step
         (no tensor read): a truncated or damaged file refused in one line, naming it, before anything is written."""
-        from safetensors import safe_open
         m = self.manifest
         D, k = m["hidden_size"], len(m["target_layer_ids"])
         files = [hit for hits in self.keys.values() for hit in hits]
         for n, sample, p in tqdm(files, desc="checking the capture's files", disable=len(files) < 20000):
             try:
-                with safe_open(p, "pt") as f:
-                    shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
-            except Exception as e:  # a truncated file: "incomplete metadata, file not fully covered"
+                shapes = {name: t["shape"] for name, t in safetensors_header(p)[0].items()}
+            except (OSError, ValueError) as e:  # truncated, garbage, gone
                 raise dflash.DFlashError(f"{p}: unreadable ({dflash.first_line(e)}); remove it and rerun the capture "
                                          f"(it captures what is missing)") from None
             want = {"input_ids": [n], "features": [n, k * D], **({"scales": [n, k]} if m["dtype"] == "int8" else {}),

@@ -128,6 +128,27 @@ def text_part(content, where):
     need(ok, f"{where} is not one text part ({json.dumps(content)[:80]}); give it as a string")
     return part["text"]
 
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # bytes an entry, by the header's dtype
+
+def safetensors_header(path):
+    """({name: {dtype, shape, data_offsets}}, where the data starts) of a safetensors file, from its header alone (no
+    tensor read; safetensors' own safe_open copies a whole file in for torch): ValueError where the file is shorter or
+    longer than its header says (truncated) or the header is not one."""
+    with open(path, "rb") as f:
+        size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8).ljust(8, b"\xff"), "little")
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"a header of {n:,} bytes in a file of {size:,}: not safetensors, or truncated")
+        try:
+            header = json.loads(f.read(n))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise ValueError(f"its header is not safetensors' ({first_line(e)})") from None
+    if 8 + n + end != size:
+        raise ValueError(f"{size:,} bytes where its header says {8 + n + end:,}: truncated or appended to")
+    return tensors, 8 + n
+
 def dir_digest(path):
     """{size, sha256} of a save_to_disk directory's files (names and bytes, in name order), as dflash records a
     data file's: a resume can tell the data changed."""
