@@ -15,9 +15,10 @@ dense target; a hybrid Gated-DeltaNet target's chunked scan rounds differently p
 The format (version 1), a directory:
   manifest.json   format, version; target: its record as checkpoints keep it (dflash.target_record: name, fingerprint,
                   probe: the embedding's); layers_digest: weights_digest of the target's safetensors, every tensor
-                  (null: a target without safetensors); hidden_size, num_target_layers, vocab_size; tokenizer and chat_template: sha256 of the
-                  tokenizer's JSON and of its template; target_layer_ids with their convention (layer t: the residual
-                  stream after decoder layer t, hidden_states[t + 1], before the final norm: dflash.capture_hidden);
+                  (null: a target without safetensors); hidden_size, num_target_layers, vocab_size; tokenizer and
+                  chat_template: sha256 of the tokenizer's JSON and of its template; target_layer_ids with their
+                  convention (layer t: the residual stream after decoder layer t, hidden_states[t + 1], before the
+                  final norm: dflash.capture_hidden);
                   dtype (bf16 | fp32 | int8), final (whether f is stored); pad_id; num_samples, num_tokens, complete;
                   data and eval_data: their digests (dflash.path_digest); max_len, enable_thinking; walk: the held-out
                   walk's seed, eval_fraction, prompts and tokens; flags: the capture's command line.
@@ -223,8 +224,8 @@ class Features:
         layer_ids = have if layer_ids is None else list(layer_ids)
         lack = [t for t in layer_ids if t not in have]
         need(not lack, f"--features {path} holds layers {have}, the drafter reads {layer_ids}: no layer "
-             f"{', '.join(map(str, lack))}; pass --target_layer_ids {','.join(map(str, sorted(set(have))))} (or some of "
-             f"them), or capture with --target_layer_ids {','.join(map(str, layer_ids))} into a new --out")
+             f"{', '.join(map(str, lack))}; pass --target_layer_ids {','.join(map(str, sorted(set(have))))} (or some "
+             f"of them), or capture with --target_layer_ids {','.join(map(str, layer_ids))} into a new --out")
         D, self.layer_ids = m["hidden_size"], layer_ids
         self.columns = torch.cat([torch.arange(have.index(t) * D, (have.index(t) + 1) * D) for t in layer_ids])
         self.refresh()
@@ -417,7 +418,8 @@ class FeatureTarget:
         t = self.store.read(p)
         walk = self.store.manifest.get("walk") or {}
         need(walk.get("tokens") == max_new_tokens, f"--features: the held-out walk was captured with "
-             f"--eval_walk_tokens {walk.get('tokens')}, this run asks {max_new_tokens}; pass {walk.get('tokens')}")
+             f"--eval_walk_tokens {walk.get('tokens')}, this run asks {max_new_tokens}; pass --eval_walk_tokens "
+             f"{walk.get('tokens')}")
         return t["input_ids"][None].to(ids.device)
 
 
@@ -466,8 +468,8 @@ def check_manifest(m, args, meta, path, digest):
     need(m.get("chat_template") == template_hash(tok), f"--features {path} was captured with another chat template "
          f"({m.get('chat_template')}, this target's {template_hash(tok)}); {fix}")
     for k in ("max_len", "enable_thinking"):
-        need(m.get(k) == getattr(args, k), f"--features {path} was captured with --{k} {m.get(k)}, this run has "
-             f"--{k} {getattr(args, k)}; pass {m.get(k)} or recapture")
+        need(m.get(k) == getattr(args, k), f"--features {path} was captured with {as_flag(k, m.get(k))}, this run "
+             f"has {as_flag(k, getattr(args, k))}; pass {as_flag(k, m.get(k))}, or recapture")
     digest = digest or dflash.path_digest(args.data)
     need(m.get("data") == digest, f"--features {path} was captured from other data than --data {args.data} (sha256 "
          f"{str((m.get('data') or {}).get('sha256'))[:12]}, this {digest['sha256'][:12]}); pass that --data or "
@@ -476,12 +478,19 @@ def check_manifest(m, args, meta, path, digest):
         need(m.get("eval_data") == dflash.path_digest(args.eval_data), f"--features {path} holds no capture of "
              f"--eval_data {args.eval_data}; recapture with it, or drop --eval_data")
     w = m.get("walk") or {}
-    same = {"seed": args.seed, "eval_fraction": dflash.eval_fraction(args), "tokens": args.eval_walk_tokens}
-    bad = [k for k, v in same.items() if w.get(k) != v] + (["prompts"] if w.get("prompts", 0) < args.eval_walk_prompts
-                                                          else [])
+    same = {"seed": args.seed, "eval_fraction": dflash.eval_fraction(args), "eval_walk_tokens": args.eval_walk_tokens}
+    bad = [k for k, v in same.items() if w.get(k.removeprefix("eval_walk_")) != v] + (
+        ["eval_walk_prompts"] if w.get("prompts", 0) < args.eval_walk_prompts else [])
+    flags = " ".join(f"--{k} {w.get(k.removeprefix('eval_walk_'))}" for k in bad)
     need(not (args.eval_walk_prompts and bad) or args.capture_missing, f"--features {path}: its held-out walk was "
-         f"captured with {', '.join(f'--{k} {w.get(k)}' for k in bad)} (flags: --seed, --eval_fraction, "
-         f"--eval_walk_prompts, --eval_walk_tokens); pass those, --eval_walk_prompts 0, or --capture_missing")
+         f"captured with {flags}; pass {flags}, or --eval_walk_prompts 0, or --capture_missing")
+
+
+def as_flag(k, v):  # the command line that gives flag --k the value v (enable_thinking: either way, or neither)
+    if k != "enable_thinking":
+        return f"--{k} {v}"
+    return {True: "--enable_thinking", False: "--no-enable_thinking"}.get(v, "neither --enable_thinking nor "
+                                                                             "--no-enable_thinking")
 
 
 def load_target(args, run, world, device):

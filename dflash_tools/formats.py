@@ -128,8 +128,8 @@ def text_part(content, where):
     need(ok, f"{where} is not one text part ({json.dumps(content)[:80]}); give it as a string")
     return part["text"]
 
-SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
-                     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # bytes an entry, by the header's dtype
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                     "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # bytes an entry, by dtype
 
 def safetensors_header(path):
     """({name: {dtype, shape, data_offsets}}, where the data starts) of a safetensors file, from its header alone (no

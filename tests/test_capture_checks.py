@@ -53,8 +53,9 @@ def suggested(err, flag):
 def test_default_layers_are_trainings_and_each_fix_trains(cap, capsys, tmp_path):
     """On the 4-layer tiny target the capture's default is training's valid default, [1, 2] (a 5-layer drafter's
     rule spreads [1, 1, 1, 1, 1]); training without --target_layer_ids is refused naming --target_layer_ids 1,2, which
-    then trains; a drafter asking for a layer the capture lacks is told a --target_layer_ids it holds, which trains; a
-    capture storing a layer twice is refused."""
+    then trains; a drafter asking for a layer the capture lacks is told a --target_layer_ids it holds, which trains;
+    another --max_len or walk than the capture's is told the capture's flags, which train; a capture storing a layer
+    twice is refused."""
     m = json.load(open(os.path.join(cap["default"], "manifest.json")))
     assert m["target_layer_ids"] == dflash.valid_target_layer_ids(4, 5) == [1, 2]
     assert dflash.default_target_layer_ids(4, 5) == [1, 1, 1, 1, 1]
@@ -64,6 +65,13 @@ def test_default_layers_are_trainings_and_each_fix_trains(cap, capsys, tmp_path)
     err = fails_with(capsys, [*run, "--target_layer_ids", "0,2", "--out", str(tmp_path / "c")], "no layer 0;",
                      "into a new --out")
     assert len(train(tmp_path / "d", *run, "--target_layer_ids", suggested(err, "--target_layer_ids"))) > 2
+    run = [*run, "--target_layer_ids", "1,2"]
+    for flags, needle in ((["--max_len", "100"], "--max_len 3072"),
+                          (["--eval_walk_prompts", "6", "--eval_walk_tokens", "10"], "--eval_walk_tokens 12 "
+                                                                                     "--eval_walk_prompts 4")):
+        out = str(tmp_path / flags[0].strip("-"))
+        fails_with(capsys, [*run, *flags, "--out", out], f"captured with {needle}", f"pass {needle}")
+        assert len(train(out + "_fixed", *run, *flags, *needle.split())) > 2
     with pytest.raises(SystemExit):
         capture(cap["q3"], cap["data"], tmp_path / "twice", "--target_layer_ids", "1,2,1")
     assert "store layer(s) [1] twice" in capsys.readouterr().err

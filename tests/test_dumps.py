@@ -63,11 +63,13 @@ def hf_states(target, ids):
 
 def write_speculators(root, target, samples, vllm_ids, dtype=torch.float32, rows=None):
     """prepare_data.py's save_to_disk dataset at root (input_ids, loss_mask, seq_len; in torch format, as its
-    build_eagle3_dataset sets it) and vLLM's ExampleHiddenStates connector's files root/hidden_states/hs_{i}.safetensors:
-    token_ids [S], hidden_states [S, n, D], one slot per launch id, in layer order."""
+    build_eagle3_dataset sets it) and vLLM's ExampleHiddenStates connector's files
+    root/hidden_states/hs_{i}.safetensors: token_ids [S], hidden_states [S, n, D], one slot per launch id, in layer
+    order."""
     from datasets import Dataset
     ds = Dataset.from_dict({"input_ids": [ids.tolist() for ids, _ in samples],
-                            "loss_mask": [mask.tolist() for _, mask in samples], "seq_len": [len(ids) for ids, _ in samples]})
+                            "loss_mask": [mask.tolist() for _, mask in samples],
+                            "seq_len": [len(ids) for ids, _ in samples]})
     ds.set_format("torch")
     ds.save_to_disk(str(root))
     os.makedirs(root / "hidden_states", exist_ok=True)
@@ -223,8 +225,9 @@ def test_refusals_name_what_the_dump_lacks(tmp_path, target, samples):
 
 @pytest.mark.parametrize("kind", ["speculators", "specforge", "specforge-gz"])
 def test_a_truncated_file_is_named_when_read(tmp_path, target, samples, kind):
-    """The dump opens reading no sample, the good samples read, and the truncated one is one line naming it; speculators'
-    tokens(i), the index training builds before its first step, checks each file's header against its size."""
+    """The dump opens reading no sample, the good samples read, and the truncated one is one line naming it;
+    speculators' tokens(i), the index training builds before its first step, checks each file's header against its
+    size."""
     if kind == "speculators":
         path = write_speculators(tmp_path / "prep", target, samples, [1, 4])
         bad = os.path.join(path, "hidden_states", "hs_1.safetensors")
