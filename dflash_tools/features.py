@@ -557,11 +557,12 @@ def check_layers(m, args):
 
 def reading_line(path, store, ids, hybrid):
     """The line that says a run trains from features: the directory, dtype, layers, samples (and walks)."""
-    m, n = store.manifest, len(getattr(store, "reader", store))
+    m, n = store.manifest, len(getattr(store, "reader", store))  # (a plug-in reader's manifest may say less)
     kind = f"{m['kind']} dump, " if m.get("kind") else ""
     walks = f", {len(store.prompts)} held-out walks" if store.prompts else ""
-    return (f"features: training from {path} ({kind}{m['dtype']}, layers {ids} of "
-            f"{m.get('available_layer_ids', m['target_layer_ids'])}, {n:,} of {m['num_samples']:,} samples{walks}); "
+    return (f"features: training from {path} ({kind}{m.get('dtype', 'dtype unsaid')}, layers {ids} of "
+            f"{m.get('available_layer_ids', m['target_layer_ids'])}, {n:,} of {m.get('num_samples', n):,} samples"
+            f"{walks}); "
             + ("the target captures what is missing (--capture_missing)" if hybrid else "the target's layers are not "
                "loaded"))
 
