@@ -79,7 +79,8 @@ def test_default_layers_are_trainings_and_each_fix_trains(cap, capsys, tmp_path)
 
 def test_a_capture_of_another_fine_tune_is_refused(cap, capsys, tmp_path):
     """A target whose one decoder layer differs (the embedding the same: the record's fingerprint agrees) has its
-    weights' digest differ, and a capture of the other is refused in one line."""
+    weights' digest differ, and a capture of the other is refused in one line; a capture made before the digest is
+    accepted with a note that only the embedding was checked."""
     from safetensors.torch import load_file, save_file
     other = str(tmp_path / "tuned")
     shutil.copytree(cap["q3"], other)
@@ -95,6 +96,13 @@ def test_a_capture_of_another_fine_tune_is_refused(cap, capsys, tmp_path):
     run = replace([*cap["run"], "--target_layer_ids", "1,2"], "--target", other)
     fails_with(capsys, [*run, "--features", cap["default"], "--out", str(tmp_path / "o")], "weights differ from "
                "--target", "beyond the embedding", "recapture with this target")
+    old = str(tmp_path / "old")  # a capture made before the digest: accepted, saying what was checked
+    shutil.copytree(cap["default"], old)
+    m = json.load(open(os.path.join(old, "manifest.json")))
+    del m["layers_digest"]
+    json.dump(m, open(os.path.join(old, "manifest.json"), "w"))
+    assert len(train(tmp_path / "accepted", *run, "--features", old)) > 2
+    assert "predates the layers' digest: only the target's embedding is checked" in capsys.readouterr().err
 
 
 def test_a_truncated_file_is_refused_before_a_step(cap, capsys, tmp_path):
