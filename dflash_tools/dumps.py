@@ -1,7 +1,9 @@
 """The feature dumps other trainers write, read for `dflash.py --features DIR` when DIR is not one of ours: speculators'
 (vLLM's extract_hidden_states, so a target served tensor-parallel on as many GPUs as it needs) and SpecForge's
-(scripts/prepare_hidden_states.py). open_dump(DIR, ...) -> a Dump: .manifest, len(dump), dump.sample(i). Nothing is
-read ahead: the directory is listed, one file opened for its shapes, and each sample checked when it is read.
+(scripts/prepare_hidden_states.py). open_dump(DIR, ...) -> a Dump: .manifest, len(dump), dump.sample(i). Opening
+reads no sample: the directory is listed, one file opened for its shapes, and each sample checked when it is read;
+tokens(i), the index training builds before its first step, reads a sample's tokens and checks its file (speculators':
+the safetensors header against the file's size and the row; SpecForge's: the record, read whole).
 
 Our convention: layer t is the residual stream after decoder layer t (0-based), before the final norm; the labels are
 y[j] = argmax lm_head(f[j-1]), f after the final norm. Theirs:

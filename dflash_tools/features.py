@@ -29,7 +29,8 @@ The format (version 1), a directory:
                   [S, m*D] (int8: plus scales fp32 [S, m], one per token and layer, x = q * scale), final [S, D] with
                   --store_final; a walk file input_ids (prompt + the target's greedy continuation), prompt_len,
                   features. Every file is written aside, synced and renamed: a killed capture leaves no file a reader
-                  would trust; a rerun captures what is missing.
+                  would trust; a rerun captures what is missing. Training checks every file's header against its
+                  size and the shapes above before its first step (Features.check: no tensor read).
 Disk per token: m * D * (2 bf16 | 4 fp32 | 1 int8 + 4/D) + 9 bytes (labels, tokens, mask), + D * 2|4 with f.
 A training batch row is found by its key, the sha1 of its tokens without trailing pad tokens: the same lookup serves
 the loss, the held-out loss and the walk, whatever the shuffle, and a row that is in no capture is refused.
