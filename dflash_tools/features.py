@@ -37,11 +37,12 @@ the loss, the held-out loss and the walk, whatever the shuffle, and a row that i
 
 The target a capture was made from: the record's fingerprint covers the embedding alone (as checkpoints keep it), so
 layers_digest covers every tensor the target's safetensors hold (decoder layers, norms, lm_head, any tower): each
-tensor's name, dtype and shape, and 64 of its values (8 rows evenly spaced along its first dimension, the first 8
-entries of each), read by slices from the files, never the whole tensor, by the capture and again by training, which
-then refuses another target's capture (a fine-tune of the same base) in one line. It catches what changes a tensor's
-sampled rows (a fine-tune changes nearly every entry), not one edited entry. Its cost on a 27B target (~1,000 tensors,
-54 GB in bf16): 64k values read, at most 8 pages of 4 KiB a tensor, under 40 MB of the files plus their headers.
+tensor's name, dtype and shape, and the bytes of 64 of its entries (8 rows evenly spaced along its first dimension,
+the first 8 entries of each), read at their offsets in the files (never a whole tensor) by the capture and again by
+training, which refuses another target's capture (a fine-tune of the same base) in one line. It sees what changes a
+tensor's sampled rows (a fine-tune changes nearly every entry), not one edited entry. Its cost on a 27B target
+(~1,100 tensors with its vision tower, 54 GB in bf16): the headers (a few MB) and ~9k reads of 16 bytes, under 40 MB
+of 4 KiB pages (a few hundred MB at most with the kernel's readahead); SmolLM2-135M (272 tensors, 0.54 GB): 50 ms.
 A loss needing the target's distribution (not its greedy labels) needs f: capture with --store_final.
 Other trainers' dumps (SpecForge, speculators): dflash_tools/dumps.py reads them behind the same reader interface,
 open_features(path, layer_ids) -> .manifest, len(), .sample(i) -> input_ids, loss_mask, features, labels (or None);
@@ -561,11 +562,10 @@ def reading_line(path, store, ids, hybrid):
     m, n = store.manifest, len(getattr(store, "reader", store))  # (a plug-in reader's manifest may say less)
     kind = f"{m['kind']} dump, " if m.get("kind") else ""
     walks = f", {len(store.prompts)} held-out walks" if store.prompts else ""
+    layers = "the target captures what is missing (--capture_missing)" if hybrid else "the target's layers not loaded"
     return (f"features: training from {path} ({kind}{m.get('dtype', 'dtype unsaid')}, layers {ids} of "
             f"{m.get('available_layer_ids', m['target_layer_ids'])}, {n:,} of {m.get('num_samples', n):,} samples"
-            f"{walks}); "
-            + ("the target captures what is missing (--capture_missing)" if hybrid else "the target's layers are not "
-               "loaded"))
+            f"{walks}); {layers}")
 
 
 class Indexed:
@@ -632,8 +632,7 @@ class Capture:
     def manifest(self, samples, prompts):
         a, t = self.args, self.target
         return {"format": FORMAT, "version": VERSION, "target": self.record, "layers_digest": weights_digest(a.target),
-                "hidden_size": t.hidden_size,
-                "num_target_layers": t.num_layers, "vocab_size": t.vocab_size,
+                "hidden_size": t.hidden_size, "num_target_layers": t.num_layers, "vocab_size": t.vocab_size,
                 "tokenizer": tokenizer_hash(t.tokenizer), "chat_template": template_hash(t.tokenizer),
                 "target_layer_ids": self.layer_ids, "layer_convention": CONVENTION, "dtype": self.dtype,
                 "final": self.final, "pad_id": pad_of(t.tokenizer), "num_samples": len(samples),
@@ -795,17 +794,15 @@ def capture(args):
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     cap.target, cap.record = target, dflash.target_record(target)
     todo, walk = cap.open(ids)
-    t0, quiet = time.perf_counter(), rank != 0 and world > 1
-    with tqdm(total=len(todo), desc=f"capture: samples{f' (rank {rank})' * (world > 1)}", unit="sample",
-              disable=quiet or not todo) as bar:
+    t0, quiet, share = time.perf_counter(), rank != 0 and world > 1, f" (rank 0's share of {world})" * (world > 1)
+    with tqdm(total=len(todo), desc=f"capture: samples{share}", unit="sample", disable=quiet or not todo) as bar:
         for k in range(0, len(todo), args.batch_size):
             cap.sample(*todo[k:k + args.batch_size])
             bar.update(len(todo[k:k + args.batch_size]))
             bar.set_postfix_str(f"{cap.tokens:,} tokens")
     generated = 0
     with tqdm(total=len(walk), desc=f"capture: held-out walk prompts, the target generating up to "
-              f"{args.eval_walk_tokens} tokens each{f' (rank {rank})' * (world > 1)}", unit="prompt",
-              disable=quiet or not walk) as bar:
+              f"{args.eval_walk_tokens} tokens each{share}", unit="prompt", disable=quiet or not walk) as bar:
         for k in walk:
             generated += len(cap.walk(k))
             bar.update(1)

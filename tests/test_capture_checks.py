@@ -126,7 +126,7 @@ def test_a_run_from_features_says_so_and_reads_its_walks(cap, capsys, tmp_path):
     train(tmp_path / "o", *cap["run"], "--target_layer_ids", "1,2", "--features", cap["default"])
     out = capsys.readouterr().out
     assert (f"features: training from {cap['default']} (fp32, layers [1, 2] of [1, 2], 24 of 24 samples, 4 held-out "
-            f"walks); the target's layers are not loaded") in out
+            f"walks); the target's layers not loaded") in out
     assert "held-out walk: reading the captured greedy continuations of 4" in out and "generating" not in out
     capture(cap["q3"], cap["data"], tmp_path / "again")
     err = capsys.readouterr().err
