@@ -226,8 +226,8 @@ class Features:
         layer_ids = have if layer_ids is None else list(layer_ids)
         lack = [t for t in layer_ids if t not in have]
         need(not lack, f"--features {path} holds layers {have}, the drafter reads {layer_ids}: no layer "
-             f"{', '.join(map(str, lack))}; pass --target_layer_ids {','.join(map(str, sorted(set(have))))} (or some "
-             f"of them), or capture with --target_layer_ids {','.join(map(str, layer_ids))} into a new --out")
+             f"{', '.join(map(str, lack))}; pass --target_layer_ids {','.join(map(str, usable(m)))} (or some of "
+             f"them), or capture with --target_layer_ids {','.join(map(str, layer_ids))} into a new --out")
         D, self.layer_ids = m["hidden_size"], layer_ids
         self.columns = torch.cat([torch.arange(have.index(t) * D, (have.index(t) + 1) * D) for t in layer_ids])
         self.refresh()
@@ -296,6 +296,10 @@ class Features:
                    if shapes.get(name) != shape]
             need(not bad, f"{p}: {'; '.join(bad)} (the capture's manifest and index); the file is corrupt: remove it "
                  f"and rerun the capture (it captures what is missing)")
+
+
+def usable(m):  # the layers of a capture a drafter may read, in order (never the last: see Capture.open)
+    return sorted({t for t in m["target_layer_ids"] if t < m["num_target_layers"] - 1})
 
 
 def open_features(path, layer_ids=None, target_record=None, dump_kw=None):
@@ -647,11 +651,8 @@ class Capture:
     def open(self, layer_ids=None):
         """Read the data, write (or check) the manifest, clear killed writes; -> what is left to capture."""
         a, t = self.args, self.target
-        self.layer_ids = list(layer_ids or a.target_layer_ids or capture_layers(t.num_layers))
-        bad = [i for i in self.layer_ids if not 0 <= i < t.num_layers]
-        need(not bad, f"--target_layer_ids {bad}: the target has layers 0..{t.num_layers - 1}; give layers in range")
-        twice = sorted({i for i in self.layer_ids if self.layer_ids.count(i) > 1})
-        need(not twice, f"--target_layer_ids {self.layer_ids} store layer(s) {twice} twice; give each layer once")
+        self.layer_ids = check_layer_ids(list(layer_ids or a.target_layer_ids or capture_layers(t.num_layers)),
+                                         t.num_layers)
         self.data, self.prompts = self.samples()
         self.pad = pad_of(t.tokenizer)
         self.keys = {row_key(ids, self.pad)[0]: i for i, (ids, _) in enumerate(self.data)}
@@ -759,6 +760,15 @@ def capture_layers(L):  # the default: those a 5-layer drafter reads by default 
     return dflash.valid_target_layer_ids(L, 5)
 
 
+def check_layer_ids(ids, L):  # layers a drafter can read (not the last: SGLang cannot capture it), each once
+    bad = [i for i in ids if not 0 <= i < L - 1]
+    need(not bad, f"--target_layer_ids {bad}: a drafter reads the target's layers 0..{L - 2} (not its last, which "
+         f"SGLang cannot capture); give layers in that range")
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    need(not twice, f"--target_layer_ids {ids} store layer(s) {twice} twice; give each layer once")
+    return ids
+
+
 def barrier(world):
     if world > 1:
         dflash.dist.barrier()
@@ -773,7 +783,7 @@ def capture(args):
     dflash.check_writable_dir(args.out, "--out", fix="give a writable directory for the capture")
     cap = Capture(args, meta, args.out, rank, world, None, say)
     cap.record = {"target": args.target, "fingerprint": None}  # the real record once the weights load
-    ids = list(args.target_layer_ids or capture_layers(meta.num_layers))
+    ids = check_layer_ids(list(args.target_layer_ids or capture_layers(meta.num_layers)), meta.num_layers)
     cap.layer_ids = ids
     cap.data, cap.prompts = cap.samples()
     m, D = len(ids), meta.hidden_size

@@ -55,7 +55,7 @@ def test_default_layers_are_trainings_and_each_fix_trains(cap, capsys, tmp_path)
     rule spreads [1, 1, 1, 1, 1]); training without --target_layer_ids is refused naming --target_layer_ids 1,2, which
     then trains; a drafter asking for a layer the capture lacks is told a --target_layer_ids it holds, which trains;
     another --max_len or walk than the capture's is told the capture's flags, which train; a capture storing a layer
-    twice is refused."""
+    twice, or the last layer (which no drafter reads), is refused."""
     m = json.load(open(os.path.join(cap["default"], "manifest.json")))
     assert m["target_layer_ids"] == dflash.valid_target_layer_ids(4, 5) == [1, 2]
     assert dflash.default_target_layer_ids(4, 5) == [1, 1, 1, 1, 1]
@@ -72,9 +72,10 @@ def test_default_layers_are_trainings_and_each_fix_trains(cap, capsys, tmp_path)
         out = str(tmp_path / flags[0].strip("-"))
         fails_with(capsys, [*run, *flags, "--out", out], f"captured with {needle}", f"pass {needle}")
         assert len(train(out + "_fixed", *run, *flags, *needle.split())) > 2
-    with pytest.raises(SystemExit):
-        capture(cap["q3"], cap["data"], tmp_path / "twice", "--target_layer_ids", "1,2,1")
-    assert "store layer(s) [1] twice" in capsys.readouterr().err
+    for layers, needle in (("1,2,1", "store layer(s) [1] twice"), ("1,3", "not its last")):
+        with pytest.raises(SystemExit):
+            capture(cap["q3"], cap["data"], tmp_path / "bad", "--target_layer_ids", layers)
+        assert needle in capsys.readouterr().err
 
 
 def test_a_capture_of_another_fine_tune_is_refused(cap, capsys, tmp_path):
