@@ -551,8 +551,9 @@ def load_target(args, run, world, device):
 def check_layers(m, args):
     """The capture's target against --target beyond the embedding: every tensor's sample (weights_digest)."""
     if "layers_digest" not in m:  # a capture made before the digest: the embedding's fingerprint alone was checked
-        print(f"note: --features {args.features} predates the layers' digest: only the target's embedding is checked "
-              f"against --target {args.target}", file=sys.stderr)
+        if rank_of() == 0:
+            print(f"note: --features {args.features} predates the layers' digest: only the target's embedding is "
+                  f"checked against --target {args.target}", file=sys.stderr)
         return
     now = weights_digest(args.target)
     need(None in (m["layers_digest"], now) or m["layers_digest"] == now, f"--features {args.features} was captured "
