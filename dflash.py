@@ -277,7 +277,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: the module docstring's"""
+    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: Part III, the contract"""
     Layer = DecoderLayer
 
     def __init__(self, cfg, attention="dense"):

@@ -256,8 +256,9 @@ def tv(logq, logp):  # total variation
     return 0.5 * (logq.exp() - logp.exp()).abs().sum(-1)
 
 
-for f, side in ((fkl2, "accepted"), (fkl, "accepted"), (k3, "rejected"), (rkl, "rejected"), (tv, "rejected")):
-    f.side, f.at_token = side, f in (fkl2, k3)
+fkl2.side = fkl.side = "accepted"
+k3.side = rkl.side = tv.side = "rejected"
+fkl2.at_token = k3.at_token = True
 DIVERGENCES = {f.__name__: f for f in (fkl2, fkl, k3, rkl, tv)}
 MODES = {"accepted": ("ce",), "rejected": ("tv1", "none")}  # the stage's own: ce through block_loss; tv1 is tv's
 
