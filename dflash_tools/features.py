@@ -503,7 +503,8 @@ def load_target(args, run, world, device):
     """dflash.py --features: the FeatureTarget of a capture (--capture_missing: beside the whole target, which
     captures the rows the capture lacks)."""
     need(not args.shard_target, "--features loads no target layers: nothing to shard; drop --shard_target")
-    need(not args.stage, f"--stage {args.stage} runs the target itself, --features loads none of its layers; drop one")
+    need(not (run.stage and getattr(run.stage.Stage, "runs_target", True)), f"--stage {args.stage} runs the target "
+         f"itself (its Stage.runs_target), --features loads none of its layers; drop one")
     meta = dflash.load_target(args.target, "meta", dflash.DTYPES[args.dtype], args.trust_remote_code)
     embed, head = load_embedding_and_head(args, meta, device)
     record = dflash.target_record(FeatureTarget(meta, embed, head, None, args.target))
