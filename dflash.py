@@ -2032,12 +2032,11 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
     mine, per_rank = rank_share(prompts, rank, world)
     # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    todo, walked, t0 = mine + extra, [], time.time()
-    verb = getattr(target, "walk_source", "generating the")  # a capture's (--features): read, not generated
+    todo, walked, t0, verb = mine + extra, [], time.time(), getattr(target, "walk_source", "generating the")
     say(f"held-out walk: {verb} greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
     for p in todo:
         walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
-        if len(walked) == 1 < len(todo) and verb == "generating the":
+        if len(walked) == 1 < len(todo) and verb == "generating the":  # (--features: read, not generated)
             say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
                 f"for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
