@@ -394,6 +394,12 @@ class Target:
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
 
+    def features(self, input_ids, layer_ids, labels=True, final=False):
+        """What training reads of the target, one pass (target_features, greedy_labels below): the context features
+        (b, S, m*D), the labels (b, S) if labels, f (b, S, D) if final. A capture (--features) reads them from disk."""
+        context, f = target_features(self, input_ids, layer_ids)
+        return context, greedy_labels(f, self.lm_head) if labels else None, f if final else None
+
 @contextmanager
 def capture_hidden(target, layer_ids):
     """Forward hooks on decoder layers `layer_ids` and the final norm: yields {t: h[t], "final": f}. Layer t means
@@ -415,8 +421,6 @@ def capture_hidden(target, layer_ids):
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
     """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], f (b, S, D) (right pads need no mask)."""
-    if hasattr(target, "stored"):  # features read from disk (a capture), the greedy labels in place of f
-        return target.stored(input_ids, layer_ids)
     with capture_hidden(target, layer_ids) as store:
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
@@ -424,8 +428,6 @@ def target_features(target, input_ids, layer_ids):
 @torch.no_grad()
 def greedy_labels(final, lm_head, chunk=None):
     """y[j] = argmax lm_head(f[j-1]), what greedy verification accepts: final (b, S, D) -> (b, S), y[0] = -1."""
-    if final.dtype == torch.long:  # --features: the target's greedy labels as captured
-        return final
     b, S, D = final.shape
     f = final[:, :-1].reshape(-1, D)
     chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
@@ -525,9 +527,10 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where built: selected there)
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
-    context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
-    y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
-    f = block_labels(final, anchors - 1, B) if getattr(loss_kw.get("loss"), "target_logits", 0) else None
+    want_f = getattr(loss_kw.get("loss"), "target_logits", False)  # a --loss on the target's distribution: f too
+    context, y, final = target.features(input_ids, cfg.target_layer_ids, labels == "target", want_f)  # (b, S, m*D)
+    y = block_labels(y if labels == "target" else input_ids, anchors, B)             # (b, N, B)
+    f = block_labels(final, anchors - 1, B) if want_f else None
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
     with torch.no_grad():
         x = embed_blocks(target, ids)
@@ -597,7 +600,7 @@ def walk_continuation(drafter, target, prompt, continuation, features=None, B=No
     """One drafting pass walked every way, acceptance lengths {"tau": the draft rule's chain, "tree": {N: N-node tree
     verification}, each WALKS name}; the drafts, the rule's tensors (offsets 1..B-1). features default: target pass."""
     ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
-    features = target_features(target, ids, drafter.cfg.target_layer_ids)[0] if features is None else features
+    features = target.features(ids, drafter.cfg.target_layer_ids, labels=False)[0] if features is None else features
     tree, keep = import_tool("tree", "tree verification") if trees else None, (B or drafter.cfg.block_size) - 1
     rule = tree.topk_rule(min(max(trees), target.vocab_size)) if trees else None  # the chain's drafts and a top-K
     drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, temperature=temperature)
