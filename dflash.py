@@ -22,7 +22,7 @@ The method in ten lines
     tau (the acceptance length) = tokens committed per target forward = accepted + 1, what the walk (tau_walk) measures.
     The drafter conditions on context features: the outputs h[t] of target layers t in target_layer_ids, concatenated
     and projected by fc+hidden_norm to one vector per position, which every drafter layer sees as extra keys/values.
-    Visibility (pictured above make_mask_mod): a block token sees the context j < a (the target has no hidden state
+    Visibility (pictured at make_mask_mod): a block token sees the context j < a (the target has no hidden state
     for the anchor yet) and its own block (offsets up to its own in a causal layer); sliding layers drop keys W or
     more positions away. Training runs the blocks of many anchors in one call; the loss is hard cross-entropy against
     the target's greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i: loss = sum(w * CE) / sum(w), global batch.
@@ -169,10 +169,15 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
 #           i=2 @7  | xxxxx...  ....     xxxx     | ........  ....     xxx.
 #           i=3 @8  | xxxxx...  ....     xxxx     | ........  ....     .xxx
 
+def block_positions(anchors, B):
+    return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
+
 def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
     """anchors, anchor_valid (b, N) -> mask_mod, pictured above (python -m dflash_tools.plot --mask): query i of anchor
     a sees context j < a and its own block (offsets i' <= i when causal); a sliding window counts positions for every
-    key, context and block alike, as vLLM and SGLang serve it: |q_pos - k_pos| < W. Padding anchors see nothing."""
+    key, context and block alike, as vLLM and SGLang serve it: |q_pos - k_pos| < W. Padding anchors see nothing.
+    Why a full layer sees its block both ways and a sliding layer causally: z-lab's released drafters are configured
+    so (is_causal unset), vLLM and SGLang serve them so, and a drafter is trained as it is served."""
     def mask_mod(b, h, q_idx, kv_idx):
         n, i = q_idx // B, q_idx % B
         a, k_off = anchors[b, n], (kv_idx - S) % B     # a block key's offset i': its position is a + i'
@@ -188,21 +193,14 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
     return mask_mod
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per (causal, window) layer kind: plain's table, flex's BlockMask, or dense's pair and context_spans"""
-    b, N = anchors.shape
-    B, masks = cfg.block_size, {}
+    """One mask per (causal, window) layer kind: plain attention's whole table (b, N*B, S+N*B) of make_mask_mod,
+    quadratic in anchors; flex and dense take their own form of the same rule (fast_mask, Part II)."""
+    (b, N), B, masks = anchors.shape, cfg.block_size, {}
+    ar = partial(torch.arange, device=anchors.device)
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
         mod = make_mask_mod(anchors, anchor_valid, S, B, *kind)
-        if attention == "flex":
-            compile_flex()  # (a no-op once a flex drafter was built; here for one switched to flex later)
-            make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
-            masks[kind] = make(mod, b, None, N * B, S + N * B, device=anchors.device)
-        elif attention == "plain":  # the whole (b, N*B, S+N*B) table, quadratic in anchors: for reading and tests
-            i = partial(torch.arange, device=anchors.device)
-            masks[kind] = mod(i(b)[:, None, None], 0, i(N * B)[:, None], i(S + N * B))
-        else:
-            ctx_visible, own_visible = dense_masks(mod, b, N, S, B, anchors.device)
-            masks[kind] = ctx_visible, own_visible, context_spans(ctx_visible)
+        masks[kind] = mod(ar(b)[:, None, None], 0, ar(N * B)[:, None], ar(S + N * B)) if attention == "plain" else \
+            fast_mask(mod, attention, anchors, S, B)
     return masks
 
 # -----------------------------------------------------------------------------
@@ -249,6 +247,12 @@ def plain_attention(q, k, v, visible):
     att = att.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
     return att.nan_to_num(0.0) @ v  # a padding anchor sees nothing: 0 (its NaNs, gradient too, are masked out)
 
+def one_sequence(q, k_ctx, v_ctx, k_blk, v_blk):
+    """All blocks as one query sequence against [context ; all blocks]: q (b, N, B, h, hd) -> (b, h, N*B, hd), the
+    context's k/v (b, S, hk, hd) and the blocks' (b, N, B, hk, hd) -> (b, hk, S+N*B, hd)"""
+    keys = lambda ctx, blk: torch.cat([ctx, blk.flatten(1, 2)], 1).transpose(1, 2)  # noqa: E731
+    return q.flatten(1, 2).transpose(1, 2), keys(k_ctx, k_blk), keys(v_ctx, v_blk)
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -267,28 +271,17 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.hk, self.hd))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' plain table, BlockMask or triple."""
+        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' table (or a fast path's form)"""
         b, N, B, _ = x.shape
-        h, hk, hd = self.h, self.hk, self.hd
+        h, hd = self.h, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
         k_blk, v_blk = self.keys_values(x, cos, sin)                                  # (b, N, B, hk, hd)
         # the fp32 norm weights promote q and k under autocast while v stays bf16: one dtype for the kernel
         q, k_blk, k_ctx, v_ctx = (t.to(v_blk.dtype) for t in (q, k_blk, k_ctx, v_ctx))
-        if not isinstance(mask, tuple):  # all blocks as one query sequence against [context ; all blocks]
-            q = q.reshape(b, N * B, h, hd).transpose(1, 2)
-            k = torch.cat([k_ctx, k_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            v = torch.cat([v_ctx, v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            if isinstance(mask, BlockMask):  # the fast path on CUDA: flex skips the tiles the BlockMask hides
-                out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
-            else:
-                out = plain_attention(q, k, v, mask)                                    # (b, h, N*B, hd)
-            out = out.transpose(1, 2).reshape(b, N, B, h * hd)
-        else:  # the dense fast path: each group of blocks against its span of the context and its own keys
-            ctx_visible, own_visible, spans = mask
-            out = torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
-                                                v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
-                             for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
-        return self.o_proj(out)
+        if not torch.is_tensor(mask):  # flex's BlockMask or dense's triple: the same numbers, fast (Part II)
+            return self.o_proj(fast_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask))
+        out = plain_attention(*one_sequence(q, k_ctx, v_ctx, k_blk, v_blk), mask)                 # (b, h, N*B, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, N, B, h * hd))
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -360,7 +353,9 @@ class DFlashDrafter(nn.Module):
         return logits.argmax(-1), {}
 
     def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None, final=None):
-        """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
+        """sum(w * loss) and its stats: plain_ce under --attention plain, else weighted_ce (Part II: any --loss)"""
+        if self.attention == "plain" and type(loss or CE()) is CE:
+            return plain_ce(hidden, lm_head, labels, weights)
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
 
     def logprobs(self, logits, h, prev, progress=None):
@@ -456,9 +451,6 @@ def batch_anchors(batch, num_anchors, salt=0):
             for m, k in zip(batch["loss_mask"], batch["keys"])]
     return torch.stack([a for a, _ in rows]), torch.stack([v for _, v in rows])
 
-def block_positions(anchors, B):
-    return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
-
 def block_input_ids(input_ids, anchors, B, mask_token_id):
     """[tok[a], M, M, ..., M] for every anchor: (b, N, B)."""
     ids = torch.full((*anchors.shape, B), mask_token_id, dtype=torch.long, device=anchors.device)
@@ -498,22 +490,21 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None, final=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once.
-    loss: a --loss (CE.reweigh); final (b, N, B, D): the target's state f[a+i-1], if the loss asks."""
-    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
-    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
-    y, f = labels.flatten()[sel].clamp(min=0), None if final is None else final.reshape(-1, final.shape[-1])[sel]
-    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
-                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss, f)
-    w, norm = loss.reweigh(weights, logq, sel)
-    ce_w = (tl * w.flatten()[sel]).sum()
-    valid, correct = weights > 0, torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
-    correct[sel] = pred == y
-    return ce_w, {"w": norm.detach(), "ce_w": ce_w.detach(), **accuracy_stats(correct.view_as(valid) & valid, valid)}
+def plain_ce(hidden, lm_head, labels, weights):
+    """The loss in plain form, nanoGPT's way: full logits, F.cross_entropy at every block token, sum(w * CE) (the loss
+    is that / sum(w)); weighted_ce (Part II) computes the same in vocabulary chunks, any --loss too (tested)."""
+    weights = weights.to(hidden.device)
+    logits = lm_head(hidden.to(lm_head.weight.dtype)).float()                       # (b, N, B, V): all at once
+    y = labels.clamp(min=0)                                                         # (a label -1 has weight 0)
+    ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(weights)
+    ce_w, valid = (weights * ce).sum(), weights > 0
+    return ce_w, {"w": weights.sum(), "ce_w": ce_w.detach(), **accuracy_stats((logits.argmax(-1) == y) & valid, valid)}
 
 def accuracy_stats(correct, valid):
-    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted: tau estimate 1 + accepted / blocks"""
+    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted. The "tau" training logs is the estimate
+    1 + accepted / blocks: every sampled anchor's leading drafts equal to its labels, each block counted alike, as if
+    a walk drafted at every anchor. It exceeds the walked tau (below): a walk drafts only where its last step stopped,
+    after a rejected draft, where drafting is hardest."""
     blocks = valid[..., 1]
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
     return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
@@ -575,21 +566,12 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=Non
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each seeing context < a (features (1,
     S, m*D)), through the draft rule (drafter.draft, or trees' top-K) given the true tokens (n, B): drafts (S-1-first,
     B-1), row k anchored at first+k, and the rule's tensors, rows alike."""
-    cfg, flex, rule = drafter.cfg, drafter.attention == "flex", rule or drafter.draft
-    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
-    anchors = torch.arange(first, S - 1, device=ids.device)
-    if flex:  # few shapes for the compiled kernel: the context padded by the one rule (padding is never visible:
-        pad = padded_length(S) - S  # j >= S > a), anchors padded to whole chunks of at most padded_length(anchors)
-        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))  # (they see nothing)
-    S_ctx, kv = context_features.shape[1], drafter.context_kv(context_features.to(dtype))  # (1, S_ctx, hk, hd) a layer
-    chunk = min(anchors_per_chunk(cfg, S_ctx, drafter.attention, budget), padded_length(len(anchors)) if flex else S)
-    out = []
-    for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
-        a, n = anchors[c:c + chunk], min(chunk, len(anchors) - c)
-        valid = torch.arange(chunk if flex else n, device=ids.device) < n  # flex: whole chunks, padding anchors at 0
-        a = F.pad(a, (0, len(valid) - n))
+    cfg, rule, dtype, B = drafter.cfg, rule or drafter.draft, drafter.fc.weight.dtype, drafter.cfg.block_size
+    context_features, ids, chunks = anchor_chunks(drafter, context_features, ids, first, budget)  # bounded memory
+    S, kv, out = context_features.shape[1], drafter.context_kv(context_features.to(dtype)), []  # kv: (1, S, hk, hd)
+    for a, valid, n in chunks:  # anchors a (N,) at a time, the first n real
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
-        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
+        h = drafter.blocks(x, a[None], valid[None], kv, S)                                # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
         true = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)]                 # (n, B)
         out.append(rule(logits, h[0, :n, 1:], ids[0, a[:n]], true, temperature))          # (n, B-1), {name: ...}
@@ -602,15 +584,15 @@ def walk_continuation(drafter, target, prompt, continuation, features=None, B=No
     ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
     features = target.features(ids, drafter.cfg.target_layer_ids, labels=False)[0] if features is None else features
     tree, keep = import_tool("tree", "tree verification") if trees else None, (B or drafter.cfg.block_size) - 1
-    rule = tree.topk_rule(min(max(trees), target.vocab_size)) if trees else None  # the chain's drafts and a top-K
+    rule = tree.rule(trees, target.vocab_size) if tree else None  # dflash_tools/tree.py: the chain's and a top-K
     drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, temperature=temperature)
     drafts, more = drafts[:, :keep].tolist(), {k: v[:, :keep] for k, v in more.items()}
     walks = {k: tau_walk(continuation, more[k].tolist()) for k in getattr(drafter, "WALKS", ()) if k in more}
-    walks["tree"] = {b: tree.walk(continuation, more["logq"], more["tokens"], b) for b in trees}
+    walks["tree"] = tree.walks(continuation, more, trees) if tree else {}
     return {"tau": tau_walk(continuation, drafts), **walks}, drafts, more
 
 # -----------------------------------------------------------------------------
-# Training: the step, the drafter's build, the loop
+# Training: the step and the loop (the drafter's build, AdamW, DDP and compile: build_drafter in Part III)
 
 def lr_at(step, total_steps, lr, warmup_ratio):
     """Linear warmup over warmup_ratio of the run, then cosine decay to 0."""
@@ -652,34 +634,6 @@ def train_step(model, optimizer, target, cfg, micro, lr, num_anchors, grad_clip,
     getattr(stage, "after", lambda stats: None)(total)
     return total, grad_norm, ok
 
-def build_drafter(args, run, target, world, device, say=print):
-    """The drafter (new, --init_from's or resumed), its AdamW, the model the loop calls, the loss's kwargs."""
-    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
-    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg, source = run.cfg, run.resume_dir or run.init_from
-    drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
-    if run.variant:  # the variant's own set-up from its flags
-        v = run.variant
-        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
-    if not source and target.lm_head.weight is target.embed.weight:  # tied (Llama-3.2, Qwen3-0.6B..4B, Gemma3)
-        start_off_mask(drafter, target)
-        say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
-    drafter.grad_checkpoint, optimizer = args.grad_checkpoint, make_optimizer(drafter, args, run, world, device, say)
-    drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
-    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
-        drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
-    model = torch.compile(model) if compile_ else model
-    if compile_ and device.type == "cuda":  # the chunked CE's pointwise work fused around its two matmuls
-        ChunkedLMHead.rows = torch.compile(loss_rows, dynamic=True)
-    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
-        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
-        f"{attention}, compile {compile_}")
-    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, loss=loss_of(args), pad_to=pad_to,
-                   raw_model=drafter)
-    return drafter, model, optimizer, loss_kw
-
 def train(args):
     """A run: set-up (inputs checked, then target, data, drafter, resume), the loop, the end -> drafter, cfg, target"""
     # --- set-up: everything that can be checked without loading weights is checked first
@@ -694,32 +648,20 @@ def train(args):
                       getattr(target.tokenizer, "pad_token_id", None) or 0)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
     check_resume(args.out, run, batches.global_batch, master)
-    drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
+    drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)  # new or resumed
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world, say)
     os.makedirs(args.out, exist_ok=True)
     say(run_summary(args, target, total_steps, batches.global_batch, world, device))
 
-    def log_metrics(record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
-        if master:
-            append_metrics(args.out, record)
-            trackers.log(record)
-
-    def held_out(step):
-        held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, say,
-                      log_metrics)
-
-    def save(step):
-        save_checkpoint(args.out, step, drafter, optimizer, DTYPES[args.save_dtype], {
-            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "loss": args.loss, "stage_state": run.stage_state, "wandb_id": trackers.wandb_id}, world, say, trained_for)
+    out = RunOutputs(args, run, target, trained_for, drafter, optimizer, batches, eval_samples, walk, loss_kw,
+                     trackers, rank, world, device, say)  # logs, metrics, held-out evaluations, checkpoints
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
-    bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
     step_fn = partial(train_step, stage=run.stage.Stage(args, run.stage_state)) if run.stage else train_step
     if step == 0:
-        held_out(0)
-    stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
+        out.held_out(0)  # the held-out loss, tau estimate (accuracy_stats) and walked tau of the untrained drafter
+    stopped = False
     plugins = [run.variant, run.stage, args.loss != "ce" and loss_plugin(args.loss)[0]]  # an exception in one: a line
     with StopFlag(args.out, say, plugins) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
@@ -729,26 +671,19 @@ def train(args):
                                            args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
-            seen.append(torch.stack([ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]).float())
+            out.seen(ok, total, grad_norm)  # read at the next log line or save: no host sync each step
             if step == start + 1:
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
-                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
-                line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device, drafter, args.loss)
-                say(line)
-                log_metrics(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
-                t_last, tokens = time.time(), 0
+                out.log(step, total, lr, grad_norm, bar)  # loss, the tau estimate (accuracy_stats), acc@1, lr, ...
             if args.eval_every and step % args.eval_every == 0 and step != total_steps:
-                held_out(step)
+                out.held_out(step)
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
-                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
-                save(step)
+                out.save(step)
         if not stopped and step > start:  # --- the end (none if resumed done), under StopFlag: a signal keeps its save
-            held_out(step)
-            save(step)
+            out.held_out(step)
+            out.save(step)
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
@@ -773,6 +708,28 @@ def dense_masks(mask_mod, b, N, S, B, device):
     own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
     bi = torch.arange(b, device=device).view(b, 1, 1, 1)
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
+
+def fast_mask(mask_mod, attention, anchors, S, B):
+    """build_masks' rule for a fast path: flex's BlockMask, or dense's pair of masks and context_spans"""
+    b, N = anchors.shape
+    if attention == "flex":
+        compile_flex()  # (a no-op once a flex drafter was built; here for one switched to flex later)
+        make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
+        return make(mask_mod, b, None, N * B, S + N * B, device=anchors.device)
+    ctx_visible, own_visible = dense_masks(mask_mod, b, N, S, B, anchors.device)
+    return ctx_visible, own_visible, context_spans(ctx_visible)
+
+def fast_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask):
+    """Attention.forward's fast paths, the plain attention's numbers: q (b, N, B, h, hd), k/v_ctx (b, S, hk, hd),
+    k/v_blk (b, N, B, hk, hd), mask: fast_mask's -> (b, N, B, h*hd)"""
+    b, N, B, h, hd = q.shape
+    if isinstance(mask, BlockMask):  # flex on CUDA skips the tiles the BlockMask hides
+        out = compiled_flex_attention(*one_sequence(q, k_ctx, v_ctx, k_blk, v_blk), block_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, N, B, h * hd)
+    ctx_visible, own_visible, spans = mask  # dense: each group of blocks against its span of the context, its own keys
+    return torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
+                                         v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
+                      for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
     """Each block's queries attend to [context ; own block]: one softmax, two parts sharing the row max, the context
@@ -836,6 +793,20 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None, final=None):
+    """sum(w * CE) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once.
+    loss: a --loss (CE.reweigh); final (b, N, B, D): the target's state f[a+i-1], if the loss asks."""
+    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
+    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
+    y, f = labels.flatten()[sel].clamp(min=0), None if final is None else final.reshape(-1, final.shape[-1])[sel]
+    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
+                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss, f)
+    w, norm = loss.reweigh(weights, logq, sel)
+    ce_w = (tl * w.flatten()[sel]).sum()
+    valid, correct = weights > 0, torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
+    correct[sel] = pred == y
+    return ce_w, {"w": norm.detach(), "ce_w": ce_w.detach(), **accuracy_stats(correct.view_as(valid) & valid, valid)}
+
 def loss_rows(hs, weight, bias, ys, grad: bool, loss, fs=None):  # fs: the target's rows, for a loss that asks
     """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits."""
     logits = F.linear(hs.to(weight.dtype), weight, bias).float()                 # (chunk, V)
@@ -877,11 +848,28 @@ class ChunkedLMHead(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None, None
 
+def anchor_chunks(drafter, context_features, ids, first, budget=None):
+    """draft_every_anchor's anchors a = first..S-2 in chunks of bounded memory -> the context and ids (padded for
+    flex's few compiled shapes: padding is never visible, j >= S > a), [(anchors (N,), valid (N,), n real)]"""
+    flex, S = drafter.attention == "flex", ids.shape[1]
+    anchors = torch.arange(first, S - 1, device=ids.device)
+    if flex:  # the context padded by the one rule, anchors padded to whole chunks of at most padded_length(anchors)
+        pad = padded_length(S) - S
+        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
+    S_ctx, chunks = context_features.shape[1], []
+    chunk = min(anchors_per_chunk(drafter.cfg, S_ctx, drafter.attention, budget), padded_length(len(anchors)) if flex
+                else S)
+    for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
+        a, n = anchors[c:c + chunk], min(chunk, len(anchors) - c)
+        valid = torch.arange(chunk if flex else n, device=ids.device) < n  # flex: whole chunks, padding anchors at 0
+        chunks.append((F.pad(a, (0, len(valid) - n)), valid, n))
+    return context_features, ids, chunks
+
 def anchors_per_chunk(cfg, S, attention, budget=None):
     """Blocks drafted at once so the MLP, logits and (dense) scores stay near `budget` elements."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
-    if attention == "dense":
+    if attention != "flex":  # (plain's table also grows with the chunk: plain is for reading)
         per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
     return max(1, (budget or MEMORY_BUDGET) // per_anchor)
 
@@ -1210,6 +1198,34 @@ def read_train_state(d):
     bad = next((k for k, v in ok.items() if not v), None)
     need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
+
+def build_drafter(args, run, target, world, device, say=print):
+    """The drafter (new, --init_from's or resumed), its AdamW, the model the loop calls, the loss's kwargs."""
+    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
+    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    cfg, source = run.cfg, run.resume_dir or run.init_from
+    drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
+    if run.variant:  # the variant's own set-up from its flags
+        v = run.variant
+        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
+    if not source and target.lm_head.weight is target.embed.weight:  # tied (Llama-3.2, Qwen3-0.6B..4B, Gemma3)
+        start_off_mask(drafter, target)
+        say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
+    drafter.grad_checkpoint, optimizer = args.grad_checkpoint, make_optimizer(drafter, args, run, world, device, say)
+    drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
+    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
+        drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
+    model = torch.compile(model) if compile_ else model
+    if compile_ and device.type == "cuda":  # the chunked CE's pointwise work fused around its two matmuls
+        ChunkedLMHead.rows = torch.compile(loss_rows, dynamic=True)
+    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
+        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
+        f"{attention}, compile {compile_}")
+    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, loss=loss_of(args), pad_to=pad_to,
+                   raw_model=drafter)
+    return drafter, model, optimizer, loss_kw
 
 def make_optimizer(drafter, args, run, world, device, say):  # AdamW (--zero: split over the ranks), resumed
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
@@ -1957,6 +1973,48 @@ def run_summary(args, target, total_steps, global_batch, world, device):
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
+class RunOutputs:
+    """What train() writes at a step: the log line and metrics (rank 0: metrics.jsonl, --report_to's trackers),
+    held-out evaluations, checkpoints; the steps not yet read are settled (non-finite ones counted) before each."""
+    def __init__(self, args, run, target, trained_for, drafter, optimizer, batches, eval_samples, walk, loss_kw,
+                 trackers, rank, world, device, say):
+        vars(self).update({k: v for k, v in locals().items() if k != "self"})  # what train() set up, by its names
+        self.bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
+        self.unread, self.tokens, self.t_last = [], 0, time.time()  # unread: (ok, loss, grad, tokens) of steps
+
+    def seen(self, ok, total, grad_norm):
+        loss = total["ce_w"] / total["w"].clamp(1e-9)
+        self.unread.append(torch.stack([ok, loss, grad_norm, total["tokens"]]).float())
+
+    def settle(self, step):
+        self.bad_steps, self.tokens = settle(self.unread, self.bad_steps, self.tokens, step, self.args, self.say)
+
+    def metrics(self, record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
+        if self.rank == 0:
+            append_metrics(self.args.out, record)
+            self.trackers.log(record)
+
+    def log(self, step, total, lr, grad_norm, bar):
+        self.settle(step)
+        line, record = step_record(step, total, lr, grad_norm, self.tokens / max(time.time() - self.t_last, 1e-9),
+                                   self.device, self.drafter, self.args.loss)
+        self.say(line)
+        self.metrics(record)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
+        self.t_last, self.tokens = time.time(), 0
+
+    def held_out(self, step):
+        held_out_eval(step, self.drafter, self.target, self.eval_samples, self.walk, self.args, self.batches.pad_id,
+                      self.rank, self.world, self.loss_kw, self.say, self.metrics)
+
+    def save(self, step):
+        self.settle(step)
+        args, run = self.args, self.run
+        save_checkpoint(args.out, step, self.drafter, self.optimizer, DTYPES[args.save_dtype], {
+            "args": vars(args), "global_batch": self.batches.global_batch, "bad_steps": self.bad_steps,
+            "data": run.data_digest, "loss": args.loss, "stage_state": run.stage_state,
+            "wandb_id": self.trackers.wandb_id}, self.world, self.say, self.trained_for)
+
 def settle(seen, bad, tokens, step, args, say):
     """One host sync reads the unread steps (seen, emptied): a non-finite one said, counted; all ranks' tokens added."""
     for k, (ok, loss, grad, n) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
@@ -2354,7 +2412,8 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps (seen when logging)", int, lo=1)
     g = p.add_argument_group("system")
     flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
-    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
+    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense; plain: Part I's plain attention "
+         "and loss, to step through; memory quadratic in anchors)", choices=["auto", "flex", "dense", "plain"])
     flag(g, "--dtype", "auto", "target dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=list(DTYPES))
     flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly)", choices=["fp32", "bf16"])
     flag(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")
