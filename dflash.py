@@ -1986,26 +1986,59 @@ class RunOutputs:
         loss = total["ce_w"] / total["w"].clamp(1e-9)
         self.unread.append(torch.stack([ok, loss, grad_norm, total["tokens"]]).float())
 
-    def settle(self, step):
-        self.bad_steps, self.tokens = settle(self.unread, self.bad_steps, self.tokens, step, self.args, self.say)
+    def settle(self, step):  # one host sync reads the unread steps: a non-finite one said, counted; tokens added
+        for k, (ok, loss, grad, n) in enumerate(torch.stack(self.unread).tolist() if self.unread else [],
+                                                step - len(self.unread) + 1):
+            self.bad_steps, self.tokens = 0 if ok else self.bad_steps + 1, self.tokens + n
+            if not ok:
+                self.say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({self.bad_steps})")
+            need(self.bad_steps < self.args.max_bad_steps, f"{self.bad_steps} consecutive non-finite steps; lower "
+                 f"--lr or check the data")
+        self.unread.clear()
 
     def metrics(self, record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
-        if self.rank == 0:
-            append_metrics(self.args.out, record)
-            self.trackers.log(record)
+        if self.rank:
+            return
+        try:
+            with open(os.path.join(self.args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise DFlashError(f"cannot append to {self.args.out}/metrics.jsonl ({e.strerror}); "
+                              f"{last_complete(self.args.out)}") from None
+        self.trackers.log(record)
 
-    def log(self, step, total, lr, grad_norm, bar):
+    def log(self, step, total, lr, grad_norm, bar):  # the console line and its metrics record
         self.settle(step)
-        line, record = step_record(step, total, lr, grad_norm, self.tokens / max(time.time() - self.t_last, 1e-9),
-                                   self.device, self.drafter, self.args.loss)
-        self.say(line)
-        self.metrics(record)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
+        m, tokens_per_s = summarize(total, self.drafter), self.tokens / max(time.time() - self.t_last, 1e-9)
+        if self.device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:  # the process's peak resident memory (resource: POSIX only, imported where it is read)
+            import resource
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.say(f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+                 f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
+        self.metrics({"step": step, "loss": m["loss"], "loss_type": self.args.loss, "tau": m["tau"], "acc": m["acc"],
+                      "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem,
+                      **figures(m)})
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
         self.t_last, self.tokens = time.time(), 0
 
-    def held_out(self, step):
-        held_out_eval(step, self.drafter, self.target, self.eval_samples, self.walk, self.args, self.batches.pad_id,
-                      self.rank, self.world, self.loss_kw, self.say, self.metrics)
+    def held_out(self, step):  # the held-out loss and tau estimate (evaluate), the walked tau (walk_tau)
+        args, drafter, target, samples = self.args, self.drafter, self.target, self.eval_samples
+        if not samples:
+            return
+        drafter.eval()
+        m = evaluate(drafter, target, samples, args.batch_size, num_anchors(args), self.batches.pad_id, args.seed,
+                     self.rank, self.world, **self.loss_kw)
+        walked, acceptance, others = walk_tau(drafter, target, self.walk, self.world, args.eval_walk_tree_budget)
+        drafter.train()
+        others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
+        self.say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+                 + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
+        walk = {"eval_walk_acceptance": acceptance, "measured": measurement(target.tokenizer, args.enable_thinking,
+                args.eval_walk_tokens, walk_prompts(samples, args.eval_walk_prompts))} if walked is not None else {}
+        self.metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
+                      "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
     def save(self, step):
         self.settle(step)
@@ -2014,16 +2047,6 @@ class RunOutputs:
             "args": vars(args), "global_batch": self.batches.global_batch, "bad_steps": self.bad_steps,
             "data": run.data_digest, "loss": args.loss, "stage_state": run.stage_state,
             "wandb_id": self.trackers.wandb_id}, self.world, self.say, self.trained_for)
-
-def settle(seen, bad, tokens, step, args, say):
-    """One host sync reads the unread steps (seen, emptied): a non-finite one said, counted; all ranks' tokens added."""
-    for k, (ok, loss, grad, n) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
-        bad, tokens = 0 if ok else bad + 1, tokens + n
-        if not ok:
-            say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad})")
-        need(bad < args.max_bad_steps, f"{bad} consecutive non-finite steps; lower --lr or check the data")
-    seen.clear()
-    return bad, tokens
 
 def summarize(stats, drafter=None):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
@@ -2035,28 +2058,9 @@ def summarize(stats, drafter=None):
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):  # (console line, metrics record)
-    m = summarize(total, drafter)
-    if device.type == "cuda":
-        mem = torch.cuda.max_memory_allocated(device) / 2**20
-    else:  # the process's peak resident memory (resource: POSIX only, imported where it is read)
-        import resource
-        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
-    return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
-
 def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
     shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
     return f"  ({', '.join(shown)})" if shown else ""
-
-def append_metrics(out, record):
-    try:
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:
-        raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
 
 # -----------------------------------------------------------------------------
 # Batches: the same global batch for a step whatever the ranks; stats summed over them
@@ -2174,22 +2178,6 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
         total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
                                              **{**loss_kw, "noise_std": 0, "progress": None})[1])
     return summarize(all_reduce_sum(total, world), drafter)
-
-def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    if not eval_samples:
-        return
-    drafter.eval()
-    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
-                 **loss_kw)
-    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
-    drafter.train()
-    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
-    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
-    walk = {"eval_walk_acceptance": acceptance, "measured": measurement(target.tokenizer, args.enable_thinking,
-            args.eval_walk_tokens, walk_prompts(eval_samples, args.eval_walk_prompts))} if walked is not None else {}
-    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
 # How a walked tau was measured (all it depends on beyond the drafter), in records and reports: none compared blindly
 def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
