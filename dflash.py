@@ -3,6 +3,7 @@ DFlash: train a block-diffusion speculative-decoding drafter against a frozen ta
 
 Quick start
     python dflash.py                      # CPU demo: tiny target, train a drafter, measure tau (< 10 min)
+    python dflash.py --demo --attention plain   # the same through Part I's plain attention and loss, to step through
     python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 \
         --sliding_window 0                # one GPU
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl --out runs/q36 \
@@ -146,13 +147,6 @@ class DFlashConfig:
         sliding = self.layer_types[i] == "sliding_attention"
         causal = bool(self.is_causal) if self.is_causal is not None else sliding
         return causal, self.sliding_window if sliding else None
-
-def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread evenly from layer 1 to L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (SGLang's rule too)."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [L // 2]
-    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 # -----------------------------------------------------------------------------
 # Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function. Keys:
@@ -353,7 +347,7 @@ class DFlashDrafter(nn.Module):
         return logits.argmax(-1), {}
 
     def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None, final=None):
-        """sum(w * loss) and its stats: plain_ce under --attention plain, else weighted_ce (Part II: any --loss)"""
+        """sum(w * loss), its stats: plain_ce (below) under --attention plain, else weighted_ce (Part II, any --loss)"""
         if self.attention == "plain" and type(loss or CE()) is CE:
             return plain_ce(hidden, lm_head, labels, weights)
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
@@ -956,6 +950,13 @@ def plugin(spec, why):
 
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
+def default_target_layer_ids(num_target_layers, num_draft_layers):
+    """Spread evenly from layer 1 to L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (SGLang's rule too)."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 def valid_target_layer_ids(L, n):  # the default if valid, else <= n layers evenly over 1..L-2 (L=4, n=5: [1, 2])
     ids, layers = default_target_layer_ids(L, n), list(range(1, L - 1)) or [0]
