@@ -495,10 +495,10 @@ def plain_ce(hidden, lm_head, labels, weights):
     return ce_w, {"w": weights.sum(), "ce_w": ce_w.detach(), **accuracy_stats((logits.argmax(-1) == y) & valid, valid)}
 
 def accuracy_stats(correct, valid):
-    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted. The "tau" training logs is the estimate
-    1 + accepted / blocks: every sampled anchor's leading drafts equal to its labels, each block counted alike, as if
-    a walk drafted at every anchor. It exceeds the walked tau (below): a walk drafts only where its last step stopped,
-    after a rejected draft, where drafting is hardest."""
+    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted. The "tau" training logs is an estimate,
+    1 + accepted / blocks: at every sampled anchor the drafts equal to its labels before the first miss, every block
+    alike. The walk (below) drafts only where its last step stopped, after a miss, where drafting is hardest, against
+    the target's own continuation (the labels follow the data's tokens): the walked tau is lower."""
     blocks = valid[..., 1]
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
     return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
