@@ -2040,6 +2040,7 @@ class RunOutputs:
                 args.eval_walk_tokens, walk_prompts(samples, args.eval_walk_prompts))} if walked is not None else {}
         self.metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
                       "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
+        self.t_last = time.time() if step == 0 else self.t_last  # tokens/s: training's, from after the first eval
 
     def save(self, step):
         self.settle(step)
