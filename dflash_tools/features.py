@@ -357,7 +357,7 @@ class Stub:  # the model's config and generation config, and a generate that rea
 
 class FeatureTarget:
     """What training needs of a target, with the features read from a capture: embed, lm_head, tokenizer, model
-    (config, generation_config, generate from the captured walk), stored(input_ids, layer_ids) for target_features.
+    (config, generation_config, generate from the captured walk), features(input_ids, layer_ids, labels, final).
     capture: --capture_missing's Capture, beside the whole target (a row the capture lacks is captured, written)."""
     sharded = False
 
@@ -388,6 +388,13 @@ class FeatureTarget:
         need(torch.equal(t["input_ids"], ids[:hit[0]].cpu()), f"{hit[1]}: its tokens disagree with the batch's "
              f"(a corrupt file or a hash collision); remove it and rerun the capture")
         return hit[0], t
+
+    def features(self, input_ids, layer_ids, labels=True, final=False):
+        """dflash.Target.features from the capture: context, the labels (as captured, or greedy from a stored f), f."""
+        context, stored = self.stored(input_ids, layer_ids)
+        f = None if stored.dtype == torch.long else stored  # the labels alone, or f (--store_final)
+        y = (stored if f is None else dflash.greedy_labels(f, self.lm_head)) if labels else None
+        return context, y, f if final else None
 
     @torch.no_grad()
     def stored(self, input_ids, layer_ids):
