@@ -124,4 +124,5 @@ def weight_files(name):
     """features.weight_files for a GGUF target: {tensor name: the file} of the tensors --features reads alone (a tied
     lm_head has none)."""
     path = find(name)
-    return {k: path for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") if _tensor(path, k) is not None}
+    keys = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    return {k: path for k in keys if _tensor(path, k) is not None}

@@ -173,3 +173,26 @@ def test_without_the_gguf_package_a_gguf_target_is_one_error_line(twins):
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "pip install gguf" in err[0] and "tiny.F32.gguf" in err[0]
+
+
+def test_the_bench_on_the_gguf_prints_the_step_ratio_and_the_flop_rate(twins, capsys):
+    """features.py bench --target (the GGUF's directory): the online and from-capture step times, their ratio and the
+    target forward's share; the drafter step's useful FLOPs (bench.drafter_flops) near what torch's FlopCounterMode
+    counts as executed (within 0.5x-4x: the dense path also computes masked scores), and both rates against the
+    machine's matmul rate, each figure what its parts make."""
+    import re
+    with torch_threads(1):
+        features.main(["bench", "--target", os.path.dirname(twins["gguf"]), "--dtypes", "fp32", "--steps", "1",
+                       "--max_len", "24", "--num_anchors", "4", "--block_size", "4", "--num_draft_layers", "1",
+                       "--samples", "4", "--matmul_size", "128"])
+    out = capsys.readouterr().out
+    rate = float(re.search(r"fp32 matmul 128\^3 on 1 threads: ([\d.,]+) GFLOP/s", out)[1].replace(",", ""))
+    on, feat, ratio = map(float, re.search(r"online ([\d.]+), from the capture ([\d.]+): ([\d.]+)x", out).groups())
+    assert rate > 0 and on > 0 and feat > 0 and abs(ratio - on / feat) <= 0.01 * ratio + 0.01
+    fwd, share = map(float, re.search(r"forward ([\d.]+) s, (\d+)% of the online step", out).groups())
+    assert abs(share - 100 * fwd / on) <= 1
+    m = re.search(r"drafter step: ([\d.e+-]+) GFLOP useful .*, ([\d.e+-]+) executed .* capture ([\d.e+-]+) GFLOP/s "
+                  r"useful, ([\d.e+-]+) executed: (\d+)% of the matmul rate", out)
+    useful, executed, useful_rate, executed_rate, percent = map(float, m.groups())
+    assert 0.5 <= executed / useful <= 4
+    assert abs(useful_rate - useful / feat) <= 0.02 * useful_rate and abs(percent - 100 * executed_rate / rate) <= 1
