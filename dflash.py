@@ -385,7 +385,7 @@ class Target:
     tokenizer: object
     name: str
     sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
-    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf.py)
+    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf_target.py)
 
     def __post_init__(self):
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
@@ -1349,13 +1349,13 @@ def load_tokenizer(name, trust_remote_code=False, **gguf):  # its tokenizer, or 
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, **gguf):
     """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    A local path without config.json is a GGUF (dflash_tools/gguf.py), which comes back here with gguf_file."""
+    A local path without config.json is a GGUF (dflash_tools/gguf_target.py), which comes back here with gguf_file."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     local = name.startswith((".", "/", "~")) or os.path.exists(name)
     if local and not gguf and not os.path.isfile(f"{name}/config.json"):  # a .gguf file, or a folder holding one
-        return import_tool("gguf", f"target {name!r} (no config.json: a GGUF?)").load_target(name, device, dtype, shard)
+        return import_tool("gguf_target", f"target {name!r} (a GGUF?)").load_target(name, device, dtype, shard)
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **gguf)
         drafter = getattr(config, "dflash_config", None)

@@ -259,7 +259,7 @@ def open_features(path, layer_ids=None, target_record=None, dump_kw=None):
 def weight_files(name):
     """{tensor name: file} of a target's safetensors (one file or an index), local or downloaded once; of a GGUF's."""
     if os.path.exists(name) and not os.path.isfile(os.path.join(name, "config.json")):  # as dflash.load_target
-        return dflash.import_tool("gguf", f"target {name!r} (no config.json: a GGUF?)").weight_files(name)
+        return dflash.import_tool("gguf_target", f"target {name!r} (no config.json: a GGUF?)").weight_files(name)
     path = name
     if not os.path.isdir(name):
         from huggingface_hub import snapshot_download
@@ -289,7 +289,7 @@ def read_tensor(files, module_name, what, name):
 
 def get_tensor(file, key):  # one tensor of a safetensors file, or of a GGUF (dequantised as transformers loads it)
     if file.endswith(".gguf"):
-        return dflash.import_tool("gguf", f"the GGUF {file!r}").tensor(file, key)
+        return dflash.import_tool("gguf_target", f"the GGUF {file!r}").tensor(file, key)
     from safetensors import safe_open
     with safe_open(file, "pt") as f:
         return f.get_tensor(key)

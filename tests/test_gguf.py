@@ -1,8 +1,9 @@
-"""GGUF targets (dflash_tools/gguf.py): a tiny random Llama written by this test both as safetensors and, with the gguf
-package's writer, as a GGUF (fp32 tensors, llama metadata, a byte-level BPE tokenizer and a ChatML template in the
-file) loads through dflash.load_target as the same model (logits within 1e-5), with the same tokenizer and template;
-a drafter trains on it (online and from a capture) and its records name the .gguf and its sha256; the spellings
-that are not one GGUF are refused in one line, and so is a missing gguf package."""
+"""GGUF targets (dflash_tools/gguf_target.py): a tiny random Llama written by this test both as safetensors and, with
+the gguf package's writer, as a GGUF (fp32 tensors, llama metadata, a byte-level BPE tokenizer and a ChatML template
+in the file) loads through dflash.load_target as the same model (logits within 1e-5), with the same tokenizer and
+template; a drafter trains on it (online and from a capture), eval.py takes it, and the records name the .gguf and
+its sha256; the spellings that are not one GGUF are refused in one line, and so is a missing gguf package; the
+features bench runs on it. No test needs the real 98 MB SmolLM2 file."""
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ import torch
 from conftest import ROOT, SMALL, build_family, refused, replace, torch_threads, write_data
 
 import dflash
+import eval as ev
 from dflash_tools import features
 
 gguf = pytest.importorskip("gguf")
@@ -126,8 +128,9 @@ def test_the_gguf_loads_as_its_safetensors_twin(twins):
 
 def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tmp_path):
     """Two steps online against the GGUF (its directory spelling), and two from a capture of it: each checkpoint's
-    target record and the capture's manifest name the .gguf and its sha256; the embedding and final norm read alone
-    from the file for --features are the loaded model's."""
+    target record and the capture's manifest name the .gguf and its sha256, and eval.py (the file spelling, a real
+    draft-verify loop on a chat-templated prompt) takes the drafter as this target's; the embedding and final norm
+    read alone from the file for --features are the loaded model's."""
     pkg, sha = os.path.dirname(twins["gguf"]), hashlib.sha256(open(twins["gguf"], "rb").read()).hexdigest()
     argv = ["--target", pkg, "--data", twins["data"], *replace(SMALL, "--eval_fraction", "0"), "--max_steps", "2",
             "--batch_size", "2", "--eval_walk_prompts", "0", "--no_progress"]
@@ -142,6 +145,12 @@ def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tm
         latest = open(tmp_path / run / "latest").read().strip()
         rec = json.load(open(tmp_path / run / latest / dflash.TARGET_RECORD))
         assert (rec["target"], rec["gguf"], rec["sha256"]) == (pkg, "tiny.F32.gguf", sha)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")  # chat-templated: ChatML
+    with torch_threads(1):
+        ev.main(["--target", twins["gguf"], "--drafter", str(tmp_path / "feat" / latest), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--max_new_tokens", "8", "--mode", "loop", "--json",
+                 str(tmp_path / "tau.json"), "--no_progress"])
+    assert [r["drafter"] for r in json.load(open(tmp_path / "tau.json"))["results"]][1:] == ["prompt-lookup"]
     meta = dflash.load_target(pkg, "meta")
     args = type("A", (), {"target": pkg, "dtype": "fp32"})
     embed, head = features.load_embedding_and_head(args, meta, torch.device("cpu"))

