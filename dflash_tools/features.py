@@ -840,8 +840,8 @@ def target_bench(args):
     print(f"target {args.target}: {t.num_layers} layers, D {t.hidden_size}, V {t.vocab_size}; drafter "
           f"{b.describe(cfg)}; batch {args.batch_size} x {args.max_len} tokens, {args.num_anchors} anchors, features "
           f"{args.dtypes[0]}")
-    print(f"step (s, median of {args.steps}): online {on:.3f}, from the capture {feat:.3f}: {on / feat:.2f}x; the "
-          f"target's forward {fwd:.3f} s, {fwd / on:.0%} of the online step ({tokens / fwd:,.0f} tokens/s)")
+    print(f"step (s, median of {args.steps}): online {on:.4g}, from the capture {feat:.4g}: {on / feat:.2f}x; the "
+          f"target's forward {fwd:.4g} s, {fwd / on:.0%} of the online step ({tokens / fwd:,.0f} tokens/s)")
     useful, executed = flops["useful"], flops["useful"] * flops["executed_ratio"]
     print(f"drafter step: {useful / 1e9:.3g} GFLOP useful (bench.drafter_flops: 6 x params x tokens, the frozen "
           f"lm_head 4 x D x V a weighted token, attention over visible pairs), {executed / 1e9:.3g} executed (torch "

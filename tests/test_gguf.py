@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from conftest import ROOT, SMALL, build_family, refused, replace, torch_threads,
 
 import dflash
 import eval as ev
-from dflash_tools import features
+from dflash_tools import features, regenerate
 
 gguf = pytest.importorskip("gguf")
 
@@ -105,7 +106,8 @@ def twins(tmp_path_factory):
 def test_the_gguf_loads_as_its_safetensors_twin(twins):
     """Both spellings (the file, its directory) give the same model as the safetensors twin: config, tied lm_head,
     logits within 1e-5 (the same fp32 weights, q/k rows permuted there and back); the tokenizer and chat template from
-    the file encode, render and decode as the twin's; the record names the file and its sha256."""
+    the file encode, render and decode as the twin's (regenerate.py's --tokenizer reads it too); the record names the
+    file and its sha256."""
     st = dflash.load_target(twins["st"])
     x = torch.tensor([[5, 17, 40, 3, 99, 250, 7, 31]])
     want = st.model(x).logits
@@ -124,6 +126,8 @@ def test_the_gguf_loads_as_its_safetensors_twin(twins):
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert tok.convert_tokens_to_ids("<|im_end|>") == 2 and 2 in g.eos_ids()
+    args = SimpleNamespace(endpoint="completions", tokenizer=twins["gguf"], model="m", trust_remote_code=False)
+    assert regenerate.load_tokenizer(args).chat_template == CHATML  # regenerate.py --tokenizer model.gguf
 
 
 def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tmp_path):
@@ -152,7 +156,7 @@ def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tm
                  str(tmp_path / "tau.json"), "--no_progress"])
     assert [r["drafter"] for r in json.load(open(tmp_path / "tau.json"))["results"]][1:] == ["prompt-lookup"]
     meta = dflash.load_target(pkg, "meta")
-    args = type("A", (), {"target": pkg, "dtype": "fp32"})
+    args = SimpleNamespace(target=pkg, dtype="fp32")
     embed, head = features.load_embedding_and_head(args, meta, torch.device("cpu"))
     st = dflash.load_target(twins["st"])
     assert torch.equal(embed.weight, st.embed.weight) and head.weight is embed.weight
@@ -197,9 +201,9 @@ def test_the_bench_on_the_gguf_prints_the_step_ratio_and_the_flop_rate(twins, ca
     out = capsys.readouterr().out
     rate = float(re.search(r"fp32 matmul 128\^3 on 1 threads: ([\d.,]+) GFLOP/s", out)[1].replace(",", ""))
     on, feat, ratio = map(float, re.search(r"online ([\d.]+), from the capture ([\d.]+): ([\d.]+)x", out).groups())
-    assert rate > 0 and on > 0 and feat > 0 and abs(ratio - on / feat) <= 0.01 * ratio + 0.01
+    assert rate > 0 and on > 0 and feat > 0 and abs(ratio - on / feat) <= 0.005 + 2e-3 * ratio  # (4 digits printed)
     fwd, share = map(float, re.search(r"forward ([\d.]+) s, (\d+)% of the online step", out).groups())
-    assert abs(share - 100 * fwd / on) <= 1
+    assert abs(share - 100 * fwd / on) <= 0.5 + 0.2 * fwd / on
     m = re.search(r"drafter step: ([\d.e+-]+) GFLOP useful .*, ([\d.e+-]+) executed .* capture ([\d.e+-]+) GFLOP/s "
                   r"useful, ([\d.e+-]+) executed: (\d+)% of the matmul rate", out)
     useful, executed, useful_rate, executed_rate, percent = map(float, m.groups())
