@@ -27,43 +27,7 @@ The method in ten lines
     more positions away. Training runs the blocks of many anchors in one call; the loss is hard cross-entropy against
     the target's greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i: loss = sum(w * CE) / sum(w), global batch.
 
-The contract: a variant, a loss or a training stage is one module, and nothing here is edited. Its flag names it as a
-dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags with flag(g, ...),
-accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
-- A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
-  problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
-  dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
-  (how a checkpoint finds its dflash_tools/ module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)`
-  overrides the hooks it changes; training, the walk and eval.py call them alike (forward is not one, refused):
-    Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
-    context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
-    blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
-    draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
-      {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
-      given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
-    block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or
-      (step, total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), stats {name: tensor} summed
-      over micro-batches and ranks (same names and shapes on every rank): weighted_ce's w, ce_w, correct and count
-      (B,), accepted, blocks at least
-    summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
-    logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
-      log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
-  An nn.Linear with identity_init = True keeps the weights its module gave it. The step runs model (maybe compiled
-  or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
-  args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
-  prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over). A checkpoint of a
-  variant outside dflash_tools/ names its module in config.json (dflash_module: a module by its name, a .py file by
-  its real path): loading it takes --trust_variant_code unless --variant names it; where the module moved, --variant
-  NEWPATH (dflash.py, eval.py, --init_from) reads its architecture's checkpoints.
-- A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
-  f(args) -> a CE subclass (token_loss, weights, normaliser; target_logits = True: token_loss also gets the target's
-  logits at its rows, a chunk at a time). It keeps the DFlash architecture: engines serve it.
-- A training stage (--stage NAME): `class Stage(SFT)` built as Stage(args, state) says what each micro-batch gives
-  train_step's one optimizer step (SFT's contract); optional check(args) before any weights load. Its state, a dict
-  saved in each checkpoint for an exact resume and checked at each save, holds None, bool, int, float, str, torch
-  tensors, and lists, tuples and dicts of them (as every value a checkpoint holds).
-An exception raised in a plug-in's code ends the run: its traceback, then `error: plug-in M raised E in step N: ...`
-naming the last complete checkpoint.
+Forkers: a variant, a loss or a training stage is one file, nothing here edited: Part III's "Plug-ins: the contract".
 """
 
 import argparse
@@ -313,7 +277,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: the module docstring's"""
+    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: Part III, the contract"""
     Layer = DecoderLayer
 
     def __init__(self, cfg, attention="dense"):
@@ -2071,11 +2035,11 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
     mine, per_rank = rank_share(prompts, rank, world)
     # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    todo, walked, t0 = mine + extra, [], time.time()
-    say(f"held-out walk: generating the greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
+    todo, walked, t0, verb = mine + extra, [], time.time(), getattr(target, "walk_source", "generating the")
+    say(f"held-out walk: {verb} greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
     for p in todo:
         walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
-        if len(walked) == 1 < len(todo):
+        if len(walked) == 1 < len(todo) and verb == "generating the":  # (--features: read, not generated)
             say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
                 f"for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
@@ -2232,6 +2196,49 @@ class ArgumentParser(argparse.ArgumentParser):
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
 
+# Plug-ins: the contract. Each is one module. Its flag names it as a dflash_tools/ name, an importable module or a .py
+# path; its optional add_flags(g) declares its flags with flag(g, ...), accepted only beside that flag. Bad input in one
+# is `need(ok, "problem; fix")`: one error line (an exception in its code: a traceback, `error: plug-in M raised E`).
+# - A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
+#   problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
+#   dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
+#   (how a checkpoint finds its module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)` overrides the hooks
+#   it changes; training, the walk and eval.py call them alike (forward is not one, refused):
+#     Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
+#     context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
+#     blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
+#     draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
+#       {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
+#       given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
+#     block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or (step,
+#       total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), a stage's stats (below)
+#     summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
+#     logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
+#       log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
+#   An nn.Linear with identity_init = True keeps the weights its module gave it. Optional: configure(cfg, args) -> its
+#   Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
+#   prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over).
+# - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
+#   f(args) -> a CE subclass. weighted_ce is sum(weights * token_loss), over the global sum of normalisers:
+#     token_loss(logits (T, V) fp32, labels (T,)[, target_logits (T, V)]) -> (T,), its gradient by autograd, T a chunk
+#       of rows; target_logits = True (on the class): the target's logits too (p at a+i; --features: --store_final's)
+#     weights(w (b, N, B), logq (b, N, B) log q(label) detached, valid: w > 0) -> the weights (b, N, B)
+#     normaliser(w (b, N, B)) -> a scalar tensor, this micro-batch's part; reweigh(w, logq (T,), sel (T,) the flat
+#       indices of w > 0) -> (weights, normaliser), how weighted_ce calls both. Engines serve what it trains.
+# - A training stage (--stage NAME): `class Stage(SFT)`, Stage(args, state) once a run; state: a dict (None, bool, int,
+#   float, str, tensors, lists, tuples, dicts) saved, checked, in each checkpoint; optional check(args) first. A step:
+#     plan(inp, micro_batches) -> per micro-batch (shares {name: scalar tensor, a part of a normaliser}, work)
+#     loss(inp, mb, work, totals: each share summed over micro-batches and ranks) -> (the scalar to backward, over
+#       totals; stats {name: tensor}, summed over micro-batches and ranks, the same on every rank): block_loss's w and
+#       ce_w (loss = ce_w / w; a non-finite ce_w skips the step), correct and count (B,), accepted, blocks at least;
+#       after(summed stats), optional, follows the optimizer step
+#   inp: a StepInputs namedtuple (SFT at another gamma: inp._replace(gamma=g)): model (the drafter, maybe compiled or
+#   DDP-wrapped: call it), target (Target, or a capture with its embed, lm_head, target_features), cfg, num_anchors (a
+#   row), gamma, loss_kw: dflash_loss's keywords {raw_model: the drafter itself (call its hooks), loss: --loss's object,
+#   progress: (step, total_steps), noise_std, labels, pad_to}; mb: collate's {input_ids, loss_mask (b, S), tokens,
+#   keys}. Stage.runs_target = False: it reads only what a capture holds (features, labels, f), so it trains from
+#   --features; unset, it runs the target, and --features is refused.
+# - An on-policy divergence (--onpolicy_accepted/_rejected M:NAME): M's DIVERGENCES[NAME], as onpolicy.py's registry.
 def tool_plugins():  # [(flag, module, architecture)] of dflash_tools/' plug-ins, read from their files (plugins.py)
     return import_tool("plugins", "finding plug-ins").tool_plugins() if os.path.isdir(TOOLS) else []
 
