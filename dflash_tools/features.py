@@ -3,14 +3,16 @@
 One training step takes from the target only a pure function of the sample: the context features concat_t h[t] of
 target_layer_ids and the labels y (the target's greedy tokens). `capture` runs the target once over --data and stores
 both; `dflash.py --features DIR` then trains with only the target's embedding, lm_head and tokenizer loaded (read alone
-from its safetensors by tensor name), the same losses as online training (captured in fp32 on the CPU: bitwise on a
-dense target; a hybrid Gated-DeltaNet target's chunked scan rounds differently padded: ~4e-9 apart).
+from its safetensors, or its GGUF, by tensor name), the same losses as online training (captured in fp32 on the CPU:
+bitwise on a dense target; a hybrid Gated-DeltaNet target's chunked scan rounds differently padded: ~4e-9 apart).
 
     python dflash_tools/features.py capture --target T --data D --out FEATS --target_layer_ids 1,16,31,46,61
     torchrun --nproc_per_node=8 dflash_tools/features.py capture ...        # samples split over the ranks
     python dflash.py --target T --data D --features FEATS --out runs/a ...  # trains from FEATS, no target layers
     python dflash.py ... --features FEATS --capture_missing                 # hybrid: captures what FEATS lacks
     python dflash_tools/features.py bench     # a step from features against online: the demo's target, a mid shape
+    python dflash_tools/features.py bench --target T --dtypes fp32  # on T (a GGUF too), the recipe-like geometry;
+        # also the drafter step's FLOP/s against this machine's fp32 matmul rate (2048^3, torch's threads)
 
 The format (version 1), a directory:
   manifest.json   format, version; target: its record as checkpoints keep it (dflash.target_record: name, fingerprint,
@@ -320,7 +322,9 @@ def open_features(path, layer_ids=None, target_record=None, dump_kw=None):
 # The target without its layers: embedding and lm_head read alone by tensor name; the rest from the capture
 
 def weight_files(name):
-    """{tensor name: file} of a target's safetensors (one file or an index), local or downloaded once."""
+    """{tensor name: file} of a target's safetensors (one file or an index), local or downloaded once; of a GGUF's."""
+    if os.path.exists(name) and not os.path.isfile(os.path.join(name, "config.json")):  # as dflash.load_target
+        return dflash.import_tool("gguf_target", f"target {name!r} (no config.json: a GGUF?)").weight_files(name)
     path = name
     if not os.path.isdir(name):
         from huggingface_hub import snapshot_download
@@ -339,15 +343,21 @@ def weight_files(name):
 
 def read_tensor(files, module_name, what, name):
     """The tensor of module_name's weight: its own name, else the one name ending like it (checkpoint prefixes)."""
-    from safetensors import safe_open
     want = f"{module_name}.weight"
     tail = ".".join(want.split(".")[-2:])  # embed_tokens.weight, lm_head.weight
     hits = [want] if want in files else [k for k in files if k == tail or k.endswith("." + tail)]
     if not hits:
         return None
     need(len(hits) == 1, f"target {name!r}: {len(hits)} tensors could be its {what} ({', '.join(hits[:3])})")
-    with safe_open(files[hits[0]], "pt") as f:
-        return f.get_tensor(hits[0])
+    return get_tensor(files[hits[0]], hits[0])
+
+
+def get_tensor(file, key):  # one tensor of a safetensors file, or of a GGUF (dequantised as transformers loads it)
+    if file.endswith(".gguf"):
+        return dflash.import_tool("gguf_target", f"the GGUF {file!r}").tensor(file, key)
+    from safetensors import safe_open
+    with safe_open(file, "pt") as f:
+        return f.get_tensor(key)
 
 
 class Stub:  # the model's config and generation config, and a generate that reads the captured continuations
@@ -366,6 +376,7 @@ class FeatureTarget:
         self.embed, self.lm_head, self.store, self.capture = embed, lm_head, store, capture
         self.num_layers, (self.vocab_size, self.hidden_size) = meta.num_layers, lm_head.weight.shape
         self.pad, self.layers = pad_of(meta.tokenizer), meta.layers  # (meta layers: sizes, never weights)
+        self.source = getattr(meta, "source", {})  # a GGUF target's file and hash, for its record
 
     eos_ids = dflash.Target.eos_ids
 
@@ -455,14 +466,12 @@ def load_embedding_and_head(args, meta, device):
 
 def final_norm(args, meta, device):
     """The target's final norm (its own module: Gemma's adds 1), its weight read alone; None if none is stored."""
-    from safetensors import safe_open
     files, want = weight_files(args.target), {mod: name for name, mod in meta.model.named_modules()}.get(meta.norm, "?")
     hits = [f"{want}.weight"] if f"{want}.weight" in files else [  # else the one final norm under a prefix
         k for k in files if k.endswith(".norm.weight") and ".layers." not in k and "visual" not in k]
     if len(hits) != 1:
         return None  # (a dump whose labels need it says so)
-    with safe_open(files[hits[0]], "pt") as f:
-        w = f.get_tensor(hits[0])
+    w = get_tensor(files[hits[0]], hits[0])
     norm = meta.norm.to_empty(device=device)
     with torch.no_grad():
         norm.weight.copy_(w)
@@ -864,9 +873,27 @@ def mid_target(d):
     return os.path.join(d, "mid"), os.path.join(d, "mid.jsonl")
 
 
+def step_flops(cfg, micro, num_anchors, gamma):
+    """The useful matmul FLOPs of one drafter training step (forward + backward) over micro: bench.drafter_flops per
+    row (2 x params x tokens forward, 4 x backward; the frozen lm_head 4 x D x V per weighted token; attention over
+    the visible pairs alone), at the anchors train_step draws (batch_anchors: a function of the batch)."""
+    from dflash_tools import bench as b
+    total = 0
+    for mb in micro:
+        a, v = dflash.batch_anchors(mb, num_anchors)
+        w, S = dflash.loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma), mb["input_ids"].shape[1]
+        for r in range(len(a)):
+            pairs = b.visible_pairs(cfg, a[r:r + 1], v[r:r + 1], S)
+            total += sum(b.drafter_flops(cfg, S, a.shape[1], int((w[r] > 0).sum()), pairs).values())
+    return total
+
+
 def time_steps(argv, steps, dtype="fp32", say=print):
-    """(online s/step, features s/step, the target's forward s/step, bytes on disk a token) for dflash.py flags argv
-    (--target, --data, the drafter and batch): a capture first, then both steps alternately on the same batches."""
+    """(online s/step, features s/step, the target's forward s/step, bytes on disk a token, cfg, the target, the
+    step's FLOPs {useful: step_flops, executed: torch's FlopCounterMode over one features step}) for dflash.py flags
+    argv (--target, --data, the drafter and batch): a capture first, then both steps alternately on the same
+    batches."""
+    from torch.utils.flop_counter import FlopCounterMode
     import copy
     import tempfile
     args = dflash.get_parser().parse_args(argv + ["--noise_std", "0.02", "--eval_walk_prompts", "0"])
@@ -890,9 +917,10 @@ def time_steps(argv, steps, dtype="fp32", say=print):
         twin = copy.deepcopy(drafter)
         pairs = {"online": (online, model, opt), "features": (stored, twin, torch.optim.AdamW(
             twin.parameters(), lr=args.lr, betas=(0.9, 0.95)))}
-        times = {k: [] for k in (*pairs, "forward")}
+        times, useful = {k: [] for k in (*pairs, "forward")}, []
         for step in range(steps + 1):  # step 0: warm-up, not counted
             micro = [batches.get(step, i) for i in range(args.grad_accum)]
+            useful.append(step_flops(cfg, micro, dflash.num_anchors(args), args.gamma))
             for name, (target, mdl, o) in pairs.items():
                 t0 = time.perf_counter()
                 dflash.train_step(mdl, o, target, cfg, micro, args.lr, dflash.num_anchors(args), args.grad_clip, 1,
@@ -903,12 +931,62 @@ def time_steps(argv, steps, dtype="fp32", say=print):
                 dflash.greedy_labels(dflash.target_features(online, mb["input_ids"], cfg.target_layer_ids)[1],
                                      online.lm_head)
             times["forward"].append(time.perf_counter() - t0)
+        with FlopCounterMode(display=False) as counter:  # the first batch's step once more, untimed
+            dflash.train_step(twin, pairs["features"][2], stored, cfg, [batches.get(0, i) for i in range(
+                args.grad_accum)], args.lr, dflash.num_anchors(args), args.grad_clip, 1, **{**kw, "raw_model": twin})
     med = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
-    return med["online"], med["features"], med["forward"], disk / m["num_tokens"], cfg, online
+    flops = {"useful": sum(useful[1:]) / steps, "executed_ratio": counter.get_total_flops() / useful[0]}
+    return med["online"], med["features"], med["forward"], disk / m["num_tokens"], cfg, online, flops
+
+
+def random_samples(path, n, length, vocab, seed=0):
+    """n samples of `length` random ids below vocab - 1 (the last id: the mask token), the second half the loss's."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            ids = torch.randint(0, vocab - 1, (length,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * (length // 2) + [1] * (length - length // 2)}) +
+                    "\n")
+    return path
+
+
+def target_bench(args):
+    """bench --target T: on T (a GGUF too), a step from a capture against online at the drafter geometry the flags
+    give, the target forward's share of the online step, and the drafter step's FLOP/s against this machine's fp32
+    matmul rate."""
+    import tempfile
+    from dflash_tools import bench as b
+    torch.manual_seed(0)
+    print(f"machine: {b.machine()}")
+    n = args.matmul_size
+    rate = b.matmul_rate("cpu", n, 4, torch.float32)
+    print(f"fp32 matmul {n}^3 on {torch.get_num_threads()} threads: {rate / 1e9:,.1f} GFLOP/s (best of 4 runs of 4)")
+    meta = dflash.load_target(args.target, "meta")
+    with tempfile.TemporaryDirectory() as d:
+        data = random_samples(os.path.join(d, "data.jsonl"), args.samples, args.max_len, meta.vocab_size)
+        argv = ["--target", args.target, "--data", data, "--num_draft_layers", str(args.num_draft_layers),
+                "--block_size", str(args.block_size), "--num_anchors", str(args.num_anchors), "--max_len",
+                str(args.max_len), "--batch_size", str(args.batch_size), "--grad_accum", "1", "--mask_token_id",
+                str(meta.vocab_size - 1)]
+        on, feat, fwd, _, cfg, t, flops = time_steps(argv, args.steps, args.dtypes[0])
+    tokens = args.batch_size * args.max_len
+    print(f"target {args.target}: {t.num_layers} layers, D {t.hidden_size}, V {t.vocab_size}; drafter "
+          f"{b.describe(cfg)}; batch {args.batch_size} x {args.max_len} tokens, {args.num_anchors} anchors, features "
+          f"{args.dtypes[0]}")
+    print(f"step (s, median of {args.steps}): online {on:.4g}, from the capture {feat:.4g}: {on / feat:.2f}x; the "
+          f"target's forward {fwd:.4g} s, {fwd / on:.0%} of the online step ({tokens / fwd:,.0f} tokens/s)")
+    useful, executed = flops["useful"], flops["useful"] * flops["executed_ratio"]
+    print(f"drafter step: {useful / 1e9:.3g} GFLOP useful (bench.drafter_flops: 6 x params x tokens, the frozen "
+          f"lm_head 4 x D x V a weighted token, attention over visible pairs), {executed / 1e9:.3g} executed (torch "
+          f"FlopCounterMode: masked work included); from the capture {useful / feat / 1e9:.3g} GFLOP/s useful, "
+          f"{executed / feat / 1e9:.3g} executed: {executed / feat / rate:.0%} of the matmul rate")
 
 
 def bench(args):
-    """Step time from features against online on the demo's target (its cache, when built) and the MID shape."""
+    """Step time from features against online on the demo's target (its cache, when built) and the MID shape; with
+    --target, target_bench on that target."""
+    if args.target:
+        return target_bench(args)
     import tempfile
     from dflash_tools import demo
     torch.manual_seed(0)
@@ -921,7 +999,7 @@ def bench(args):
                               os.path.join(demo.CACHE, "demo_data.jsonl"), *demo.DEMO_FLAGS]))
         for name, argv in shapes:
             for dtype in args.dtypes:
-                on, feat, fwd, disk, cfg, t = time_steps(argv, args.steps, dtype)
+                on, feat, fwd, disk, cfg, t, _ = time_steps(argv, args.steps, dtype)
                 formula = bytes_per_token(len(cfg.target_layer_ids), t.hidden_size, dtype)
                 rows.append(f"{name:<48} {dtype:>5} {on:8.3f} {feat:8.3f} {on / feat:6.2f}x {fwd / on:7.0%} "
                             f"{disk:9.0f} {formula:8d}")
@@ -967,7 +1045,17 @@ def get_parser():
     f(g, "--debug", False, "tracebacks for input errors", action="store_true")
     g = sub.add_parser("bench", help="step time from features against online, demo's target and a mid shape")
     f(g, "--steps", 4, "timed steps of each kind (after one warm-up)", int, lo=1)
-    f(g, "--dtypes", ["fp32", "bf16"], "stored dtypes to time", nargs="+", choices=list(STORE_DTYPES))
+    f(g, "--dtypes", ["fp32", "bf16"], "stored dtypes to time (--target: the first)", nargs="+",
+      choices=list(STORE_DTYPES))
+    f(g, "--target", None, "a target (as dflash.py --target, a GGUF too) to bench at the geometry below, with the "
+      "drafter step's FLOP/s against this machine's fp32 matmul rate (default: the demo's target and a mid shape)")
+    f(g, "--num_draft_layers", 3, "--target: drafter layers", int, lo=1)
+    f(g, "--block_size", 16, "--target: block size", int, lo=2)
+    f(g, "--num_anchors", 32, "--target: anchors a sample", int, lo=1)
+    f(g, "--max_len", 320, "--target: tokens a sample (random ids, the second half in the loss)", int, lo=4)
+    f(g, "--batch_size", 2, "--target: samples a step", int, lo=1)
+    f(g, "--samples", 8, "--target: samples captured (the steps cycle through them)", int, lo=1)
+    f(g, "--matmul_size", 2048, "--target: n of the n x n x n fp32 matmul timed for the machine's rate", int, lo=16)
     return p
 
 
