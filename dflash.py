@@ -1349,8 +1349,10 @@ def load_tokenizer(name, trust_remote_code=False):  # its tokenizer, or None (tr
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
     """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, logging as hf_logging
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    if torch.device(device).type != "cuda":  # transformers' advice to install causal_conv1d, fla: CUDA-only kernels
+        hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(lambda r: "falling back" not in r.msg)
     local = name.startswith((".", "/", "~")) or os.path.exists(name)
     need(not local or os.path.isfile(f"{name}/config.json"), f"target {name!r}: no config.json; give a model directory")
     try:
@@ -2194,7 +2196,7 @@ def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
 class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
         h, v = action.help or "", action.default
-        hidden = v is None or v is False or v == [] or v == () or "default" in h or isinstance(v, str) and f"{v}:" in h
+        hidden = v in (None, [], (), argparse.SUPPRESS) or v is False or "default" in h or isinstance(v, str) and f"{v}:" in h
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
 class ArgumentParser(argparse.ArgumentParser):
