@@ -2195,8 +2195,8 @@ def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
 
 class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
-        h, v = action.help or "", action.default
-        hidden = v in (None, [], (), argparse.SUPPRESS) or v is False or "default" in h or isinstance(v, str) and f"{v}:" in h
+        h, v = action.help or "", None if action.default == argparse.SUPPRESS else action.default  # -h's: none
+        hidden = v is None or v is False or v == [] or v == () or "default" in h or isinstance(v, str) and f"{v}:" in h
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
 class ArgumentParser(argparse.ArgumentParser):
