@@ -328,6 +328,7 @@ def test_tool_parsers_are_exact_too(capsys, tool, argv, typo, flag):
 def test_redirected_training_log_has_no_progress_bar(tmp_path, data, capsys):
     """stderr is not a terminal here (pytest captures it): no bar redraws, one line per logged step on stdout."""
     target = tiny_qwen3(tmp_path / "t")
+    capsys.readouterr()  # the set-up's own output (transformers' bar saving the target)
     dflash.main(["--target", target, "--data", data, "--out", str(tmp_path / "o"), *SMALL, "--max_steps", "3",
                  "--batch_size", "2", "--grad_accum", "1", "--device", "cpu"])
     cap = capsys.readouterr()
