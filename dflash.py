@@ -1335,8 +1335,10 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
     A local path without config.json is a GGUF (dflash_tools/gguf_target.py), which comes back here with gguf_file."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, logging as hf_logging
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    if torch.device(device).type != "cuda":  # transformers' advice to install causal_conv1d, fla: CUDA-only kernels
+        hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(lambda r: "falling back" not in r.msg)
     local = name.startswith((".", "/", "~")) or os.path.exists(name)
     if local and not gguf and not os.path.isfile(f"{name}/config.json"):  # a .gguf file, or a folder holding one
         return import_tool("gguf_target", f"target {name!r} (a GGUF?)").load_target(name, device, dtype, shard)
@@ -2211,7 +2213,7 @@ def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
 
 class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
-        h, v = action.help or "", action.default
+        h, v = action.help or "", None if action.default == argparse.SUPPRESS else action.default  # -h's: none
         hidden = v is None or v is False or v == [] or v == () or "default" in h or isinstance(v, str) and f"{v}:" in h
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 

@@ -1017,7 +1017,7 @@ def add_flags(g):  # dflash.py's flags beside --features DIR
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="Capture a target's features for DFlash training (then: dflash.py "
+    p = dflash.ArgumentParser(description="Capture a target's features for DFlash training (then: dflash.py "
                                             "--features DIR).")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("capture", help="run the target once over --data and store its features")

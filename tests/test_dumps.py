@@ -41,6 +41,28 @@ def ours(target, ids, layer_ids):
     return ctx[0], dflash.greedy_labels(final, target.lm_head)[0]
 
 
+# SpecForge captures a row inside its padded batch: a forward over another shape, equal to ours in exact arithmetic
+# but not in the last bit on every CPU (kernels block and vectorise by length). Such rows are compared within a few
+# fp32 ulps of these ~0.1-sized states (measured: <= 1e-8 apart, 6e-7 on the ~3-sized final state); the row as long
+# as its batch is the same computation as ours and stays bitwise.
+PADDED = dict(atol=1e-6, rtol=1e-5)
+
+
+def same_as_ours(s, target, ids, layer_ids, padded):
+    """A SpecForge row's features (and labels, if read) against ours: bitwise unpadded, within PADDED padded. A label
+    may only differ where the target's top two logits are closer than the padding's rounding could move them."""
+    feats, labels = ours(target, ids, layer_ids)
+    if not padded:
+        assert torch.equal(s["features"], feats) and (s["labels"] is None or torch.equal(s["labels"], labels))
+        return
+    torch.testing.assert_close(s["features"], feats, **PADDED)
+    if s["labels"] is not None:
+        _, final = dflash.target_features(target, ids[None], layer_ids)
+        top2 = target.lm_head(final[0, :-1]).topk(2, dim=-1).values
+        clear = torch.cat([torch.tensor([True]), top2[:, 0] - top2[:, 1] > 1e-4])
+        assert clear.float().mean() > 0.9 and torch.equal(s["labels"][clear], labels[clear])
+
+
 @torch.no_grad()
 def vllm_streams(target, ids):
     """vLLM's layer ids 0..L as its EagleModelMixin records them: id k is the residual stream entering decoder layer k
@@ -160,9 +182,11 @@ def test_specforge_dflash_records(tmp_path, target, samples, compress):
     assert dump_kind(path) == "specforge"
     dump = open_dump(path, [2, 0], [0, 2], CONFIG, labels=False)
     assert len(dump) == 3 and dump.files[2].endswith(f"rows_2-4/data_2.ckpt{'.gz' if compress else ''}")
+    longest = max(len(ids) for ids, _ in samples)
     for i, (ids, mask) in enumerate(samples):
         s = dump.sample(i)
-        assert torch.equal(s["features"], ours(target, ids, [2, 0])[0]) and s["labels"] is None
+        assert s["labels"] is None
+        same_as_ours(s, target, ids, [2, 0], padded=len(ids) < longest)
         assert torch.equal(s["input_ids"], ids) and torch.equal(s["loss_mask"], mask.bool())
     refused(lambda: open_dump(path, [0, 2], [0, 2], CONFIG, lm_head=target.lm_head), "no final hidden state",
             "--labels data")
@@ -174,10 +198,9 @@ def test_specforge_final_state_gives_our_labels(tmp_path, target, samples, recor
     path = write_specforge(tmp_path / "hs", target, samples, [1, 2], record=record)
     dump = open_dump(path, [1, 2], [2, 1], CONFIG, lm_head=target.lm_head)
     assert (dump.manifest["final"], dump.manifest["record"]) == ("after the final norm", record)
+    longest = max(len(ids) for ids, _ in samples)
     for i, (ids, _) in enumerate(samples):
-        s = dump.sample(i)
-        feats, labels = ours(target, ids, [1, 2])
-        assert torch.equal(s["features"], feats) and torch.equal(s["labels"], labels)
+        same_as_ours(dump.sample(i), target, ids, [1, 2], padded=len(ids) < longest)
 
 
 def test_refusals_name_what_the_dump_lacks(tmp_path, target, samples):
@@ -263,7 +286,7 @@ def test_nan_sample_is_skipped_and_counted(tmp_path, target, samples, capsys):
     assert err == [f"note: {f}: NaN or inf in its hidden states; skipped (1 so far)",
                    f"note: {g}: NaN or inf in its hidden states; skipped (2 so far)"], err
     assert open_dump(path, [0, 2], [0, 2], CONFIG, labels=False).sample(0) is not None  # no labels: its final unread
-    assert torch.equal(dump.sample(2)["labels"], ours(target, samples[2][0], [0, 2])[1])
+    same_as_ours(dump.sample(2), target, samples[2][0], [0, 2], padded=True)  # its batch was 14 tokens long
 
 
 def test_dflash_trains_from_a_speculators_dump_as_online(tmp_path, capsys):
