@@ -56,19 +56,20 @@ from dflash import need  # noqa: E402
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GROUPS = ("train", "new", "heldout")
 NEW_PERCENT, HELDOUT_PERCENT = 20, 10  # of the source files (by the hash of their path); the rest: train
+SCAN_FACTOR = 4                        # files are read until each group has this many times the tasks it needs
 PER_FILE = 6                           # tasks from one file at most: many files, not one big module
 MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 20, 800  # a function shown in a prompt
 # The sizes: "full" fits ~35 minutes on 2 shared cores; "fast" runs the whole flow in a few minutes (tests use tinier)
 SIZES = {
-    "full": dict(train=160, new=192, heldout=16, loop_prompts=4, new_tokens=96, regen_batch=16, eval_tokens=96,
-                 steps=80, anchors=16, save_every=20),
+    "full": dict(train=96, new=192, heldout=12, loop_prompts=3, new_tokens=80, regen_batch=16, eval_tokens=64,
+                 steps=60, anchors=16, save_every=15),
     "fast": dict(train=8, new=4, heldout=2, loop_prompts=1, new_tokens=24, regen_batch=8, eval_tokens=24,
                  steps=4, anchors=8, save_every=2),
 }
 DRAFTER = ["--num_draft_layers", "2", "--block_size", "8"]  # the geometry: the docstring says why
 # no held-out evaluation inside training (--eval_fraction 0): phase 5 measures tau on prompts from other files, and
 # the walk's greedy continuations would cost the capture minutes of batch-1 decoding
-TRAIN = ["--batch_size", "4", "--grad_accum", "1", "--lr", "1e-3", "--warmup_ratio", "0.05", "--max_len", "1024",
+TRAIN = ["--batch_size", "4", "--grad_accum", "1", "--lr", "2e-3", "--warmup_ratio", "0.05", "--max_len", "1024",
          "--log_every", "5", "--eval_fraction", "0", "--eval_walk_prompts", "0", "--eval_every", "0"]
 FEATURES_DTYPE = "bf16"
 
@@ -119,6 +120,8 @@ def stdlib_prompts(sizes, seed=0):
     root = sysconfig.get_paths()["stdlib"]
     pools = {g: [] for g in GROUPS}
     for h, path in stdlib_files():
+        if all(len(pools[g]) >= SCAN_FACTOR * sizes[g] for g in GROUPS):
+            break  # enough to choose from: the files come in a fixed order, so the same prompts every time
         rel = os.path.relpath(path, root)
         tasks = function_tasks(path, rel)
         random.Random(f"{seed}:{rel}").shuffle(tasks)
@@ -203,13 +206,14 @@ def phase_regenerate(out, target, sizes, say):
     say(f"regenerated {len(records)} answers, {n:,} tokens ({n / len(records):.0f} a prompt, "
         f"{sum(r['answer_tokens'] >= sizes['new_tokens'] for r in data)} cut at {sizes['new_tokens']}); "
         f"this run {tokens:,} tokens in {time.time() - t0:.0f}s -> {path}")
-    return {"answers": len(records), "answer_tokens": n, "tokens_per_s": tokens / max(time.time() - t0, 1e-9)}
+    return {"answers": len(records), "answer_tokens": n, "generated_now": len(todo),
+            "tokens_per_s": tokens / max(time.time() - t0, 1e-9)}
 
 
 # ----------------------------------------------------------------------------- phases 3 and 4: capture, training
 
-def layer_ids(target):
-    return dflash.default_target_layer_ids(target.num_layers, int(DRAFTER[1]))
+def layer_ids(target):  # the training default for the drafter's layers (a shallow target: its valid nearest)
+    return dflash.valid_target_layer_ids(target.num_layers, int(DRAFTER[1]))
 
 
 def walk_flags():  # the held-out split and walk: the capture's must be training's
@@ -242,17 +246,17 @@ def mask_token(tokenizer):
     return max(special)
 
 
-def train_flags(out, target_name, sizes, variant, mask_id):
+def train_flags(out, target_name, sizes, variant, mask_id, layers):
     run = os.path.join(out, variant)
-    flags = ["--target", target_name, "--mask_token_id", str(mask_id), "--data", os.path.join(out, "data.jsonl"), "--features",
+    flags = ["--target", target_name, "--mask_token_id", str(mask_id), "--target_layer_ids", ",".join(map(str, layers)), "--data", os.path.join(out, "data.jsonl"), "--features",
              os.path.join(out, "features"), "--out", run, "--resume", "auto", *DRAFTER, *TRAIN,
              "--num_anchors", str(sizes["anchors"]), "--max_steps", str(sizes["steps"]),
              "--save_every", str(sizes["save_every"])]
     return flags + (["--variant", "dflash2"] if variant == "dflash2" else [])
 
 
-def phase_train(out, target_name, sizes, variant, mask_id, say):
-    args = dflash.get_parser().parse_args(train_flags(out, target_name, sizes, variant, mask_id))
+def phase_train(out, target_name, sizes, variant, mask_id, layers, say):
+    args = dflash.get_parser().parse_args(train_flags(out, target_name, sizes, variant, mask_id, layers))
     t0 = time.time()
     dflash.train(args)
     run = args.out
@@ -350,11 +354,12 @@ class Recipe:
         self.phase(2, "regenerate", lambda: phase_regenerate(out, self.target(), s, self.say))
         meta = self.loaded or dflash.load_target(self.args.target, "meta")
         layers, self.mask_id = layer_ids(meta), mask_token(meta.tokenizer)
+        self.layers = layers
         self.phase(3, "capture", lambda: phase_capture(out, self.args.target, layers, s, self.say))
         drafters = {}
         for v in ("dflash", "dflash2"):
             drafters[v] = self.phase(4, f"train_{v}", lambda: phase_train(out, self.args.target, s, v, self.mask_id,
-                                                                           self.say))
+                                                                           layers, self.say))
             drafters[v] = drafters[v]["drafter"]
             if v == "dflash":
                 self.ready(drafters[v])
@@ -368,7 +373,8 @@ class Recipe:
                      "features": os.path.abspath(f"{self.out}/features"),
                      "prompts_new": os.path.abspath(f"{self.out}/prompts_new.jsonl"),
                      "prompts_heldout": os.path.abspath(f"{self.out}/prompts_heldout.jsonl"),
-                     "train_flags": " ".join(DRAFTER + TRAIN + ["--mask_token_id", str(self.mask_id)])}
+                     "train_flags": " ".join(DRAFTER + TRAIN + ["--mask_token_id", str(self.mask_id),
+                                                                "--target_layer_ids", ",".join(map(str, self.layers))])}
             dflash.write_atomic(self.args.ready, "".join(f"{k}: {v}\n" for k, v in lines.items()))
             self.say(f"wrote {self.args.ready}")
 
