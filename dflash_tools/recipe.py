@@ -21,16 +21,19 @@ Phases, each cached in --out (a finished phase is skipped with one line; a parti
      draft-verify loop's tokens/s against the target's own greedy decoding, output checked identical (eval_loop.json).
   6. recipe.json: each phase's wall time, the total, peak memory (ru_maxrss of the process and its children).
 
-The geometry, for a 2-core CPU. A drafted token costs the target's lm_head, 49152 x 576 = 28M weights (~57 MFLOP a
-token forward, three times that in training), whatever the drafter; a decoder layer at the target's width (D 576, MLP
-1536) is ~3.5M weights (~7 MFLOP). So the drafter keeps the target's width (its fc, norms and attention read the
-target's features as they are) and 3 layers: a layer more costs ~12% of a step and a third more context (layers 1, 14,
-27 of 30: the training default for 3 drafter layers). Block size 8, not the paper's 16: the loss weight decays with the
-offset (gamma 4) and the deep offsets of a 3-layer drafter are rarely accepted, while every offset pays the lm_head:
-16 would double a step's cost for little tau. 32 anchors per sample (of ~150 answer tokens): the step's cost is anchors x
-B positions, and more anchors of the same sample teach less than new samples. Features are stored in bf16 (half the
-disk and reading of fp32; fp32 is the bitwise-exact choice, bf16 rounds the context the drafter reads at ~3 digits, as
-a bf16 GPU target's features are anyway).
+The sizes and the geometry, for 2 CPU cores shared with other work. The target's forward is ~0.27 GFLOP a token
+(135M weights): measured ~40 tokens/s for a capture and ~4 tokens/s for batch-1 greedy decoding on such a machine,
+so the full run regenerates 96 answers of <= 64 tokens (prompts: functions of <= 12 lines) and measures tau on 10
+held-out prompts of 64 tokens, the loop on 3. A drafted token costs the target's lm_head, 49152 x 576 = 28M weights
+(~57 MFLOP forward, twice that with its input gradient), whatever the drafter; a decoder layer at the target's width
+(D 576, MLP 1536) is ~3.5M weights (~7 MFLOP, three times that in training). So the drafter keeps the target's width
+and 2 layers reading layers 1 and 27 (the training default for 2 drafter layers): each layer more adds ~10% to a
+step, which buys more steps instead. Block size 8, not the paper's 16: the loss weight decays with the offset
+(gamma 4) and the deep offsets of a small drafter are rarely accepted, while every offset pays the lm_head. 16 anchors
+a sample (of <= 64 answer tokens) and 60 steps of 4 samples: ~2.5 epochs. Features in bf16 (half of fp32's disk and
+reading; fp32 is the bitwise-exact choice, bf16 rounds the context at ~3 digits, as a bf16 GPU target's are anyway).
+One torch thread (--threads): on an oversubscribed CPU two threads wait on each other (a 256-token forward: 2.9 s on
+one thread, 10-20 s on two, measured while other jobs ran).
 """
 import argparse
 import ast
@@ -43,6 +46,7 @@ import sys
 import sysconfig
 import textwrap
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -58,10 +62,10 @@ GROUPS = ("train", "new", "heldout")
 NEW_PERCENT, HELDOUT_PERCENT = 20, 10  # of the source files (by the hash of their path); the rest: train
 SCAN_FACTOR = 4                        # files are read until each group has this many times the tasks it needs
 PER_FILE = 6                           # tasks from one file at most: many files, not one big module
-MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 20, 800  # a function shown in a prompt
-# The sizes: "full" fits ~35 minutes on 2 shared cores; "fast" runs the whole flow in a few minutes (tests use tinier)
+MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 12, 500  # a function shown in a prompt
+# The sizes (the docstring says why): "full" aims at ~35 minutes on 2 shared cores; "fast" runs the whole flow in a few minutes (tests use tinier)
 SIZES = {
-    "full": dict(train=96, new=192, heldout=12, loop_prompts=3, new_tokens=80, regen_batch=16, eval_tokens=64,
+    "full": dict(train=96, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
                  steps=60, anchors=16, save_every=15),
     "fast": dict(train=8, new=4, heldout=2, loop_prompts=1, new_tokens=24, regen_batch=8, eval_tokens=24,
                  steps=4, anchors=8, save_every=2),
@@ -439,6 +443,25 @@ def get_parser():
     return p
 
 
+@contextmanager
+def tokenizer_once():
+    """dflash.load_tokenizer memoized for the recipe's process: a GGUF's tokenizer is converted from the file on every
+    load (a minute or two of Python on a busy 2-core CPU), and the phases load the target six times (meta loads too).
+    Nothing here changes a tokenizer, so one object serves them all."""
+    original, memo = dflash.load_tokenizer, {}
+
+    def load(name, trust_remote_code=False, **kw):
+        key = (name, trust_remote_code, tuple(sorted(kw.items())))
+        if key not in memo:
+            memo[key] = original(name, trust_remote_code, **kw)
+        return memo[key]
+    dflash.load_tokenizer = load
+    try:
+        yield
+    finally:
+        dflash.load_tokenizer = original
+
+
 def run(args, sizes=None):
     if args.target is None:
         args.target = default_target()
@@ -446,7 +469,8 @@ def run(args, sizes=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    return Recipe(args, sizes or SIZES["fast" if args.fast else "full"]).run()
+    with tokenizer_once():
+        return Recipe(args, sizes or SIZES["fast" if args.fast else "full"]).run()
 
 
 def main(argv=None):
