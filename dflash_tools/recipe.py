@@ -30,7 +30,7 @@ held-out prompts of 64 tokens, the loop on 3. A drafted token costs the target's
 and 2 layers reading layers 1 and 27 (the training default for 2 drafter layers): each layer more adds ~10% to a
 step, which buys more steps instead. Block size 8, not the paper's 16: the loss weight decays with the offset
 (gamma 4) and the deep offsets of a small drafter are rarely accepted, while every offset pays the lm_head. 16 anchors
-a sample (of <= 64 answer tokens) and 60 steps of 4 samples: ~2.5 epochs. Features in bf16 (half of fp32's disk and
+a sample (of <= 64 answer tokens) and 150 steps of 4 samples: ~6 epochs (60 steps left the loss at 6.7, tau 1.1). Features in bf16 (half of fp32's disk and
 reading; fp32 is the bitwise-exact choice, bf16 rounds the context at ~3 digits, as a bf16 GPU target's are anyway).
 One torch thread (--threads): on an oversubscribed CPU two threads wait on each other (a 256-token forward: 2.9 s on
 one thread, 10-20 s on two, measured while other jobs ran).
@@ -66,7 +66,7 @@ MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 12, 500  # a function shown in a prompt
 # The sizes (the docstring says why): "full" aims at ~35 minutes on 2 shared cores; "fast" runs the whole flow in a few minutes (tests use tinier)
 SIZES = {
     "full": dict(train=96, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
-                 steps=60, anchors=16, save_every=15),
+                 steps=150, anchors=16, save_every=25),
     "fast": dict(train=8, new=4, heldout=2, loop_prompts=1, new_tokens=24, regen_batch=8, eval_tokens=24,
                  steps=4, anchors=8, save_every=2),
 }
