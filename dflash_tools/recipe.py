@@ -2,7 +2,7 @@
 
     python -m dflash_tools.recipe                    # into out/smollm2; a rerun continues where it stopped
     python -m dflash_tools.recipe --fast             # a few prompts and steps: the flow in a few minutes
-    python -m dflash_tools.recipe --target DIR_OR_GGUF --out out/mine   # another target (dflash.load_target's spellings)
+    python -m dflash_tools.recipe --target DIR_OR_GGUF --out out/mine   # another target (--target's spellings)
 
 Phases, each cached in --out (a finished phase is skipped with one line; a partial one resumes):
   1. prompts: the Python standard library's own functions turned into tasks ("Write a Python function `f(a, b)` that
@@ -30,8 +30,9 @@ held-out prompts of 64 tokens, the loop on 3. A drafted token costs the target's
 and 2 layers reading layers 1 and 27 (the training default for 2 drafter layers): each layer more adds ~10% to a
 step, which buys more steps instead. Block size 8, not the paper's 16: the loss weight decays with the offset
 (gamma 4) and the deep offsets of a small drafter are rarely accepted, while every offset pays the lm_head. 16 anchors
-a sample (of <= 64 answer tokens) and 150 steps of 4 samples: ~6 epochs (60 steps left the loss at 6.7, tau 1.1). Features in bf16 (half of fp32's disk and
-reading; fp32 is the bitwise-exact choice, bf16 rounds the context at ~3 digits, as a bf16 GPU target's are anyway).
+a sample (of <= 64 answer tokens) and 150 steps of 4 samples: ~6 epochs (60 steps left the loss at 6.7, tau 1.1).
+Features in bf16 (half of fp32's disk and reading; fp32 is the bitwise-exact choice, bf16 rounds the context at ~3
+digits, as a bf16 GPU target's are anyway).
 One torch thread (--threads): on an oversubscribed CPU two threads wait on each other (a 256-token forward: 2.9 s on
 one thread, 10-20 s on two, measured while other jobs ran).
 """
@@ -63,7 +64,8 @@ NEW_PERCENT, HELDOUT_PERCENT = 20, 10  # of the source files (by the hash of the
 SCAN_FACTOR = 4                        # files are read until each group has this many times the tasks it needs
 PER_FILE = 6                           # tasks from one file at most: many files, not one big module
 MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 12, 500  # a function shown in a prompt
-# The sizes (the docstring says why): "full" aims at ~35 minutes on 2 shared cores; "fast" runs the whole flow in a few minutes (tests use tinier)
+# The sizes (the docstring says why): "full" aims at ~35 minutes on 2 shared cores; "fast" runs the whole flow in a
+# few minutes (the tests use tinier ones)
 SIZES = {
     "full": dict(train=96, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
                  steps=150, anchors=16, save_every=25),
@@ -252,7 +254,8 @@ def mask_token(tokenizer):
 
 def train_flags(out, target_name, sizes, variant, mask_id, layers):
     run = os.path.join(out, variant)
-    flags = ["--target", target_name, "--mask_token_id", str(mask_id), "--target_layer_ids", ",".join(map(str, layers)), "--data", os.path.join(out, "data.jsonl"), "--features",
+    flags = ["--target", target_name, "--mask_token_id", str(mask_id), "--target_layer_ids", ",".join(map(str, layers)),
+             "--data", os.path.join(out, "data.jsonl"), "--features",
              os.path.join(out, "features"), "--out", run, "--resume", "auto", *DRAFTER, *TRAIN,
              "--num_anchors", str(sizes["anchors"]), "--max_steps", str(sizes["steps"]),
              "--save_every", str(sizes["save_every"])]

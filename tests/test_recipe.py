@@ -25,8 +25,8 @@ def target(tmp_path_factory):
     path = tmp_path_factory.mktemp("recipe") / "target"
     tok = train_tokenizer(["def add(a, b):\n    return a + b  # Return the sum of two numbers.\n" * 8], vocab_size=300)
     tok.chat_template = TEMPLATE
-    build_llama(vocab_size=320, tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=0, eos_token_id=0, pad_token_id=0
-                ).save_pretrained(path)
+    build_llama(vocab_size=320, tie_word_embeddings=True, max_position_embeddings=2048, bos_token_id=0,
+                eos_token_id=0, pad_token_id=0).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
 
