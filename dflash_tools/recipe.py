@@ -35,6 +35,11 @@ Features in bf16 (half of fp32's disk and reading; fp32 is the bitwise-exact cho
 digits, as a bf16 GPU target's are anyway).
 One torch thread (--threads): on an oversubscribed CPU two threads wait on each other (a 256-token forward: 2.9 s on
 one thread, 10-20 s on two, measured while other jobs ran).
+
+Measured (dflash_tools/recipe_smollm2.json, 2 AMD EPYC cores shared with 4-5 other jobs): 1,673 s in all (regeneration
+197, capture 132, DFlash 414, DFlash2 535, eval 375), peak memory 1.76 GB. Tau on the held-out prompts: DFlash 1.16,
+DFlash2 1.43, untrained 1.00, prompt lookup 1.47; the loop decodes at 0.62x (DFlash) and 0.75x (DFlash2) of the
+target alone, output identical: a loop step costs 1.9 greedy tokens here, so more data and steps must come first.
 """
 import argparse
 import ast
