@@ -356,7 +356,7 @@ class Recipe:
         self.say(f"== {label}")
         t0 = time.time()
         result = fn()
-        self.done[name] = {"seconds": time.time() - t0, "result": result}
+        self.done[name] = {"seconds": time.time() - t0, "result": result, "peak_rss_mb": peak_rss_mb()}
         dflash.write_atomic(self.path, json.dumps(self.done, indent=1))
         return result
 
@@ -391,13 +391,13 @@ class Recipe:
             self.say(f"wrote {self.args.ready}")
 
     def summary(self, wall):
-        """6/6: recipe.json (each phase's time, the total, peak memory) and the table."""
-        own, children = (resource.getrusage(w).ru_maxrss / 1024 for w in (resource.RUSAGE_SELF,
-                                                                          resource.RUSAGE_CHILDREN))
+        """6/6: recipe.json (each phase's time, the total, peak memory: the most any process of the run reached, as each
+    phase recorded it at its end) and the table."""
+        peaks = [v.get("peak_rss_mb", 0) for v in self.done.values() if isinstance(v, dict)]  # earlier processes' too
         phases = {k: round(v["seconds"], 1) for k, v in self.done.items() if isinstance(v, dict) and "seconds" in v}
         summary = {"target": self.args.target, "sizes": self.sizes, "phases_s": phases,
                    "total_s": round(sum(phases.values()), 1), "this_run_s": round(wall, 1),
-                   "peak_rss_mb": round(max(own, children)), "threads": torch.get_num_threads(),
+                   "peak_rss_mb": round(max(peak_rss_mb(), *peaks)), "threads": torch.get_num_threads(),
                    "machine": machine(), "results": {k: v["result"] for k, v in self.done.items()
                                                      if isinstance(v, dict) and "result" in v}}
         dflash.write_atomic(os.path.join(self.out, "recipe.json"), json.dumps(summary, indent=1))
@@ -418,6 +418,10 @@ class Recipe:
                          f"output identical: {r['matches_greedy']}")
         self.say(f"wrote {os.path.join(self.out, 'recipe.json')}")
         return summary
+
+
+def peak_rss_mb():  # the peak resident memory of this process and of its children (ru_maxrss: KB on Linux)
+    return max(resource.getrusage(w).ru_maxrss for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) / 1024
 
 
 def machine():
