@@ -1852,11 +1852,9 @@ def check_run(args, world, device, master):
 def check_resume(out, run, global_batch, master):  # this run's drafter and global batch; metrics cut back to its step
     d, state = run.resume_dir, run.state
     if state:
-        saved, arch = read_drafter_config(d), run.cfg.architecture
-        was, v = saved.architecture, sys.modules[type(saved).__module__]
-        v = getattr(v, "DFLASH_MODULE", v.__name__.split(".")[-1])
-        fix = "drop --variant" if was == DFlashConfig.architecture else f"pass --variant {v}"
-        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {fix}, or give a new --out")
+        saved = read_drafter_config(d)
+        if saved.architecture != run.cfg.architecture:  # a variant's checkpoint, or a variant's run (plugins.py)
+            import_tool("plugins", f"--resume {d}").other_architecture(d, saved, run.cfg)
         for k, v in asdict(run.cfg).items():
             was = getattr(saved, k)
             need(was == v, f"cannot resume {d}: it has {k}={was}, this run {v}; use its flags or a new --out")
@@ -1888,8 +1886,7 @@ def report_to(args):  # the trackers asked for, in order, each once (--report_to
 def start_trackers(args, run, master):  # rank 0's --report_to trackers, going on a resumed run's
     if not (master and report_to(args)):
         return NoTrackers()
-    config = {"args": vars(args), "drafter": asdict(run.cfg)}
-    return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, config, run.state)
+    return import_tool("trackers", "--report_to").Trackers(report_to(args), args, run)
 
 def progress_bar(total_steps, step, master, args):  # rank 0's tqdm bar, on a terminal only (or --no_progress)
     off = not master or args.no_progress or not sys.stderr.isatty()

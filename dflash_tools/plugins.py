@@ -1,4 +1,4 @@
-"""Plug-ins: those of dflash_tools/, found from their files without importing them (dflash.py lists them for --help
+"""Plug-ins: those of dflash_tools/ are found from their files without importing them (dflash.py lists them for --help
 and an unknown flag's owner, and finds the module of a variant checkpoint's architecture here); and those outside it,
 a module or a .py path, imported when trusted. A checkpoint of a variant outside dflash_tools/ names its module in
 config.json (dflash_module: a module by its name, a .py file by its real path): loading it takes --trust_variant_code
@@ -79,7 +79,7 @@ def config_class(d, where):
 
 def configure(spec, cfg, args):
     """(variant, its Config) of a run: --variant spec's module, else the one cfg's class comes from (--init_from's);
-    args gets its flags' defaults where unnamed; its configure(cfg, args), else its Config holding cfg's DFlash fields."""
+    args gets its flags' defaults where unnamed; its configure(cfg, args), else its Config of cfg's DFlash fields."""
     variant = dflash.plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
     vars(args).update({**dflash.flag_dests(variant), **vars(args)})
     if hasattr(variant, "configure"):
@@ -139,3 +139,11 @@ def check_saveable(state, step):
     state are the only places anything else could come from."""
     need(not (bad := unsaveable(state, "train_state")), f"cannot save step_{step}: {bad}; a checkpoint holds only "
          f"None, bool, int, float, str, tensors, and lists, tuples and dicts of them (a stage's state too)")
+
+
+def other_architecture(d, saved, cfg):
+    """Refuse to resume checkpoint d, of saved's architecture, in a run of cfg's: the flag that fits it."""
+    was, v = saved.architecture, sys.modules[type(saved).__module__]
+    v = getattr(v, "DFLASH_MODULE", v.__name__.split(".")[-1])
+    fix = "drop --variant" if was == DFlashConfig.architecture else f"pass --variant {v}"
+    raise DFlashError(f"cannot resume {d}: it is a {was}, not a {cfg.architecture}; {fix}, or give a new --out")
