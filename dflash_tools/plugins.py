@@ -1,4 +1,47 @@
-"""Plug-ins: those of dflash_tools/ are found from their files without importing them (dflash.py lists them for --help
+"""Plug-ins: the contract (how one is named, declares its flags and refuses input: dflash.py's "Plug-ins: the
+contract"), then what each kind supplies, hook by hook:
+- A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
+  problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
+  dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
+  (how a checkpoint finds its module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)` overrides the hooks
+  it changes; training, the walk and eval.py call them alike (forward is not one, refused):
+    Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
+    context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
+    blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
+    draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
+      {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
+      given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
+    block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or (step,
+      total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), a stage's stats (below)
+    summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
+    logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
+      log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
+  An nn.Linear with identity_init = True keeps the weights its module gave it. Optional: configure(cfg, args) -> its
+  Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
+  prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over).
+- A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
+  f(args) -> a CE subclass. weighted_ce is sum(weights * token_loss), over the global sum of normalisers:
+    token_loss(logits (T, V) fp32, labels (T,)[, target_logits (T, V)]) -> (T,), its gradient by autograd, T a chunk
+      of rows; target_logits = True (on the class): the target's logits too (p at a+i; --features: --store_final's)
+    weights(w (b, N, B), logq (b, N, B) log q(label) detached, valid: w > 0) -> the weights (b, N, B)
+    normaliser(w (b, N, B)) -> a scalar tensor, this micro-batch's part; reweigh(w, logq (T,), sel (T,) the flat
+      indices of w > 0) -> (weights, normaliser), how weighted_ce calls both. Engines serve what it trains.
+- A training stage (--stage NAME): `class Stage(SFT)`, Stage(args, state) once a run; state: a dict (None, bool, int,
+  float, str, tensors, lists, tuples, dicts) saved, checked, in each checkpoint; optional check(args) first. A step:
+    plan(inp, micro_batches) -> per micro-batch (shares {name: scalar tensor, a part of a normaliser}, work)
+    loss(inp, mb, work, totals: each share summed over micro-batches and ranks) -> (the scalar to backward, over
+      totals; stats {name: tensor}, summed over micro-batches and ranks, the same on every rank): block_loss's w and
+      ce_w (loss = ce_w / w; a non-finite ce_w skips the step), correct and count (B,), accepted, blocks at least;
+      after(summed stats), optional, follows the optimizer step
+  inp: a StepInputs namedtuple (SFT at another gamma: inp._replace(gamma=g)): model (the drafter, maybe compiled or
+  DDP-wrapped: call it), target (Target, or a capture with its embed, lm_head, target_features), cfg, num_anchors (a
+  row), gamma, loss_kw: dflash_loss's keywords {raw_model: the drafter itself (call its hooks), loss: --loss's object,
+  progress: (step, total_steps), noise_std, labels, pad_to}; mb: collate's {input_ids, loss_mask (b, S), tokens,
+  keys}. Stage.runs_target = False: it reads only what a capture holds (features, labels, f), so it trains from
+  --features; unset, it runs the target, and --features is refused.
+- An on-policy divergence (--onpolicy_accepted/_rejected M:NAME): M's DIVERGENCES[NAME], as onpolicy.py's registry.
+
+Those of dflash_tools/ are found from their files without importing them (dflash.py lists them for --help
 and an unknown flag's owner, and finds the module of a variant checkpoint's architecture here); and those outside it,
 a module or a .py path, imported when trusted. A checkpoint of a variant outside dflash_tools/ names its module in
 config.json (dflash_module: a module by its name, a .py file by its real path): loading it takes --trust_variant_code
