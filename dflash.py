@@ -45,7 +45,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 from collections import namedtuple
 from contextlib import contextmanager, nullcontext, suppress
 from functools import partial
@@ -981,11 +980,9 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
         d.pop("rope_scaling")
     kinds = [cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)]
     causal, sliding = {c for c, _ in kinds}, any(w is not None for _, w in kinds)
-    # a variant's dflash_config_keys(), checked: each own field under its name (left out: only at its default)
-    keys, own = cfg.dflash_config_keys(), {f.name: f.default for f in fields(cfg)[len(fields(DFlashConfig)):]}
-    bad = [f"returns {k!r}" for k in keys if k not in own] + [f"leaves out {k}" for k, v in own.items() if k not in keys
-                                                                and getattr(cfg, k) != v]
-    need(not bad, f"{type(cfg).__name__}.dflash_config_keys() {bad and bad[0]}; return each own field under its name")
+    keys = cfg.dflash_config_keys()  # a variant's own fields, each under its name (plugins.py checks)
+    if type(cfg) is not DFlashConfig:
+        import_tool("plugins", f"{type(cfg).__name__}.dflash_config_keys()").check_config_keys(cfg, keys)
     said = {"is_causal": causal.pop()} if len(causal) == 1 else {}  # mixed: causal iff sliding, both engines' rule
     dc = {"mask_token_id": d.pop("mask_token_id"), "target_layer_ids": d.pop("target_layer_ids"),
           "num_target_layers": cfg.num_target_layers, "block_size": cfg.block_size, "use_swa": False,
@@ -997,13 +994,11 @@ def config_to_json(cfg):  # z-lab's config.json layout, each layer's attention s
             **d, **said, "eagle_aux_hidden_state_layer_ids": [t + 1 for t in cfg.target_layer_ids], "dflash_config": dc}
 
 def config_class(d, where="config.json"):
-    """DFlashConfig, or the variant's config.json names: --variant's of its arch, its dflash_module, else the tool's."""
-    d, known = d if isinstance(d, dict) else {}, {arch: m for _, m, arch in tool_plugins() if arch}
-    named = next((NAMED[a] for a in (d.get("architectures") or []) if a in NAMED), None)  # (the module moved)
-    if named or isinstance(d.get("dflash_module"), str):  # a variant outside dflash_tools/, as transformers' auto_map
-        return (named or plugin(d["dflash_module"], f"{where} ({(d.get('architectures') or ['?'])[0]})")).Config
-    arch = next((a for a in (d.get("architectures") or []) if a in known), None)
-    return import_tool(known[arch], f"{where} ({arch})").Config if arch else DFlashConfig
+    """DFlashConfig, or the variant's config.json names (plugins.py: --variant's, its dflash_module, else the tool's)"""
+    d = d if isinstance(d, dict) else {}
+    if not (NAMED or os.path.isdir(TOOLS) or isinstance(d.get("dflash_module"), str)):  # no variant could be its
+        return DFlashConfig
+    return import_tool("plugins", f"{where} ({(d.get('architectures') or ['?'])[0]})").config_class(d, where)
 
 def config_from_json(d, where="config.json"):  # ours if it writes back the same JSON, else by dflash_tools/engines.py
     try:
@@ -1172,9 +1167,8 @@ def build_drafter(args, run, target, world, device, say=print):
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     cfg, source = run.cfg, run.resume_dir or run.init_from
     drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
-    if run.variant:  # the variant's own set-up from its flags
-        v = run.variant
-        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
+    if run.variant:  # the variant's own set-up from its flags (plugins.py: else DFlash's weights carried over)
+        drafter = import_tool("plugins", "--variant").prepare(run.variant, drafter, cfg, args)
     if not source and target.lm_head.weight is target.embed.weight:  # tied (Llama-3.2, Qwen3-0.6B..4B, Gemma3)
         start_off_mask(drafter, target)
         say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
@@ -1279,19 +1273,11 @@ def keep_metrics(out, step):  # drop metrics.jsonl's records after step (-1: all
     if len(kept) < len(lines):
         write_atomic(path, "".join(kept))
 
-def unsaveable(x, where):  # where x holds a value torch.load(weights_only) refuses (a numpy scalar, a lambda), or None
-    if type(x) in (dict, list, tuple):  # (exact types: a namedtuple, a numpy float, a float subclass, are refused)
-        pairs = x.items() if type(x) is dict else enumerate(x)
-        return next(filter(None, (unsaveable(k, f"a key of {where}") or unsaveable(v, f"{where}[{k!r}]")
-                                  for k, v in pairs)), None)
-    ok = x is None or type(x) in (bool, int, float, str) or torch.is_tensor(x)
-    return None if ok else f"{where} is a {type(x).__module__}.{type(x).__qualname__}"
-
 def save_checkpoint(out, step, drafter, optimizer, save_dtype, state, world=1, say=print, record=None):
     """On every rank: rank 0 writes <out>/step_<n>/ (drafter, train_state.pt, record), then switches <out>/latest."""
     from safetensors import SafetensorError
-    need(not (bad := unsaveable(state, "train_state")), f"cannot save step_{step}: {bad}; a checkpoint holds only "
-         f"None, bool, int, float, str, tensors, and lists, tuples and dicts of them (a stage's state too)")
+    if os.path.isdir(TOOLS):  # what torch.load(weights_only) refuses comes only from a plug-in's flag or state
+        import_tool("plugins", "a plug-in's state").check_saveable(state, step)
     if world > 1:
         getattr(optimizer, "consolidate_state_dict", lambda to: None)(to=0)
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -1567,7 +1553,7 @@ class StopFlag:  # `with StopFlag(out, say) as stop`: TERM/INT/HUP, Slurm's USR1
 
     def __init__(self, out, say=print, plugins=()):  # plugins: modules whose exceptions end the run in one line
         self.out, self.say, self.requested, self.count, self.signum, self.step = out, say, False, 0, None, 0
-        self.plugins = {os.path.realpath(m.__file__): getattr(m, "DFLASH_MODULE", m.__name__) for m in plugins if m}
+        self.plugins = [m for m in plugins if m]
 
     def __enter__(self):
         sigs = {getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)}
@@ -1577,11 +1563,8 @@ class StopFlag:  # `with StopFlag(out, say) as stop`: TERM/INT/HUP, Slurm's USR1
     def __exit__(self, kind, e, tb):  # an exception in a plug-in's code: its traceback, then one line naming it
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        who = [self.plugins.get(os.path.realpath(f.f_code.co_filename)) for f, _ in traceback.walk_tb(tb)]
-        if isinstance(e, Exception) and not isinstance(e, DFlashError) and any(who):
-            traceback.print_exception(e)
-            raise DFlashError(f"plug-in {[w for w in who if w][-1]} raised {kind.__name__} in step {self.step}: "
-                              f"{first_line(e)}; {last_complete(self.out)}") from None
+        if isinstance(e, Exception) and not isinstance(e, DFlashError) and self.plugins:
+            import_tool("plugins", "a plug-in's error").blame(e, tb, self.plugins, self.step, self.out)
 
     def _handler(self, signum, frame):  # first: finish the step, save, exit; third: SystemExit 128+signal, latest kept
         self.count, self.requested, self.signum = self.count + 1, True, self.signum or signum
@@ -1722,12 +1705,13 @@ def resume_point(args, data_digest, master=True):  # (checkpoint, its train stat
         need(mode or not earlier, f"--out {out!r} already holds a run ({earlier}); {fix}, or give a new --out")
         return None, None
     state = read_train_state(d)
+    own = import_tool("plugins", "--loss/--stage").plugin_args(args) if args.loss != "ce" or args.stage else {}
     old = dict(state["args"]) if isinstance(state["args"], dict) else {}
     if old.get("eval_fraction", 0) is None:  # None: the default, as this run counts it
         old["eval_fraction"] = EVAL_FRACTION
-    old.update(loss=state.get("loss", "ce"), stage=old.get("stage"), **{k: old.get(k) for k in plugin_args(args)})
+    old.update(loss=state.get("loss", "ce"), stage=old.get("stage"), **{k: old.get(k) for k in own})
     now = {**vars(args), "eval_fraction": eval_fraction(args)}
-    for k in ("seed", "max_len", "eval_fraction", "loss", "stage", *plugin_args(args)):  # data order, split, objective
+    for k in ("seed", "max_len", "eval_fraction", "loss", "stage", *own):  # data order, split, objective
         was = old.get(k, now[k])
         need(was == now[k], f"cannot resume {d}: it was made with --{k} {was}, this run has --{k} {now[k]}; use {was}")
     same = not state.get("data") or not data_digest or state["data"] == data_digest
@@ -1828,8 +1812,6 @@ def check_run(args, world, device, master):
         problems.append(f"--dtype {args.dtype}: on the CPU the drafter trains in fp32; drop --dtype or pass fp32")
     if device.type == "cpu" and not args.plan and args.attention == "flex":
         problems.append("--attention flex: FlexAttention has no backward pass on the CPU; drop --attention")
-    if args.eval_walk_tree_budget and not args.eval_walk_prompts:
-        problems.append(f"--eval_walk_tree_budget {args.eval_walk_tree_budget} needs walks; drop --eval_walk_prompts 0")
     if not args.plan:  # rank 0 is --out's one writer from the first check that writes, before it (--plan writes none)
         lock_out(args.out) if master else None
         check_out_dir(args.out)
@@ -1842,8 +1824,8 @@ def check_run(args, world, device, master):
     plan = import_tool("plan", "--plan") if args.plan else None  # a missing extra first: these flags need one
     stage = plugin(args.stage, f"--stage {args.stage}") if args.stage else None
     getattr(stage, "check", lambda a: None)(args)
-    if args.eval_walk_tree_budget:
-        import_tool("tree", "--eval_walk_tree_budget")
+    if args.eval_walk_tree_budget:  # its own checks
+        problems += import_tool("tree", "--eval_walk_tree_budget").problems(args)
     meta = load_target(args.target, "meta", DTYPES[args.dtype], args.trust_remote_code)
     cfg = variant = None
     given = {k: getattr(args, k) for k in DRAFTER_FLAGS if getattr(args, k) is not None}
@@ -1854,10 +1836,8 @@ def check_run(args, world, device, master):
             same = not init_from or v == (getattr(cfg, DRAFTER_FLAGS[k]) or (0 if k == "sliding_window" else None))
             need(same, f"--{k} {v}: --init_from {args.init_from} has its own; drop --{k} or --init_from")
         spec = "dflash2" if args.dflash2 else args.variant  # else --init_from's own variant, if any
-        variant = plugin(spec, f"--variant {spec}") if spec else sys.modules[type(cfg).__module__]
-        variant = None if variant is sys.modules[__name__] else variant
-        vars(args).update({**flag_dests(variant), **vars(args)})  # --init_from's variant: its flags' defaults (unnamed)
-        cfg = getattr(variant, "configure", lambda c, a: as_variant(variant, c))(cfg, args) if variant else cfg
+        if spec or type(cfg) is not DFlashConfig:  # the variant's module, its flags' defaults, its Config
+            variant, cfg = import_tool("plugins", f"--variant {spec}").configure(spec, cfg, args)
         check_compatible(cfg, meta), config_to_json(cfg)  # config.json holds every field (dflash_config_keys)
     except (DFlashError, Unreadable) as e:
         problems += str(e).splitlines()
@@ -1869,25 +1849,12 @@ def check_run(args, world, device, master):
     state_of_stage = (state or {}).get("stage_state", {})
     return RunSetup(cfg, resume_dir, state, data_digest, init_from, variant, stage, state_of_stage)
 
-def as_variant(variant, cfg=None, drafter=None):
-    """A variant's default configure, prepare: its Config holding cfg's DFlash fields, its Drafter drafter's weights."""
-    if drafter is None:
-        return cfg if isinstance(cfg, variant.Config) else variant.Config(**{
-            f.name: getattr(cfg, f.name) for f in fields(DFlashConfig)})
-    if isinstance(drafter, variant.Drafter):
-        return drafter
-    new = variant.Drafter(cfg, drafter.attention).to(drafter.fc.weight.device)
-    new.load_state_dict(drafter.state_dict(), strict=False)
-    return new
-
 def check_resume(out, run, global_batch, master):  # this run's drafter and global batch; metrics cut back to its step
     d, state = run.resume_dir, run.state
     if state:
-        saved, arch = read_drafter_config(d), run.cfg.architecture
-        was, v = saved.architecture, sys.modules[type(saved).__module__]
-        v = getattr(v, "DFLASH_MODULE", v.__name__.split(".")[-1])
-        fix = "drop --variant" if was == DFlashConfig.architecture else f"pass --variant {v}"
-        need(was == arch, f"cannot resume {d}: it is a {was}, not a {arch}; {fix}, or give a new --out")
+        saved = read_drafter_config(d)
+        if saved.architecture != run.cfg.architecture:  # a variant's checkpoint, or a variant's run (plugins.py)
+            import_tool("plugins", f"--resume {d}").other_architecture(d, saved, run.cfg)
         for k, v in asdict(run.cfg).items():
             was = getattr(saved, k)
             need(was == v, f"cannot resume {d}: it has {k}={was}, this run {v}; use its flags or a new --out")
@@ -1919,8 +1886,7 @@ def report_to(args):  # the trackers asked for, in order, each once (--report_to
 def start_trackers(args, run, master):  # rank 0's --report_to trackers, going on a resumed run's
     if not (master and report_to(args)):
         return NoTrackers()
-    config = {"args": vars(args), "drafter": asdict(run.cfg)}
-    return import_tool("trackers", "--report_to").Trackers(report_to(args), args.out, config, run.state)
+    return import_tool("trackers", "--report_to").Trackers(report_to(args), args, run)
 
 def progress_bar(total_steps, step, master, args):  # rank 0's tqdm bar, on a terminal only (or --no_progress)
     off = not master or args.no_progress or not sys.stderr.isatty()
@@ -2252,49 +2218,8 @@ class ArgumentParser(argparse.ArgumentParser):
 # Plug-ins: the contract. Each is one module. Its flag names it as a dflash_tools/ name, an importable module or a .py
 # path; its optional add_flags(g) declares its flags with flag(g, ...), accepted only beside that flag. Bad input in one
 # is `need(ok, "problem; fix")`: one error line (an exception in its code: a traceback, `error: plug-in M raised E`).
-# - A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
-#   problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
-#   dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
-#   (how a checkpoint finds its module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)` overrides the hooks
-#   it changes; training, the walk and eval.py call them alike (forward is not one, refused):
-#     Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
-#     context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
-#     blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
-#     draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
-#       {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
-#       given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
-#     block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or (step,
-#       total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), a stage's stats (below)
-#     summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
-#     logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
-#       log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
-#   An nn.Linear with identity_init = True keeps the weights its module gave it. Optional: configure(cfg, args) -> its
-#   Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
-#   prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over).
-# - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
-#   f(args) -> a CE subclass. weighted_ce is sum(weights * token_loss), over the global sum of normalisers:
-#     token_loss(logits (T, V) fp32, labels (T,)[, target_logits (T, V)]) -> (T,), its gradient by autograd, T a chunk
-#       of rows; target_logits = True (on the class): the target's logits too (p at a+i; --features: --store_final's)
-#     weights(w (b, N, B), logq (b, N, B) log q(label) detached, valid: w > 0) -> the weights (b, N, B)
-#     normaliser(w (b, N, B)) -> a scalar tensor, this micro-batch's part; reweigh(w, logq (T,), sel (T,) the flat
-#       indices of w > 0) -> (weights, normaliser), how weighted_ce calls both. Engines serve what it trains.
-# - A training stage (--stage NAME): `class Stage(SFT)`, Stage(args, state) once a run; state: a dict (None, bool, int,
-#   float, str, tensors, lists, tuples, dicts) saved, checked, in each checkpoint; optional check(args) first. A step:
-#     plan(inp, micro_batches) -> per micro-batch (shares {name: scalar tensor, a part of a normaliser}, work)
-#     loss(inp, mb, work, totals: each share summed over micro-batches and ranks) -> (the scalar to backward, over
-#       totals; stats {name: tensor}, summed over micro-batches and ranks, the same on every rank): block_loss's w and
-#       ce_w (loss = ce_w / w; a non-finite ce_w skips the step), correct and count (B,), accepted, blocks at least;
-#       after(summed stats), optional, follows the optimizer step
-#   inp: a StepInputs namedtuple (SFT at another gamma: inp._replace(gamma=g)): model (the drafter, maybe compiled or
-#   DDP-wrapped: call it), target (Target, or a capture with its embed, lm_head, target_features), cfg, num_anchors (a
-#   row), gamma, loss_kw: dflash_loss's keywords {raw_model: the drafter itself (call its hooks), loss: --loss's object,
-#   progress: (step, total_steps), noise_std, labels, pad_to}; mb: collate's {input_ids, loss_mask (b, S), tokens,
-#   keys}. Stage.runs_target = False: it reads only what a capture holds (features, labels, f), so it trains from
-#   --features; unset, it runs the target, and --features is refused.
-# - An on-policy divergence (--onpolicy_accepted/_rejected M:NAME): M's DIVERGENCES[NAME], as onpolicy.py's registry.
-def tool_plugins():  # [(flag, module, architecture)] of dflash_tools/' plug-ins, read from their files (plugins.py)
-    return import_tool("plugins", "finding plug-ins").tool_plugins() if os.path.isdir(TOOLS) else []
-
+# What each kind supplies, hook by hook (a variant, a loss, a training stage, an on-policy divergence): the docstring
+# of dflash_tools/plugins.py, through which every plug-in is found and imported.
 def chosen_plugins(argv, every=False):
     """[(title, module)] of the plug-ins argv names (every: all dflash_tools/'), setting TRUSTED and NAMED to those."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
@@ -2308,15 +2233,11 @@ def chosen_plugins(argv, every=False):
     TRUSTED.clear(), NAMED.clear()
     TRUSTED.update({os.path.realpath(v) if v.endswith(".py") else v for v in given.values() if v} | (
         {"*"} if a.trust_variant_code else set()))
-    if loss:
-        module, name = loss_plugin(loss)
-        known = getattr(module, "LOSSES", {})
-        need(name in known, f"--loss {loss}: no such loss; give ce or one of {', '.join(known) or 'none'}")
-    chosen = {(f, m) for f, m, _ in tool_plugins() if every} | {(f, m) for f, m in given.items() if m}
-    modules = [(f, m, plugin(m, f"{f} {m}")) for f, m in sorted(chosen)]
-    NAMED.update({mod.Config.architecture: mod for f, _, mod in modules if f == "--variant" and hasattr(mod, "Config")})
-    return [(f"{f} {'|'.join(mod.LOSSES) if f == '--loss' else m} ({mod.__name__})", mod) for f, m, mod in modules
-            if hasattr(mod, "add_flags")]
+    named = sorted((f, m) for f, m in given.items() if m)
+    if not (named or every and os.path.isdir(TOOLS)):
+        return []
+    why = f"--loss {loss}" if loss else " ".join(named[0]) if named else "--help"  # (no dflash_tools/: its error line)
+    return import_tool("plugins", why).chosen(given, loss, every)
 
 def loss_plugin(spec):  # (module, name) of --loss spec: a name in dflash_tools/losses.py, or MODULE_OR_PATH:name
     module, _, name = spec.rpartition(":")
@@ -2340,11 +2261,6 @@ class CE:
     def reweigh(self, w, logq, sel):  # (weights, normaliser) of block weights w, from log q(label) at the tokens sel
         logq = torch.zeros_like(w).flatten().index_put((sel,), logq.to(w.dtype)).view_as(w)
         return self.weights(w, logq, w > 0), self.normaliser(w)
-
-def plugin_args(args):  # the flags of --loss's and --stage's modules, by dest (what a resume must keep)
-    modules = ([loss_plugin(args.loss)[0]] if args.loss != "ce" else []) + ([plugin(args.stage, "--stage")] if
-                                                                             args.stage else [])
-    return {k: getattr(args, k) for m in modules for k in flag_dests(m)}
 
 def flag_dests(module):  # the flags a plug-in's add_flags declares: {dest: default}
     p = argparse.ArgumentParser(add_help=False)

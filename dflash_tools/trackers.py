@@ -3,6 +3,7 @@ rank 0. dflash.py imports this module only when --report_to names one."""
 import importlib
 import json
 import os
+from dataclasses import asdict
 
 from dflash import DFlashError, check_writable_dir, first_line
 
@@ -36,8 +37,9 @@ class Trackers:
     purging any event after the checkpoint's step (a run killed after its last checkpoint logged steps that are
     logged again); W&B continues the run whose id the checkpoint saved (train_state's "wandb_id")."""
 
-    def __init__(self, names, out, config, state):
+    def __init__(self, names, args, run):  # the run's config (its flags, the drafter's) is logged with it
         self.tb = self.wandb = None
+        out, state, config = args.out, run.state, {"args": vars(args), "drafter": asdict(run.cfg)}
         step = state["step"] if state else -1
         if names:
             os.makedirs(out, exist_ok=True)

@@ -8,6 +8,11 @@ import heapq
 from dflash import walk_steps
 
 
+def problems(args):  # training's --eval_walk_tree_budget: its refusals, one line each
+    n = args.eval_walk_tree_budget
+    return [] if args.eval_walk_prompts else [f"--eval_walk_tree_budget {n} needs walks; drop --eval_walk_prompts 0"]
+
+
 def tree_nodes(logq, budget):
     """DDTree's best-first draft tree at one anchor. logq[d][r]: log q of the r-th best token at depth d+1 (the
     drafter's block offset d+1), ranked best first, K per depth; q_d is a depth marginal, so a path's score is the sum

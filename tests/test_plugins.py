@@ -264,7 +264,7 @@ def test_a_loss_against_the_target_distribution_is_one_loss_file(forker, tmp_pat
 
 
 def test_plugins_in_dflash_tools_are_found_from_their_files():
-    found = {(f, m, a) for f, m, a in dflash.tool_plugins()}
+    found = {(f, m, a) for f, m, a in dflash.import_tool("plugins", "the test").tool_plugins()}
     assert ("--variant", "dflash2", "DFlash2DraftModel") in found and ("--loss", "losses", None) in found
     assert ("--stage", "onpolicy", None) in found
     assert "DFlash2DraftModel" not in open(os.path.join(ROOT, "dflash.py")).read()  # the map comes from the modules
