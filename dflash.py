@@ -349,7 +349,6 @@ class Target:
     tokenizer: object
     name: str
     sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
-    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf_target.py)
 
     def __post_init__(self):
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
@@ -1123,7 +1122,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):  # conf
 
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
-def target_record(target):  # name, fingerprint (a hash, as older records have it), probe (embeddings, in any dtype)
+def target_record(target):  # name, fingerprint (a hash, as older records have it), probe (embeddings), a GGUF's sha256
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
@@ -1312,13 +1311,11 @@ def load_tokenizer(name, trust_remote_code=False, **gguf):  # its tokenizer, or 
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, **gguf):
-    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    A local path without config.json is a GGUF (dflash_tools/gguf_target.py), which comes back here with gguf_file."""
+    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
-    local = name.startswith((".", "/", "~")) or os.path.exists(name)
-    if local and not gguf and not os.path.isfile(f"{name}/config.json"):  # a .gguf file, or a folder holding one
+    if not (gguf or os.path.isfile(f"{name}/config.json")) and (os.path.exists(name) or name[:1] in "./~"):
         return import_tool("gguf_target", f"target {name!r} (a GGUF?)").load_target(name, device, dtype, shard)
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **gguf)
