@@ -337,7 +337,6 @@ class Target:
     tokenizer: object
     name: str
     sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
-    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf_target.py)
 
     def __post_init__(self):
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
@@ -1110,7 +1109,7 @@ def save_drafter(drafter, path, dtype=torch.bfloat16, extra_files=None):  # conf
 
 TARGET_RECORD = "target.json"  # in our checkpoints: target_record(the target)
 
-def target_record(target):  # name, fingerprint (a hash, as older records have it), probe (embeddings, in any dtype)
+def target_record(target):  # name, fingerprint (a hash, as older records have it), probe (embeddings), a GGUF's sha256
     from safetensors.torch import save
     w, V, tc = target.embed.weight, target.vocab_size, target.model.config.get_text_config()
     h = hashlib.sha256(json.dumps([tc.model_type, V, target.hidden_size, target.num_layers]).encode())
@@ -1325,8 +1324,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     if torch.device(device).type != "cuda":  # transformers' advice to install causal_conv1d, fla: CUDA-only kernels
         hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(lambda r: "falling back" not in r.msg)
-    local = name.startswith((".", "/", "~")) or os.path.exists(name)
-    if local and not gguf and not os.path.isfile(f"{name}/config.json"):  # a .gguf file, or a folder holding one
+    if not (gguf or os.path.isfile(f"{name}/config.json")) and (os.path.exists(name) or name[:1] in "./~"):
         return import_tool("gguf_target", f"target {name!r} (a GGUF?)").load_target(name, device, dtype, shard)
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **gguf)

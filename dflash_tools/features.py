@@ -117,13 +117,15 @@ DIGEST_ROWS = DIGEST_VALUES = 8  # a tensor's sample in weights_digest: rows alo
 def weights_digest(name):
     """A sha256 (16 hex digits) of every tensor of target name's safetensors: its name, dtype, shape and the bytes of
     a sample of its entries (DIGEST_ROWS rows along the first dimension, the first DIGEST_VALUES entries of each), read
-    at their offsets; None for a target without safetensors."""
+    at their offsets; a GGUF's: the file's sha256; None for a target without safetensors."""
     try:
         files = weight_files(name)
     except dflash.DFlashError:
         return None
-    parts = {}
-    for path in sorted(set(files.values())):
+    paths, parts = sorted(set(files.values())), {}
+    if paths and paths[0].endswith(".gguf"):  # a GGUF: every tensor is in the file's own sha256 (hashed once a process)
+        return dflash.import_tool("gguf_target", f"the GGUF {paths[0]!r}").record(paths[0])["sha256"][:16]
+    for path in paths:
         tensors, data = safetensors_header(path)
         with open(path, "rb") as f:
             for k, t in tensors.items():

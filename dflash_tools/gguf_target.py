@@ -71,7 +71,7 @@ def load_target(name, device="cpu", dtype=None, shard=False):
     path = find(name)
     require(path)
     target = dflash.load_target(os.path.dirname(path), device, dtype, shard=shard, gguf_file=os.path.basename(path))
-    target.name, target.source = name, record(path)
+    target.name, target.source = name, record(path)  # dflash.target_record adds the source
     return target
 
 

@@ -145,6 +145,7 @@ def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tm
         dflash.main([*argv, "--out", str(tmp_path / "feat"), "--features", str(tmp_path / "f")])
     manifest = json.load(open(tmp_path / "f" / "manifest.json"))
     assert (manifest["target"]["gguf"], manifest["target"]["sha256"]) == ("tiny.F32.gguf", sha)
+    assert manifest["layers_digest"] == sha[:16]  # every tensor of a GGUF: the file's hash
     for run in ("online", "feat"):
         latest = open(tmp_path / run / "latest").read().strip()
         rec = json.load(open(tmp_path / run / latest / dflash.TARGET_RECORD))
