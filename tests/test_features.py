@@ -18,6 +18,11 @@ from dflash_tools import features
 
 LAYERS = "0,1,2"  # captured; the drafters below read 0,2 (a subset) or all three
 WALK = ["--eval_walk_prompts", "4", "--eval_walk_tokens", "12", "--eval_fraction", "0.4"]
+# captures pass the target 2 rows of 24 tokens at a time, as training (RUN's --batch_size 2) and its held-out eval do:
+# a run from them repeats online training's computation, so it is compared bitwise; a pass of another shape (a row
+# alone, other padding) is equal in exact arithmetic, not in the last bit on every CPU, and compared within NEAR
+SAME_SHAPES = ["--batch_size", "2"]
+NEAR = dict(rtol=1e-5, atol=1e-6)
 RUN = [*replace(replace(SMALL, "--eval_fraction", "0.4"), "--target_layer_ids", "0,2"), "--eval_walk_prompts", "4",
        "--eval_walk_tokens", "12", "--eval_every", "2", "--max_steps", "4", "--batch_size", "2", "--grad_accum", "2",
        "--no_progress"]
@@ -27,7 +32,7 @@ DFLASH2 = ["--dflash2", "--selector_rank", "4", "--selector_top_k", "4", "--conv
 def capture(target, data, out, *extra, layers=LAYERS):
     with torch_threads(1):
         features.main(["capture", "--target", target, "--data", data, "--out", str(out), "--target_layer_ids", layers,
-                       *WALK, *extra])
+                       *WALK, *SAME_SHAPES, *extra])
     return str(out)
 
 
@@ -76,7 +81,7 @@ def test_capture_holds_the_targets_features_labels_and_walk(cap):
         out = target.model(x, output_hidden_states=True)
         want = torch.cat([out.hidden_states[t + 1][0] for t in (0, 1, 2)], -1)
         assert s["input_ids"].tolist() == ids and s["loss_mask"].tolist() == [bool(v) for v in mask]
-        assert torch.equal(s["features"], want)
+        torch.testing.assert_close(s["features"], want, **NEAR)  # a row alone: another shape than the capture's
         assert s["labels"][0] == -1 and torch.equal(s["labels"][1:], out.logits[0, :-1].argmax(-1))
     assert len(store.prompts) == 4
     for p in store.prompts.values():
@@ -103,8 +108,8 @@ def test_bytes_per_token_and_disk_line(cap, capsys, tmp_path):
 @pytest.mark.parametrize("flags", [[], DFLASH2, ["--loss", "dpace"]], ids=["dflash", "dflash2", "dpace"])
 def test_training_from_fp32_features_equals_online(cap, tmp_path, flags):
     """Same seed and steps, context noise on, held-out loss and walked tau at steps 0, 2, 4: fp32 features give the
-    same metrics and the same weights as online training, bitwise (a dense target's hidden states do not depend on
-    the batch's padding on the CPU)."""
+    same metrics and the same weights as online training, bitwise (a dense target, passed the same shapes: the same
+    computation)."""
     online = train(tmp_path / "online", *cap["base"], *flags)
     feats = train(tmp_path / "feats", *cap["base"], *flags, "--features", cap["fp32"])
     a, b = records(online), records(feats)
@@ -129,7 +134,18 @@ def test_data_of_the_targets_own_continuations(cap, tmp_path):
     data = str(tmp_path / "regen.jsonl")
     feats = capture(cap["q3"], data, tmp_path / "f", "--features_dtype", "fp32")
     base = replace(cap["base"], "--data", data)
-    assert records(train(tmp_path / "online", *base)) == records(train(tmp_path / "feats", *base, "--features", feats))
+    online, feats = records(train(tmp_path / "online", *base)), records(train(tmp_path / "feats", *base, "--features",
+                                                                               feats))
+    assert near(online, feats)  # rows cut at eos: other padding in the capture's batches than in training's
+
+
+def near(a, b):
+    """Records equal but for fp32 rounding in their numbers (NEAR), the rest exactly."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(near(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(near, a, b))
+    return b == pytest.approx(a, rel=NEAR["rtol"], abs=NEAR["atol"]) if isinstance(a, float) else a == b
 
 
 def test_resume_from_an_online_checkpoint_with_features(cap, tmp_path):
@@ -165,7 +181,7 @@ def test_two_ranks_capture_and_train_like_two_ranks_online(cap, tmp_path):
     2 ranks, equal online training on 2 ranks."""
     two = str(tmp_path / "two")
     cmds = [("capture", ["capture", "--target", cap["q3"], "--data", cap["data"], "--out", two, "--target_layer_ids",
-                         LAYERS, "--features_dtype", "fp32", *WALK])]
+                         LAYERS, "--features_dtype", "fp32", *WALK, *SAME_SHAPES])]
     outs = {name: str(tmp_path / name) for name in ("online", "feats", "hybrid")}
     cmds += [("train", [*cap["base"], "--grad_accum", "1", *extra, "--out", outs[name]]) for name, extra in (
         ("online", []), ("feats", ["--features", two]), ("hybrid", ["--features", str(tmp_path / "h"),
