@@ -23,7 +23,6 @@ TINY = ".cache/tiny_qwen35"  # the README's tiny target; its data beside it
 # programs the README runs that are not this project's: their flags are not checked here
 EXTERNAL = {"pip", "vllm", "torchrun", "pytest", "sglang.launch_server", "scripts/launch_vllm.py",
             "scripts/data_generation_offline.py"}
-PENDING = {"dflash_tools/recipe.py"}  # the SmolLM2 recipe, being written beside this README: checked once it exists
 # flags appended to the commands run on the tiny target, by script: small shapes, few steps, no held-out walk
 SMALL = {"dflash.py": ["--mask_token_id", str(VOCAB - 1), "--block_size", "4", "--num_anchors", "4", "--max_len", "32",
                        "--batch_size", "2", "--eval_every", "0", "--save_every", "0", "--eval_walk_prompts", "0",
@@ -88,12 +87,10 @@ def test_every_readme_flag_is_in_its_scripts_help(commands, monkeypatch, capsys)
     ours = [(program(c), c) for c in commands if program(c)[0] not in EXTERNAL]
     for (script, _), c in ours:
         assert script.endswith((".py", ".sh")), f"not a command of this project, nor a known tool: {shlex.join(c)}"
-        assert os.path.isfile(os.path.join(ROOT, script)) or script in PENDING, f"the README runs {script}, which " \
+        assert os.path.isfile(os.path.join(ROOT, script)), f"the README runs {script}, which " \
             f"does not exist"
     helps = {}
     for (script, args), c in ours:
-        if script in PENDING and not os.path.isfile(os.path.join(ROOT, script)):
-            continue
         key = (script, args[0] if script == "dflash_tools/features.py" else None)
         if key not in helps and script.endswith(".sh"):  # a shell script's: the literals it compares arguments with
             helps[key] = open(os.path.join(ROOT, script)).read()
