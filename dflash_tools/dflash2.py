@@ -6,7 +6,23 @@ DFlash2 adds two pieces to DFlash: a grouped dynamic causal convolution along ea
 every attention and MLP sublayer (identity at init), and a candidate selector that re-ranks the target head's top-k
 tokens at each offset by S(a, b) = U(b) + <A[a] * H(h), Bc[b]> (a: the previous token of the block); the drafted
 block is the selector's greedy path, and its CE on the teacher-forced path joins the loss (zero successor codebook
-at init: a fresh DFlash2 drafter drafts what its DFlash backbone drafts)."""
+at init: a fresh DFlash2 drafter drafts what its DFlash backbone drafts).
+
+Where the public sources disagree, the choice here (SpecForge's default wins where it has one), and why:
+- gold token outside the top-k; teacher-forced predecessor: no selector loss; the anchor, then the previous offset's
+  label (a recall miss is the backbone's, serving never sees it; while drafts are accepted, the walk's picks are the
+  labels).
+- selector term's denominator: the batch's Σw, shared with the CE (SpecForge; its own-denominator CE is logged as
+  selector_loss).
+- initialisation: zero successor codebook, identity convolutions (a fresh DFlash2 drafter is its DFlash drafter).
+- output_multiplier, softcap in the CE; softcap 0: applied: the CE is on c·tanh(m·z/c); 0 refused, null is off (the
+  unary logits DFlash2 serves (SpecForge too); the engines read 0 as off, SpecForge refuses it).
+- causality inside the block: the config's rule (is_causal: false: bidirectional) (as z-lab and both engines serve
+  released files).
+- input_embedding_scale: read and applied; written only when ≠ 1 (SGLang ignores it: keep 1 for a portable drafter).
+- vLLM's convolution block: 1 + num_speculative_tokens (serve with num_speculative_tokens = B − 1).
+- top-k ties, lm_head bias: sorted top-k, the lowest slot wins; the head as it is (deterministic; z-lab's reference
+  keeps the bias)."""
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
