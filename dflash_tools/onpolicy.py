@@ -162,15 +162,43 @@ def verify_states(target, ids, anchors, accepted, proposals, final, induced=True
     rows = [j for j in range(n) if induced and anchors[j] + accepted[j] + 2 < S and accepted[j] + 2 < B]
     if not rows:
         return out, 0
-    seqs = [torch.cat([ids[:anchors[j] + 1], proposals[j]]) for j in rows]
-    batch = torch.stack([F.pad(x, (0, max(map(len, seqs)) - len(x))) for x in seqs])  # right pads: causal, unseen
-    with dflash.capture_hidden(target, []) as store:
-        target.backbone(input_ids=batch, use_cache=False)
+    if attention_only(target):
+        states, tokens = cached_drafts_pass(target, ids, anchors[rows], proposals[rows])  # (r, B-1, D): after d_k
+        first = lambda a: 0  # noqa: E731 (states[r, k]: the state after draft k+1, before offset k+2)
+    else:
+        seqs = [torch.cat([ids[:anchors[j] + 1], proposals[j]]) for j in rows]
+        batch = torch.stack([F.pad(x, (0, max(map(len, seqs)) - len(x))) for x in seqs])  # right pads: causal, unseen
+        with dflash.capture_hidden(target, []) as store:
+            target.backbone(input_ids=batch, use_cache=False)
+        states, tokens, first = store["final"], sum(map(len, seqs)), lambda a: a + 1  # noqa: E731
     for r, j in enumerate(rows):
         a, m = anchors[j].item(), accepted[j].item()
         hi = min(B, S - a)  # offsets inside the continuation
-        out[j, m + 2:hi] = store["final"][r, a + m + 1:a + hi - 1].to(out.dtype)
-    return out, sum(map(len, seqs))
+        out[j, m + 2:hi] = states[r, first(a) + m:first(a) + hi - 2].to(out.dtype)
+    return out, tokens
+
+
+def attention_only(target):
+    """True when every decoder layer attends over a KV cache (no recurrent layer, whose state has no per-row cut)."""
+    kinds = getattr(target.model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+    return not target.sharded and all(k in ("full_attention", "sliding_attention") for k in kinds)
+
+
+@torch.no_grad()
+def cached_drafts_pass(target, ids, anchors, drafts):
+    """The target's final states on [ids[:a+1], drafts] for each anchor a (r,) and its drafts (r, B-1), from one
+    cached pass over ids: each row a copy of the cache, masked past its anchor, its drafts at positions a+1.. (the
+    prefix is not recomputed per block). Returns ((r, B-1, D), target tokens run)."""
+    r, n, S = drafts.shape[0], drafts.shape[1], len(ids)
+    cache = target.backbone(input_ids=ids[None], use_cache=True).past_key_values
+    cache.batch_repeat_interleave(r)
+    seen = torch.arange(S, device=ids.device)[None] <= anchors[:, None]  # (r, S): each row's prefix ids[:a+1]
+    mask = torch.cat([seen, seen.new_ones(r, n)], 1).long()
+    positions = anchors[:, None] + 1 + torch.arange(n, device=ids.device)
+    with dflash.capture_hidden(target, []) as store:
+        target.backbone(input_ids=drafts, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True)
+    return store["final"], S + r * n
 
 
 def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step, captured=False, induced=True):
