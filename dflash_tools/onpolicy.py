@@ -7,9 +7,10 @@ drafter's context features and the target's final hidden states, and the drafter
 exactly as eval.py walks it (its draft rule's drafts; a rule that samples its block is rejection-sampled at T > 0).
 The rollout records the block starts, the proposals, the accepted lengths and the target's final hidden states where
 serving's verification reads them: before offset i of a block anchored at a, the state on [context, anchor, d1 ...
-d(i-1)]. Up to the first rejection that prefix is the continuation (the walk's pass has it); past it, ONE batched
-target pass over [tokens up to each anchor, its B-1 drafts] gives the rest (the draft-induced states). Through the
-target's lm_head they give the target's distribution p at every verified position.
+d(i-1)]. Up to the first rejection that prefix is the continuation (the walk's pass has it); past it, the blocks'
+B-1 drafts, batched, each over the sequence's KV cache cut at its anchor, give the rest (the draft-induced states;
+a target with recurrent layers, whose state has no such cut: one batched pass over [tokens up to each anchor, its
+drafts]). Through the target's lm_head they give the target's distribution p at every verified position.
 
 The objective (Draft-OPD's, arXiv 2605.29343, by default) re-runs the drafter, with gradient, at the recorded block
 starts. A block with m accepted drafts covers offsets 1..B-1 (those inside the continuation):
@@ -153,8 +154,9 @@ def verify_states(target, ids, anchors, accepted, proposals, final, induced=True
     """The target's final hidden states where serving's verification reads them: (n, B, D), [j, i] the state before
     offset i of block j (anchored at anchors[j], its drafts proposals[j]), on [ids up to the anchor, d1 ... d(i-1)];
     [j, 0] zeros. Offsets up to the first rejection (i <= m+1: the prefix is the continuation) are the walk's pass's
-    (final (S, D)); the later ones inside the continuation come from ONE batched pass over [ids[:a+1], the B-1 drafts]
-    of the blocks that have them, as serving verifies a block. Returns (states, that pass's tokens)."""
+    (final (S, D)); the later ones inside the continuation come from the drafts of the blocks that have them, run as
+    serving verifies a block: over the cached prefix ids[:a+1] (cached_drafts_pass), or for a target with recurrent
+    layers one batched pass over [ids[:a+1], the B-1 drafts]. Returns (states, the target tokens run)."""
     n, B, S = proposals.shape[0], proposals.shape[1] + 1, len(ids)
     i = torch.arange(B, device=ids.device)
     out = final[(anchors[:, None] + i - 1).clamp(0, S - 1)]
