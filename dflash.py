@@ -385,6 +385,7 @@ class Target:
     tokenizer: object
     name: str
     sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
+    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf.py)
 
     def __post_init__(self):
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
@@ -1166,7 +1167,7 @@ def target_record(target):  # name, fingerprint (a hash, as older records have i
     h.update(save({"rows": rows.contiguous()}))
     rows, cols = (torch.linspace(0, k - 1, min(m, k)).long().to(w.device) for k, m in ((V, 64), (w.shape[1], 8)))
     probe = [round(float(x), 8) for x in w.detach()[rows][:, cols].float().flatten().tolist()]
-    return {"target": target.name, "fingerprint": h.hexdigest()[:12], "probe": probe}
+    return {"target": target.name, "fingerprint": h.hexdigest()[:12], "probe": probe, **getattr(target, "source", {})}
 
 def check_trained_against(path, record, what, allow=False):
     """Refuse (unless allow: then a note) a drafter whose TARGET_RECORD names another target; z-lab's have none."""
@@ -1338,23 +1339,25 @@ def find_decoder(model):  # the text decoder: the module holding `layers` (a Mod
     family = model.config.model_type
     raise DFlashError(f"target family {family} is not supported; use one with a Llama-kind decoder (Qwen3, Mistral...)")
 
-def load_tokenizer(name, trust_remote_code=False):  # its tokenizer, or None (transformers 5 gives an empty one)
+def load_tokenizer(name, trust_remote_code=False, **gguf):  # its tokenizer, or None (transformers 5 gives an empty one)
     from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **gguf)
     except (OSError, ValueError, TypeError):
         return None
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
-def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False):
-    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone."""
+def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, **gguf):
+    """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
+    A local path without config.json is a GGUF (dflash_tools/gguf.py), which comes back here with gguf_file."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     local = name.startswith((".", "/", "~")) or os.path.exists(name)
-    need(not local or os.path.isfile(f"{name}/config.json"), f"target {name!r}: no config.json; give a model directory")
+    if local and not gguf and not os.path.isfile(f"{name}/config.json"):  # a .gguf file, or a folder holding one
+        return import_tool("gguf", f"target {name!r} (no config.json: a GGUF?)").load_target(name, device, dtype, shard)
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **gguf)
         drafter = getattr(config, "dflash_config", None)
         need(not drafter, f"target {name!r} is a DFlash drafter; --target takes the model it drafts for")
         if str(device) == "meta":
@@ -1362,13 +1365,13 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         else:
             model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=dtype,
-                                                         trust_remote_code=trust_remote_code)
+                                                         trust_remote_code=trust_remote_code, **gguf)
     except (OSError, ValueError, SafetensorError) as e:  # a missing, corrupt (truncated, garbage) or unknown target
         raise DFlashError(f"cannot load target {name!r}: {first_line(e)}") from None
     model.eval().requires_grad_(False)
     need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head; give a causal language model")
     target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
-                    load_tokenizer(name, trust_remote_code), name)
+                    load_tokenizer(name, trust_remote_code, **gguf), name)
     if shard:  # --shard_target: the decoder layers split over the ranks
         return import_tool("shard", "--shard_target").shard_target(target, device)
     model.to(device)

@@ -255,7 +255,9 @@ def open_features(path, layer_ids=None, target_record=None, dump_kw=None):
 # The target without its layers: embedding and lm_head read alone by tensor name; the rest from the capture
 
 def weight_files(name):
-    """{tensor name: file} of a target's safetensors (one file or an index), local or downloaded once."""
+    """{tensor name: file} of a target's safetensors (one file or an index), local or downloaded once; of a GGUF's."""
+    if os.path.exists(name) and not os.path.isfile(os.path.join(name, "config.json")):  # as dflash.load_target
+        return dflash.import_tool("gguf", f"target {name!r} (no config.json: a GGUF?)").weight_files(name)
     path = name
     if not os.path.isdir(name):
         from huggingface_hub import snapshot_download
@@ -274,15 +276,21 @@ def weight_files(name):
 
 def read_tensor(files, module_name, what, name):
     """The tensor of module_name's weight: its own name, else the one name ending like it (checkpoint prefixes)."""
-    from safetensors import safe_open
     want = f"{module_name}.weight"
     tail = ".".join(want.split(".")[-2:])  # embed_tokens.weight, lm_head.weight
     hits = [want] if want in files else [k for k in files if k == tail or k.endswith("." + tail)]
     if not hits:
         return None
     need(len(hits) == 1, f"target {name!r}: {len(hits)} tensors could be its {what} ({', '.join(hits[:3])})")
-    with safe_open(files[hits[0]], "pt") as f:
-        return f.get_tensor(hits[0])
+    return get_tensor(files[hits[0]], hits[0])
+
+
+def get_tensor(file, key):  # one tensor of a safetensors file, or of a GGUF (dequantised as transformers loads it)
+    if file.endswith(".gguf"):
+        return dflash.import_tool("gguf", f"the GGUF {file!r}").tensor(file, key)
+    from safetensors import safe_open
+    with safe_open(file, "pt") as f:
+        return f.get_tensor(key)
 
 
 class Stub:  # the model's config and generation config, and a generate that reads the captured continuations
@@ -301,6 +309,7 @@ class FeatureTarget:
         self.embed, self.lm_head, self.store, self.capture = embed, lm_head, store, capture
         self.num_layers, (self.vocab_size, self.hidden_size) = meta.num_layers, lm_head.weight.shape
         self.pad, self.layers = pad_of(meta.tokenizer), meta.layers  # (meta layers: sizes, never weights)
+        self.source = getattr(meta, "source", {})  # a GGUF target's file and hash, for its record
 
     eos_ids = dflash.Target.eos_ids
 
@@ -378,14 +387,12 @@ def load_embedding_and_head(args, meta, device):
 
 def final_norm(args, meta, device):
     """The target's final norm (its own module: Gemma's adds 1), its weight read alone; None if none is stored."""
-    from safetensors import safe_open
     files, want = weight_files(args.target), {mod: name for name, mod in meta.model.named_modules()}.get(meta.norm, "?")
     hits = [f"{want}.weight"] if f"{want}.weight" in files else [  # else the one final norm under a prefix
         k for k in files if k.endswith(".norm.weight") and ".layers." not in k and "visual" not in k]
     if len(hits) != 1:
         return None  # (a dump whose labels need it says so)
-    with safe_open(files[hits[0]], "pt") as f:
-        w = f.get_tensor(hits[0])
+    w = get_tensor(files[hits[0]], hits[0])
     norm = meta.norm.to_empty(device=device)
     with torch.no_grad():
         norm.weight.copy_(w)

@@ -545,7 +545,10 @@ def load_tokenizer(args):
         name = args.tokenizer or args.model
     try:
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=args.trust_remote_code)
+
+        from dflash_tools import gguf  # a GGUF target's tokenizer and chat template are in the file
+        tokenizer = gguf.load_tokenizer(name) if gguf.spelled(name) else AutoTokenizer.from_pretrained(
+            name, trust_remote_code=args.trust_remote_code)
     except Exception as e:
         if args.endpoint == "chat":
             return None
