@@ -192,14 +192,13 @@ def cached_drafts_pass(target, ids, anchors, drafts):
     cached pass over ids: each row a copy of the cache, masked past its anchor, its drafts at positions a+1.. (the
     prefix is not recomputed per block). Returns ((r, B-1, D), target tokens run)."""
     r, n, S = drafts.shape[0], drafts.shape[1], len(ids)
-    cache = target.backbone(input_ids=ids[None], use_cache=True).past_key_values
+    cache = target.backbone(input_ids=ids[None], use_cache=True).cache
     cache.batch_repeat_interleave(r)
     seen = torch.arange(S, device=ids.device)[None] <= anchors[:, None]  # (r, S): each row's prefix ids[:a+1]
     mask = torch.cat([seen, seen.new_ones(r, n)], 1).long()
     positions = anchors[:, None] + 1 + torch.arange(n, device=ids.device)
     with dflash.capture_hidden(target, []) as store:
-        target.backbone(input_ids=drafts, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True)
+        target.backbone(input_ids=drafts, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
     return store["final"], S + r * n
 
 

@@ -234,11 +234,27 @@ def sft_eval(work, variant, drafter, target, items):
     return out
 
 
-def run_one(work, variant, arm, seed, steps, results=None):
+def worker(work, results, jobs, steps):
+    """Runs the jobs (variant, arm, seed) no other worker has claimed, one after another, the target loaded once."""
+    target = dflash.load_target(spec(work)["target"])
+    for v, arm, seed in jobs:
+        name = os.path.join(results, "runs", f"{v}_{arm}_{seed}")
+        if os.path.exists(name + ".json"):
+            continue
+        try:
+            os.close(os.open(name + ".claim", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        t0 = time.time()
+        run_one(work, v, arm, int(seed), steps, results, target)
+        print(f"{v} {arm} seed {seed}: {time.time() - t0:.0f}s", flush=True)
+
+
+def run_one(work, variant, arm, seed, steps, results=None, target=None):
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     s = spec(work)
-    target = dflash.load_target(s["target"])
+    target = target or dflash.load_target(s["target"])
     items = torch.load(os.path.join(work, "heldout.pt"), weights_only=True)["items"]
     drafter = dflash.load_drafter(checkpoint_dir(s["sft"][variant])).train()
     cfg, batch, lr = drafter.cfg, s["batch"], s["lr"]
@@ -432,8 +448,8 @@ def setup_given(a, work, results):
     args = dflash.read_train_state(checkpoint_dir(a.sft[0])).get("args", {}) \
         if os.path.exists(os.path.join(checkpoint_dir(a.sft[0]), "train_state.pt")) else {}
     s = {"target": a.target, "sft": sft, "old": a.data, "new": os.path.join(work, "new.jsonl"),
-         "max_len": a.max_len, "eval_fraction": args.get("eval_fraction") or dflash.EVAL_FRACTION,
-         "split_seed": args.get("seed") or 0, "batch": a.batch, "tokens": a.tokens, "lr": a.lr,
+         "max_len": a.max_len, "eval_fraction": dflash.eval_fraction(argparse.Namespace(eval_fraction=args.get(
+             "eval_fraction"))), "split_seed": args.get("seed") or 0, "batch": a.batch, "tokens": a.tokens, "lr": a.lr,
          "fractions": a.fractions, "steps": a.steps}
     with open(os.path.join(work, "bench.json"), "w") as f:
         json.dump(s, f, indent=1)
@@ -473,7 +489,7 @@ def main():
     g.add_argument("--max_len", type=int, default=128, help="tokens of a training sample, at most")
     g.add_argument("--fractions", type=lambda x: [float(f) for f in x.split(",")], default=list(FRACTIONS),
                    help="evaluate at these fractions of the updates")
-    ap.add_argument("--one", nargs=4, metavar=("VARIANT", "ARM", "SEED", "STEPS"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=2, metavar=("JOBS", "STEPS"), help=argparse.SUPPRESS)
     ap.add_argument("--png", default=os.path.join(ROOT, "dflash_tools", "onpolicy_bench.png"))
     a = ap.parse_args()
     bad = [x for x in a.arms.split(",") if x not in ARMS]
@@ -481,9 +497,9 @@ def main():
     given = [f for f in ("target", "sft", "data", "new", "heldout") if getattr(a, f)]
     dflash.need(len(given) in (0, 5), f"--{', --'.join(given)}: a given target needs all of --target, --sft, --data, "
                 "--new and --heldout")
-    if a.one:
-        return run_one(a.work, a.one[0], a.one[1], int(a.one[2]), int(a.one[3]), a.results)
     results = a.results or a.work
+    if a.worker:
+        return worker(a.work, results, [j.split(":") for j in a.worker[0].split(",")], int(a.worker[1]))
     if a.report:
         return report(results, a.png)
     t0 = time.time()
@@ -494,23 +510,17 @@ def main():
             json.dump({k: getattr(a, k) for k in ("batch", "tokens", "lr", "fractions", "max_len")}, f)
     variants = setup_given(a, a.work, results) if given else setup(a.work, results, a.steps * a.batch) \
         or a.variants.split(",")
-    jobs = [(v, arm, s) for s in range(a.seeds) for v in variants for arm in a.arms.split(",")]
-    running, env = [], {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    while jobs or running:
-        while jobs and len(running) < a.jobs:
-            v, arm, s = jobs.pop(0)
-            if os.path.exists(os.path.join(results, "runs", f"{v}_{arm}_{s}.json")):
-                continue
-            log = open(os.path.join(results, "runs", f"{v}_{arm}_{s}.log"), "w")
-            running.append(subprocess.Popen([sys.executable, __file__, "--work", a.work, "--results", results, "--one",
-                                             v, arm, str(s), str(a.steps)], stdout=log, stderr=subprocess.STDOUT,
-                                            env=env))
-        time.sleep(1)
-        done = [p for p in running if p.poll() is not None]
-        running = [p for p in running if p.poll() is None]
-        if done:
-            print(f"{time.time() - t0:.0f}s: {len(done)} run(s) ended, {len(running)} running, {len(jobs)} queued",
-                  flush=True)
+    jobs = [f"{v}:{arm}:{s}" for s in range(a.seeds) for v in variants for arm in a.arms.split(",")]
+    for j in jobs:  # a claim of an earlier, stopped bench: its run starts again
+        name = os.path.join(results, "runs", j.replace(":", "_"))
+        if os.path.exists(name + ".claim") and not os.path.exists(name + ".json"):
+            os.remove(name + ".claim")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    procs = [subprocess.Popen([sys.executable, __file__, "--work", a.work, "--results", results, "--worker",
+                               ",".join(jobs), str(a.steps)], env=env, stderr=subprocess.STDOUT,
+                              stdout=open(os.path.join(results, "runs", f"worker_{k}.log"), "w"))
+             for k in range(a.jobs)]
+    dflash.need(all(p.wait() == 0 for p in procs), f"a worker failed: see {results}/runs/worker_*.log")
     print(f"arms {time.time() - t0:.0f}s", flush=True)
     report(results, a.png)
 
