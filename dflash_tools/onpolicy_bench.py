@@ -52,7 +52,8 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+# run as a script, its own folder would come first on sys.path and dflash_tools/gguf.py would hide the gguf package
+sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import dflash  # noqa: E402
 import eval as tau_eval  # noqa: E402
@@ -435,11 +436,33 @@ def setup(work, results, num_new=STEPS * BATCH):
         sft_eval(work, v, dflash.load_drafter(checkpoint_dir(os.path.join(work, f"sft_{v}"))), target, held["items"])
 
 
+@torch.no_grad()
+def local_copy(target, name, path):
+    """A GGUF target (no config.json) as an fp32 safetensors directory at path, its logits checked the same, for the
+    workers: each GGUF load converts the tokenizer again (a minute on a busy 2-core machine). Others: name."""
+    if os.path.isfile(os.path.join(name, "config.json")) or not os.path.exists(name):
+        return name
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from safetensors.torch import save_model
+        os.makedirs(path, exist_ok=True)
+        target.model.generation_config.save_pretrained(path)
+        target.tokenizer.save_pretrained(path)
+        save_model(target.model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        target.model.config.save_pretrained(path)  # last: a directory with config.json is complete
+    ids = torch.tensor([target.tokenizer("def f(x):\n    return x")["input_ids"]])
+    copy = dflash.load_target(path)
+    dflash.need(torch.allclose(copy.model(input_ids=ids).logits, target.model(input_ids=ids).logits, atol=1e-4),
+                f"{path}: the copy of {name} gives other logits; remove it")
+    return path
+
+
 def setup_given(a, work, results):
     """A given target and SFT drafter(s): bench.json, the new sequences, the held-out set, the SFT evaluation."""
     t0 = time.time()
     torch.set_num_threads(2)
     target = dflash.load_target(a.target)
+    local = local_copy(target, a.target, os.path.join(work, "target"))
+    print(f"target {time.time() - t0:.0f}s", flush=True)
     drafters = [dflash.load_drafter(checkpoint_dir(d)).eval() for d in a.sft]
     sft = {variant_of(d): path for d, path in zip(drafters, a.sft)}
     dflash.need(len(sft) == len(a.sft), "--sft: two drafters of one variant; give one DFlash and/or one DFlash2")
@@ -447,7 +470,7 @@ def setup_given(a, work, results):
     dflash.need(len(ids) == 1, "--sft: the drafters read different target layers; give drafters of one capture")
     args = dflash.read_train_state(checkpoint_dir(a.sft[0])).get("args", {}) \
         if os.path.exists(os.path.join(checkpoint_dir(a.sft[0]), "train_state.pt")) else {}
-    s = {"target": a.target, "sft": sft, "old": a.data, "new": os.path.join(work, "new.jsonl"),
+    s = {"target": local, "sft": sft, "old": a.data, "new": os.path.join(work, "new.jsonl"),
          "max_len": a.max_len, "eval_fraction": dflash.eval_fraction(argparse.Namespace(eval_fraction=args.get(
              "eval_fraction"))), "split_seed": args.get("seed") or 0, "batch": a.batch, "tokens": a.tokens, "lr": a.lr,
          "fractions": a.fractions, "steps": a.steps}
