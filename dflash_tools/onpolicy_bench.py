@@ -533,7 +533,9 @@ def main():
             json.dump({k: getattr(a, k) for k in ("batch", "tokens", "lr", "fractions", "max_len")}, f)
     variants = setup_given(a, a.work, results) if given else setup(a.work, results, a.steps * a.batch) \
         or a.variants.split(",")
-    jobs = [f"{v}:{arm}:{s}" for s in range(a.seeds) for v in variants for arm in a.arms.split(",")]
+    costly = {"P": 0, "Ps": 0, "Pc": 1, "C0": 2}  # the costliest runs first: the workers end together
+    jobs = [f"{v}:{arm}:{s}" for arm in sorted(a.arms.split(","), key=lambda x: costly.get(x, 3))
+            for s in range(a.seeds) for v in variants]
     for j in jobs:  # a claim of an earlier, stopped bench: its run starts again
         name = os.path.join(results, "runs", j.replace(":", "_"))
         if os.path.exists(name + ".claim") and not os.path.exists(name + ".json"):
