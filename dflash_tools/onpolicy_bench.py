@@ -94,7 +94,7 @@ def variant_of(drafter):
 
 
 @torch.no_grad()
-def greedy_batch(target, prompts, num_tokens, batch=16):
+def greedy_batch(target, prompts, num_tokens, batch=32):
     """The target's greedy continuations of prompts (each to its first eos, which it keeps), batch at a time,
     left-padded (a near-tie may break otherwise than one at a time would)."""
     eos, out = sorted(target.eos_ids()), []
