@@ -3,6 +3,7 @@ DFlash: train a block-diffusion speculative-decoding drafter against a frozen ta
 
 Quick start
     python dflash.py                      # CPU demo: tiny target, train a drafter, measure tau (< 10 min)
+    python dflash.py --demo --attention plain   # the same through Part I's plain attention and loss, to step through
     python dflash.py --target Qwen/Qwen3-8B --data train.jsonl --out runs/q3-8b --mask_token_id 151669 \
         --sliding_window 0                # one GPU
     torchrun --nproc_per_node=8 dflash.py --target Qwen/Qwen3.6-27B --data train.jsonl --out runs/q36 \
@@ -22,48 +23,12 @@ The method in ten lines
     tau (the acceptance length) = tokens committed per target forward = accepted + 1, what the walk (tau_walk) measures.
     The drafter conditions on context features: the outputs h[t] of target layers t in target_layer_ids, concatenated
     and projected by fc+hidden_norm to one vector per position, which every drafter layer sees as extra keys/values.
-    Visibility (pictured above make_mask_mod): a block token sees the context j < a (the target has no hidden state
+    Visibility (pictured at make_mask_mod): a block token sees the context j < a (the target has no hidden state
     for the anchor yet) and its own block (offsets up to its own in a causal layer); sliding layers drop keys W or
     more positions away. Training runs the blocks of many anchors in one call; the loss is hard cross-entropy against
     the target's greedy tokens, weighted w = exp(-(i-1)/gamma) at offset i: loss = sum(w * CE) / sum(w), global batch.
 
-The contract: a variant, a loss or a training stage is one module, and nothing here is edited. Its flag names it as a
-dflash_tools/ name, an importable module or a .py path; its optional add_flags(g) declares its flags with flag(g, ...),
-accepted only beside that flag. Bad input in one is `need(ok, "problem; fix")`: one error line.
-- A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
-  problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
-  dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
-  (how a checkpoint finds its dflash_tools/ module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)`
-  overrides the hooks it changes; training, the walk and eval.py call them alike (forward is not one, refused):
-    Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
-    context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
-    blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
-    draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
-      {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
-      given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
-    block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or
-      (step, total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), stats {name: tensor} summed
-      over micro-batches and ranks (same names and shapes on every rank): weighted_ce's w, ce_w, correct and count
-      (B,), accepted, blocks at least
-    summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
-    logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
-      log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
-  An nn.Linear with identity_init = True keeps the weights its module gave it. The step runs model (maybe compiled
-  or DDP-wrapped) and calls hooks on raw_model (loss_kw["raw_model"], the drafter itself). Optional: configure(cfg,
-  args) -> its Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
-  prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over). A checkpoint of a
-  variant outside dflash_tools/ names its module in config.json (dflash_module: a module by its name, a .py file by
-  its real path): loading it takes --trust_variant_code unless --variant names it; where the module moved, --variant
-  NEWPATH (dflash.py, eval.py, --init_from) reads its architecture's checkpoints.
-- A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
-  f(args) -> a CE subclass (token_loss, weights, normaliser; target_logits = True: token_loss also gets the target's
-  logits at its rows, a chunk at a time). It keeps the DFlash architecture: engines serve it.
-- A training stage (--stage NAME): `class Stage(SFT)` built as Stage(args, state) says what each micro-batch gives
-  train_step's one optimizer step (SFT's contract); optional check(args) before any weights load. Its state, a dict
-  saved in each checkpoint for an exact resume and checked at each save, holds None, bool, int, float, str, torch
-  tensors, and lists, tuples and dicts of them (as every value a checkpoint holds).
-An exception raised in a plug-in's code ends the run: its traceback, then `error: plug-in M raised E in step N: ...`
-naming the last complete checkpoint.
+Forkers: a variant, a loss or a training stage is one file, nothing here edited: Part III's "Plug-ins: the contract".
 """
 
 import argparse
@@ -147,13 +112,6 @@ class DFlashConfig:
         causal = bool(self.is_causal) if self.is_causal is not None else sliding
         return causal, self.sliding_window if sliding else None
 
-def default_target_layer_ids(num_target_layers, num_draft_layers):
-    """Spread evenly from layer 1 to L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (SGLang's rule too)."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [L // 2]
-    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
-
 # -----------------------------------------------------------------------------
 # Attention visibility, written once as a flex_attention mask_mod; the dense path evaluates the same function. Keys:
 # [S context positions ; N blocks of B]; query n*B + i is offset i of block n, at position a+i. S=8, B=4, anchors 2, 5:
@@ -169,10 +127,15 @@ def default_target_layer_ids(num_target_layers, num_draft_layers):
 #           i=2 @7  | xxxxx...  ....     xxxx     | ........  ....     xxx.
 #           i=3 @8  | xxxxx...  ....     xxxx     | ........  ....     .xxx
 
+def block_positions(anchors, B):
+    return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
+
 def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
     """anchors, anchor_valid (b, N) -> mask_mod, pictured above (python -m dflash_tools.plot --mask): query i of anchor
     a sees context j < a and its own block (offsets i' <= i when causal); a sliding window counts positions for every
-    key, context and block alike, as vLLM and SGLang serve it: |q_pos - k_pos| < W. Padding anchors see nothing."""
+    key, context and block alike, as vLLM and SGLang serve it: |q_pos - k_pos| < W. Padding anchors see nothing.
+    Why a full layer sees its block both ways and a sliding layer causally: z-lab's released drafters are configured
+    so (is_causal unset), vLLM and SGLang serve them so, and a drafter is trained as it is served."""
     def mask_mod(b, h, q_idx, kv_idx):
         n, i = q_idx // B, q_idx % B
         a, k_off = anchors[b, n], (kv_idx - S) % B     # a block key's offset i': its position is a + i'
@@ -188,21 +151,14 @@ def make_mask_mod(anchors, anchor_valid, S, B, causal, window):
     return mask_mod
 
 def build_masks(cfg, anchors, anchor_valid, S, attention):
-    """One mask per (causal, window) layer kind: plain's table, flex's BlockMask, or dense's pair and context_spans"""
-    b, N = anchors.shape
-    B, masks = cfg.block_size, {}
+    """One mask per (causal, window) layer kind: plain attention's whole table (b, N*B, S+N*B) of make_mask_mod,
+    quadratic in anchors; flex and dense take their own form of the same rule (fast_mask, Part II)."""
+    (b, N), B, masks = anchors.shape, cfg.block_size, {}
+    ar = partial(torch.arange, device=anchors.device)
     for kind in {cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}:
         mod = make_mask_mod(anchors, anchor_valid, S, B, *kind)
-        if attention == "flex":
-            compile_flex()  # (a no-op once a flex drafter was built; here for one switched to flex later)
-            make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
-            masks[kind] = make(mod, b, None, N * B, S + N * B, device=anchors.device)
-        elif attention == "plain":  # the whole (b, N*B, S+N*B) table, quadratic in anchors: for reading and tests
-            i = partial(torch.arange, device=anchors.device)
-            masks[kind] = mod(i(b)[:, None, None], 0, i(N * B)[:, None], i(S + N * B))
-        else:
-            ctx_visible, own_visible = dense_masks(mod, b, N, S, B, anchors.device)
-            masks[kind] = ctx_visible, own_visible, context_spans(ctx_visible)
+        masks[kind] = mod(ar(b)[:, None, None], 0, ar(N * B)[:, None], ar(S + N * B)) if attention == "plain" else \
+            fast_mask(mod, attention, anchors, S, B)
     return masks
 
 # -----------------------------------------------------------------------------
@@ -249,6 +205,12 @@ def plain_attention(q, k, v, visible):
     att = att.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
     return att.nan_to_num(0.0) @ v  # a padding anchor sees nothing: 0 (its NaNs, gradient too, are masked out)
 
+def one_sequence(q, k_ctx, v_ctx, k_blk, v_blk):
+    """All blocks as one query sequence against [context ; all blocks]: q (b, N, B, h, hd) -> (b, h, N*B, hd), the
+    context's k/v (b, S, hk, hd) and the blocks' (b, N, B, hk, hd) -> (b, hk, S+N*B, hd)"""
+    keys = lambda ctx, blk: torch.cat([ctx, blk.flatten(1, 2)], 1).transpose(1, 2)  # noqa: E731
+    return q.flatten(1, 2).transpose(1, 2), keys(k_ctx, k_blk), keys(v_ctx, v_blk)
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -267,28 +229,17 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self.v_proj(x).unflatten(-1, (self.hk, self.hd))
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask):
-        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' plain table, BlockMask or triple."""
+        """x (b, N, B, D) normed; k_ctx/v_ctx (b, S, hk, hd); mask: build_masks' table (or a fast path's form)"""
         b, N, B, _ = x.shape
-        h, hk, hd = self.h, self.hk, self.hd
+        h, hd = self.h, self.hd
         q = apply_rope(self.q_norm(self.q_proj(x).unflatten(-1, (h, hd))), cos, sin)  # (b, N, B, h, hd)
         k_blk, v_blk = self.keys_values(x, cos, sin)                                  # (b, N, B, hk, hd)
         # the fp32 norm weights promote q and k under autocast while v stays bf16: one dtype for the kernel
         q, k_blk, k_ctx, v_ctx = (t.to(v_blk.dtype) for t in (q, k_blk, k_ctx, v_ctx))
-        if not isinstance(mask, tuple):  # all blocks as one query sequence against [context ; all blocks]
-            q = q.reshape(b, N * B, h, hd).transpose(1, 2)
-            k = torch.cat([k_ctx, k_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            v = torch.cat([v_ctx, v_blk.reshape(b, N * B, hk, hd)], 1).transpose(1, 2)
-            if isinstance(mask, BlockMask):  # the fast path on CUDA: flex skips the tiles the BlockMask hides
-                out = compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)  # (b, h, N*B, hd)
-            else:
-                out = plain_attention(q, k, v, mask)                                    # (b, h, N*B, hd)
-            out = out.transpose(1, 2).reshape(b, N, B, h * hd)
-        else:  # the dense fast path: each group of blocks against its span of the context and its own keys
-            ctx_visible, own_visible, spans = mask
-            out = torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
-                                                v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
-                             for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
-        return self.o_proj(out)
+        if not torch.is_tensor(mask):  # flex's BlockMask or dense's triple: the same numbers, fast (Part II)
+            return self.o_proj(fast_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask))
+        out = plain_attention(*one_sequence(q, k_ctx, v_ctx, k_blk, v_blk), mask)                 # (b, h, N*B, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(b, N, B, h * hd))
 
 class MLP(nn.Module):
     def __init__(self, cfg):
@@ -313,7 +264,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 class DFlashDrafter(nn.Module):
-    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: the module docstring's"""
+    """No embedding, no lm_head (the target's); attention flex (CUDA), dense or plain. Hooks: Part III, the contract"""
     Layer = DecoderLayer
 
     def __init__(self, cfg, attention="dense"):
@@ -360,7 +311,9 @@ class DFlashDrafter(nn.Module):
         return logits.argmax(-1), {}
 
     def block_loss(self, hidden, lm_head, labels, weights, block_ids, loss=None, progress=None, final=None):
-        """sum(w * loss) and its stats (weighted_ce; loss: --loss's); block_ids, progress (step, total): a variant's."""
+        """sum(w * loss), its stats: plain_ce (below) under --attention plain, else weighted_ce (Part II, any --loss)"""
+        if self.attention == "plain" and type(loss or CE()) is CE:
+            return plain_ce(hidden, lm_head, labels, weights)
         return weighted_ce(hidden, lm_head, labels, weights, loss=loss, final=final)
 
     def logprobs(self, logits, h, prev, progress=None):
@@ -385,7 +338,7 @@ class Target:
     tokenizer: object
     name: str
     sharded: bool = False   # --shard_target: every forward is a collective, so every rank must run it alike
-    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf.py)
+    source: dict = field(default_factory=dict)  # a GGUF target: its file and sha256 (dflash_tools/gguf_target.py)
 
     def __post_init__(self):
         self.layers, self.norm = self.backbone.layers, getattr(self.backbone, "norm", None)
@@ -394,6 +347,12 @@ class Target:
     def eos_ids(self):  # the generation_config's eos_token_id (an int or a list), as a set
         eos = getattr(self.model.generation_config, "eos_token_id", None)
         return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None}
+
+    def features(self, input_ids, layer_ids, labels=True, final=False):
+        """What training reads of the target, one pass (target_features, greedy_labels below): the context features
+        (b, S, m*D), the labels (b, S) if labels, f (b, S, D) if final. A capture (--features) reads them from disk."""
+        context, f = target_features(self, input_ids, layer_ids)
+        return context, greedy_labels(f, self.lm_head) if labels else None, f if final else None
 
 @contextmanager
 def capture_hidden(target, layer_ids):
@@ -416,8 +375,6 @@ def capture_hidden(target, layer_ids):
 @torch.no_grad()
 def target_features(target, input_ids, layer_ids):
     """One pass of the decoder stack -> context (b, S, m*D) = concat_t h[t], f (b, S, D) (right pads need no mask)."""
-    if hasattr(target, "stored"):  # features read from disk (a capture), the greedy labels in place of f
-        return target.stored(input_ids, layer_ids)
     with capture_hidden(target, layer_ids) as store:
         target.backbone(input_ids=input_ids, use_cache=False)
     return torch.cat([store[t] for t in layer_ids], dim=-1), store["final"]
@@ -425,8 +382,6 @@ def target_features(target, input_ids, layer_ids):
 @torch.no_grad()
 def greedy_labels(final, lm_head, chunk=None):
     """y[j] = argmax lm_head(f[j-1]), what greedy verification accepts: final (b, S, D) -> (b, S), y[0] = -1."""
-    if final.dtype == torch.long:  # --features: the target's greedy labels as captured
-        return final
     b, S, D = final.shape
     f = final[:, :-1].reshape(-1, D)
     chunk = chunk or vocab_chunk(lm_head.weight.shape[0])
@@ -454,9 +409,6 @@ def batch_anchors(batch, num_anchors, salt=0):
     rows = [sample_anchors(m, num_anchors, torch.Generator().manual_seed(mix_seed(k, salt)))
             for m, k in zip(batch["loss_mask"], batch["keys"])]
     return torch.stack([a for a, _ in rows]), torch.stack([v for _, v in rows])
-
-def block_positions(anchors, B):
-    return anchors[..., None] + torch.arange(B, device=anchors.device)  # (b, N, B): offset i sits at a+i
 
 def block_input_ids(input_ids, anchors, B, mask_token_id):
     """[tok[a], M, M, ..., M] for every anchor: (b, N, B)."""
@@ -497,22 +449,21 @@ def loss_weights(anchors, anchor_valid, loss_mask, B, gamma):
     decay = torch.where(i > 0, torch.exp(-(i - 1) / gamma), 0.0)
     return decay * ((pos < S) & in_mask & anchor_valid[..., None])
 
-def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None, final=None):
-    """sum(w * CE) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once.
-    loss: a --loss (CE.reweigh); final (b, N, B, D): the target's state f[a+i-1], if the loss asks."""
-    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
-    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
-    y, f = labels.flatten()[sel].clamp(min=0), None if final is None else final.reshape(-1, final.shape[-1])[sel]
-    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
-                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss, f)
-    w, norm = loss.reweigh(weights, logq, sel)
-    ce_w = (tl * w.flatten()[sel]).sum()
-    valid, correct = weights > 0, torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
-    correct[sel] = pred == y
-    return ce_w, {"w": norm.detach(), "ce_w": ce_w.detach(), **accuracy_stats(correct.view_as(valid) & valid, valid)}
+def plain_ce(hidden, lm_head, labels, weights):
+    """The loss in plain form, nanoGPT's way: full logits, F.cross_entropy at every block token, sum(w * CE) (the loss
+    is that / sum(w)); weighted_ce (Part II) computes the same in vocabulary chunks, any --loss too (tested)."""
+    weights = weights.to(hidden.device)
+    logits = lm_head(hidden.to(lm_head.weight.dtype)).float()                       # (b, N, B, V): all at once
+    y = labels.clamp(min=0)                                                         # (a label -1 has weight 0)
+    ce = F.cross_entropy(logits.flatten(0, 2), y.flatten(), reduction="none").view_as(weights)
+    ce_w, valid = (weights * ce).sum(), weights > 0
+    return ce_w, {"w": weights.sum(), "ce_w": ce_w.detach(), **accuracy_stats((logits.argmax(-1) == y) & valid, valid)}
 
 def accuracy_stats(correct, valid):
-    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted: tau estimate 1 + accepted / blocks"""
+    """correct, valid (b, N, B) -> correct/count per offset, blocks, accepted. The "tau" training logs is an estimate,
+    1 + accepted / blocks: at every sampled anchor the drafts equal to its labels before the first miss, every block
+    alike. The walk (below) drafts only where its last step stopped, after a miss, where drafting is hardest, against
+    the target's own continuation (the labels follow the data's tokens): the walked tau is lower."""
     blocks = valid[..., 1]
     accepted = torch.cumprod(correct[..., 1:].long(), dim=-1).sum(-1)
     return {"correct": correct.sum((0, 1)).float(), "count": valid.sum((0, 1)).float(),
@@ -526,9 +477,10 @@ def dflash_loss(model, cfg, target, batch, anchors, anchor_valid, weights, weigh
     dev, B, w = target.lm_head.weight.device, cfg.block_size, weights  # (w stays where built: selected there)
     input_ids = batch["input_ids"].to(dev)
     anchors, anchor_valid = anchors.to(dev), anchor_valid.to(dev)
-    context, final = target_features(target, input_ids, cfg.target_layer_ids)  # (b, S, m*D), (b, S, D)
-    y = block_labels(greedy_labels(final, target.lm_head) if labels == "target" else input_ids, anchors, B)
-    f = block_labels(final, anchors - 1, B) if getattr(loss_kw.get("loss"), "target_logits", 0) else None
+    want_f = getattr(loss_kw.get("loss"), "target_logits", False)  # a --loss on the target's distribution: f too
+    context, y, final = target.features(input_ids, cfg.target_layer_ids, labels == "target", want_f)  # (b, S, m*D)
+    y = block_labels(y if labels == "target" else input_ids, anchors, B)             # (b, N, B)
+    f = block_labels(final, anchors - 1, B) if want_f else None
     ids = block_input_ids(input_ids, anchors, B, cfg.mask_token_id)                # (b, N, B)
     with torch.no_grad():
         x = embed_blocks(target, ids)
@@ -573,21 +525,12 @@ def draft_every_anchor(drafter, target, context_features, ids, first, budget=Non
     """The training-mode forward at every anchor a = first..S-2 of ids (1, S), each seeing context < a (features (1,
     S, m*D)), through the draft rule (drafter.draft, or trees' top-K) given the true tokens (n, B): drafts (S-1-first,
     B-1), row k anchored at first+k, and the rule's tensors, rows alike."""
-    cfg, flex, rule = drafter.cfg, drafter.attention == "flex", rule or drafter.draft
-    B, dtype, S = cfg.block_size, drafter.fc.weight.dtype, ids.shape[1]
-    anchors = torch.arange(first, S - 1, device=ids.device)
-    if flex:  # few shapes for the compiled kernel: the context padded by the one rule (padding is never visible:
-        pad = padded_length(S) - S  # j >= S > a), anchors padded to whole chunks of at most padded_length(anchors)
-        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))  # (they see nothing)
-    S_ctx, kv = context_features.shape[1], drafter.context_kv(context_features.to(dtype))  # (1, S_ctx, hk, hd) a layer
-    chunk = min(anchors_per_chunk(cfg, S_ctx, drafter.attention, budget), padded_length(len(anchors)) if flex else S)
-    out = []
-    for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
-        a, n = anchors[c:c + chunk], min(chunk, len(anchors) - c)
-        valid = torch.arange(chunk if flex else n, device=ids.device) < n  # flex: whole chunks, padding anchors at 0
-        a = F.pad(a, (0, len(valid) - n))
+    cfg, rule, dtype, B = drafter.cfg, rule or drafter.draft, drafter.fc.weight.dtype, drafter.cfg.block_size
+    context_features, ids, chunks = anchor_chunks(drafter, context_features, ids, first, budget)  # bounded memory
+    S, kv, out = context_features.shape[1], drafter.context_kv(context_features.to(dtype)), []  # kv: (1, S, hk, hd)
+    for a, valid, n in chunks:  # anchors a (N,) at a time, the first n real
         x = embed_blocks(target, block_input_ids(ids, a[None], B, cfg.mask_token_id)).to(dtype)  # [tok[a], M, ..., M]
-        h = drafter.blocks(x, a[None], valid[None], kv, S_ctx)                            # (1, N, B, D)
+        h = drafter.blocks(x, a[None], valid[None], kv, S)                                # (1, N, B, D)
         logits = target.lm_head(h[0, :n, 1:].to(target.lm_head.weight.dtype))             # (n, B-1, V)
         true = ids[0, block_positions(a[:n], B).clamp(max=ids.shape[1] - 1)]                 # (n, B)
         out.append(rule(logits, h[0, :n, 1:], ids[0, a[:n]], true, temperature))          # (n, B-1), {name: ...}
@@ -598,17 +541,17 @@ def walk_continuation(drafter, target, prompt, continuation, features=None, B=No
     """One drafting pass walked every way, acceptance lengths {"tau": the draft rule's chain, "tree": {N: N-node tree
     verification}, each WALKS name}; the drafts, the rule's tensors (offsets 1..B-1). features default: target pass."""
     ids = torch.tensor([prompt + continuation], device=target.lm_head.weight.device)
-    features = target_features(target, ids, drafter.cfg.target_layer_ids)[0] if features is None else features
+    features = target.features(ids, drafter.cfg.target_layer_ids, labels=False)[0] if features is None else features
     tree, keep = import_tool("tree", "tree verification") if trees else None, (B or drafter.cfg.block_size) - 1
-    rule = tree.topk_rule(min(max(trees), target.vocab_size)) if trees else None  # the chain's drafts and a top-K
+    rule = tree.rule(trees, target.vocab_size) if tree else None  # dflash_tools/tree.py: the chain's and a top-K
     drafts, more = draft_every_anchor(drafter, target, features, ids, len(prompt), rule=rule, temperature=temperature)
     drafts, more = drafts[:, :keep].tolist(), {k: v[:, :keep] for k, v in more.items()}
     walks = {k: tau_walk(continuation, more[k].tolist()) for k in getattr(drafter, "WALKS", ()) if k in more}
-    walks["tree"] = {b: tree.walk(continuation, more["logq"], more["tokens"], b) for b in trees}
+    walks["tree"] = tree.walks(continuation, more, trees) if tree else {}
     return {"tau": tau_walk(continuation, drafts), **walks}, drafts, more
 
 # -----------------------------------------------------------------------------
-# Training: the step, the drafter's build, the loop
+# Training: the step and the loop (the drafter's build, AdamW, DDP and compile: build_drafter in Part III)
 
 def lr_at(step, total_steps, lr, warmup_ratio):
     """Linear warmup over warmup_ratio of the run, then cosine decay to 0."""
@@ -650,34 +593,6 @@ def train_step(model, optimizer, target, cfg, micro, lr, num_anchors, grad_clip,
     getattr(stage, "after", lambda stats: None)(total)
     return total, grad_norm, ok
 
-def build_drafter(args, run, target, world, device, say=print):
-    """The drafter (new, --init_from's or resumed), its AdamW, the model the loop calls, the loss's kwargs."""
-    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
-    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    cfg, source = run.cfg, run.resume_dir or run.init_from
-    drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
-    if run.variant:  # the variant's own set-up from its flags
-        v = run.variant
-        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
-    if not source and target.lm_head.weight is target.embed.weight:  # tied (Llama-3.2, Qwen3-0.6B..4B, Gemma3)
-        start_off_mask(drafter, target)
-        say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
-    drafter.grad_checkpoint, optimizer = args.grad_checkpoint, make_optimizer(drafter, args, run, world, device, say)
-    drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
-    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
-        drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
-    model = torch.compile(model) if compile_ else model
-    if compile_ and device.type == "cuda":  # the chunked CE's pointwise work fused around its two matmuls
-        ChunkedLMHead.rows = torch.compile(loss_rows, dynamic=True)
-    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
-        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
-        f"{attention}, compile {compile_}")
-    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
-    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, loss=loss_of(args), pad_to=pad_to,
-                   raw_model=drafter)
-    return drafter, model, optimizer, loss_kw
-
 def train(args):
     """A run: set-up (inputs checked, then target, data, drafter, resume), the loop, the end -> drafter, cfg, target"""
     # --- set-up: everything that can be checked without loading weights is checked first
@@ -692,32 +607,20 @@ def train(args):
                       getattr(target.tokenizer, "pad_token_id", None) or 0)
     total_steps = args.max_steps or args.epochs * batches.steps_per_epoch
     check_resume(args.out, run, batches.global_batch, master)
-    drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)
+    drafter, model, optimizer, loss_kw = build_drafter(args, run, target, world, device, say)  # new or resumed
     walk = held_out_walk(target, eval_samples, args.eval_walk_prompts, args.eval_walk_tokens, rank, world, say)
     os.makedirs(args.out, exist_ok=True)
     say(run_summary(args, target, total_steps, batches.global_batch, world, device))
 
-    def log_metrics(record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
-        if master:
-            append_metrics(args.out, record)
-            trackers.log(record)
-
-    def held_out(step):
-        held_out_eval(step, drafter, target, eval_samples, walk, args, batches.pad_id, rank, world, loss_kw, say,
-                      log_metrics)
-
-    def save(step):
-        save_checkpoint(args.out, step, drafter, optimizer, DTYPES[args.save_dtype], {
-            "args": vars(args), "global_batch": batches.global_batch, "bad_steps": bad_steps, "data": run.data_digest,
-            "loss": args.loss, "stage_state": run.stage_state, "wandb_id": trackers.wandb_id}, world, say, trained_for)
+    out = RunOutputs(args, run, target, trained_for, drafter, optimizer, batches, eval_samples, walk, loss_kw,
+                     trackers, rank, world, device, say)  # logs, metrics, held-out evaluations, checkpoints
 
     # --- the loop
     step = start = run.state["step"] if run.state else 0
-    bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
     step_fn = partial(train_step, stage=run.stage.Stage(args, run.stage_state)) if run.stage else train_step
     if step == 0:
-        held_out(0)
-    stopped, t_last, tokens, seen = False, time.time(), 0, []  # seen: (ok, loss, grad, tokens) of steps not yet read
+        out.held_out(0)  # the held-out loss, tau estimate (accuracy_stats) and walked tau of the untrained drafter
+    stopped = False
     plugins = [run.variant, run.stage, args.loss != "ce" and loss_plugin(args.loss)[0]]  # an exception in one: a line
     with StopFlag(args.out, say, plugins) as stop, progress_bar(total_steps, step, master, args) as bar:
         while step < total_steps and not stopped:
@@ -727,26 +630,19 @@ def train(args):
                                            args.grad_clip, world, progress=(step, total_steps), **loss_kw)
             step += 1
             bar.update(1)
-            seen.append(torch.stack([ok, total["ce_w"] / total["w"].clamp(1e-9), grad_norm, total["tokens"]]).float())
+            out.seen(ok, total, grad_norm)  # read at the next log line or save: no host sync each step
             if step == start + 1:
                 say(f"first step took {time.time() - t0:.1f}s (includes compilation when --compile is on)")
             if step % args.log_every == 0 or step == total_steps:
-                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
-                line, record = step_record(step, total, lr, grad_norm, tokens / max(time.time() - t_last, 1e-9),
-                                           device, drafter, args.loss)
-                say(line)
-                log_metrics(record)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tau=f"{record['tau']:.2f}")
-                t_last, tokens = time.time(), 0
+                out.log(step, total, lr, grad_norm, bar)  # loss, the tau estimate (accuracy_stats), acc@1, lr, ...
             if args.eval_every and step % args.eval_every == 0 and step != total_steps:
-                held_out(step)
+                out.held_out(step)
             stopped = any_rank(stop.requested, world, device)  # all ranks stop after the same step
             if stopped or (args.save_every and step % args.save_every == 0 and step != total_steps):
-                bad_steps, tokens = settle(seen, bad_steps, tokens, step, args, say)
-                save(step)
+                out.save(step)
         if not stopped and step > start:  # --- the end (none if resumed done), under StopFlag: a signal keeps its save
-            held_out(step)
-            save(step)
+            out.held_out(step)
+            out.save(step)
     trackers.close()
     if world > 1:
         dist.destroy_process_group()
@@ -771,6 +667,28 @@ def dense_masks(mask_mod, b, N, S, B, device):
     own_idx = S + q_idx.view(N, 1, B)                           # block n's own keys: S + n*B + i'
     bi = torch.arange(b, device=device).view(b, 1, 1, 1)
     return mask_mod(bi, 0, q_idx, ctx_idx), mask_mod(bi, 0, q_idx, own_idx)
+
+def fast_mask(mask_mod, attention, anchors, S, B):
+    """build_masks' rule for a fast path: flex's BlockMask, or dense's pair of masks and context_spans"""
+    b, N = anchors.shape
+    if attention == "flex":
+        compile_flex()  # (a no-op once a flex drafter was built; here for one switched to flex later)
+        make = compiled_create_block_mask if anchors.is_cuda else create_block_mask  # compiling on CPU: slow
+        return make(mask_mod, b, None, N * B, S + N * B, device=anchors.device)
+    ctx_visible, own_visible = dense_masks(mask_mod, b, N, S, B, anchors.device)
+    return ctx_visible, own_visible, context_spans(ctx_visible)
+
+def fast_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask):
+    """Attention.forward's fast paths, the plain attention's numbers: q (b, N, B, h, hd), k/v_ctx (b, S, hk, hd),
+    k/v_blk (b, N, B, hk, hd), mask: fast_mask's -> (b, N, B, h*hd)"""
+    b, N, B, h, hd = q.shape
+    if isinstance(mask, BlockMask):  # flex on CUDA skips the tiles the BlockMask hides
+        out = compiled_flex_attention(*one_sequence(q, k_ctx, v_ctx, k_blk, v_blk), block_mask=mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, N, B, h * hd)
+    ctx_visible, own_visible, spans = mask  # dense: each group of blocks against its span of the context, its own keys
+    return torch.cat([two_part_attention(q[:, n0:n1], k_ctx[:, lo:hi], v_ctx[:, lo:hi], k_blk[:, n0:n1],
+                                         v_blk[:, n0:n1], ctx_visible[:, n0:n1, :, lo:hi], own_visible[:, n0:n1])
+                      for n0, n1, lo, hi in spans], 1).reshape(b, N, B, h * hd)
 
 def two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_visible, own_visible):
     """Each block's queries attend to [context ; own block]: one softmax, two parts sharing the row max, the context
@@ -834,6 +752,20 @@ def vocab_chunk(vocab_size, budget=MEMORY_BUDGET):
     """Rows per chunk so one chunk of logits holds about `budget` floats: [tokens, V] logits never exist at once."""
     return max(1, budget // vocab_size)
 
+def weighted_ce(hidden, lm_head, labels, weights, chunk=None, loss=None, final=None):
+    """sum(w * CE) of the block tokens through the frozen lm_head and its stats; [tokens, V] never exists at once.
+    loss: a --loss (CE.reweigh); final (b, N, B, D): the target's state f[a+i-1], if the loss asks."""
+    loss, sel = loss or CE(), (weights.flatten() > 0).nonzero().squeeze(1)  # on the CPU in training: no device sync
+    sel, weights = sel.to(hidden.device), weights.to(hidden.device)
+    y, f = labels.flatten()[sel].clamp(min=0), None if final is None else final.reshape(-1, final.shape[-1])[sel]
+    tl, logq, pred = ChunkedLMHead.apply(hidden.reshape(-1, hidden.shape[-1])[sel], lm_head.weight, lm_head.bias, y,
+                                         chunk or vocab_chunk(lm_head.weight.shape[0]), loss, f)
+    w, norm = loss.reweigh(weights, logq, sel)
+    ce_w = (tl * w.flatten()[sel]).sum()
+    valid, correct = weights > 0, torch.zeros(weights.numel(), dtype=torch.bool, device=hidden.device)
+    correct[sel] = pred == y
+    return ce_w, {"w": norm.detach(), "ce_w": ce_w.detach(), **accuracy_stats(correct.view_as(valid) & valid, valid)}
+
 def loss_rows(hs, weight, bias, ys, grad: bool, loss, fs=None):  # fs: the target's rows, for a loss that asks
     """One chunk: per-token loss, log q(y), argmax and d(loss)/dh; compiled on CUDA, CE never holds fp32 logits."""
     logits = F.linear(hs.to(weight.dtype), weight, bias).float()                 # (chunk, V)
@@ -875,11 +807,28 @@ class ChunkedLMHead(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         return grad * grad_out[:, None].to(grad.dtype), None, None, None, None, None, None
 
+def anchor_chunks(drafter, context_features, ids, first, budget=None):
+    """draft_every_anchor's anchors a = first..S-2 in chunks of bounded memory -> the context and ids (padded for
+    flex's few compiled shapes: padding is never visible, j >= S > a), [(anchors (N,), valid (N,), n real)]"""
+    flex, S = drafter.attention == "flex", ids.shape[1]
+    anchors = torch.arange(first, S - 1, device=ids.device)
+    if flex:  # the context padded by the one rule, anchors padded to whole chunks of at most padded_length(anchors)
+        pad = padded_length(S) - S
+        context_features, ids = F.pad(context_features, (0, 0, 0, pad)), F.pad(ids, (0, pad))
+    S_ctx, chunks = context_features.shape[1], []
+    chunk = min(anchors_per_chunk(drafter.cfg, S_ctx, drafter.attention, budget), padded_length(len(anchors)) if flex
+                else S)
+    for c in range(0, max(len(anchors), 1), chunk):  # (no anchor: one empty chunk, for the rule's empty tensors)
+        a, n = anchors[c:c + chunk], min(chunk, len(anchors) - c)
+        valid = torch.arange(chunk if flex else n, device=ids.device) < n  # flex: whole chunks, padding anchors at 0
+        chunks.append((F.pad(a, (0, len(valid) - n)), valid, n))
+    return context_features, ids, chunks
+
 def anchors_per_chunk(cfg, S, attention, budget=None):
     """Blocks drafted at once so the MLP, logits and (dense) scores stay near `budget` elements."""
     B = cfg.block_size
     per_anchor = 3 * B * cfg.intermediate_size + B * cfg.vocab_size
-    if attention == "dense":
+    if attention != "flex":  # (plain's table also grows with the chunk: plain is for reading)
         per_anchor += 2 * (cfg.num_attention_heads + 1) * B * (S + B)
     return max(1, (budget or MEMORY_BUDGET) // per_anchor)
 
@@ -966,6 +915,13 @@ def plugin(spec, why):
 
 def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
+def default_target_layer_ids(num_target_layers, num_draft_layers):
+    """Spread evenly from layer 1 to L-3: L=64, n=5 -> [1, 16, 31, 46, 61] (SGLang's rule too)."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 def valid_target_layer_ids(L, n):  # the default if valid, else <= n layers evenly over 1..L-2 (L=4, n=5: [1, 2])
     ids, layers = default_target_layer_ids(L, n), list(range(1, L - 1)) or [0]
@@ -1209,6 +1165,34 @@ def read_train_state(d):
     need(not bad, f"{path}: not a training state (its {bad}: {str(s.get(bad, 'missing'))[:40]}); the file is corrupt")
     return state
 
+def build_drafter(args, run, target, world, device, say=print):
+    """The drafter (new, --init_from's or resumed), its AdamW, the model the loop calls, the loss's kwargs."""
+    attention = args.attention if args.attention != "auto" else "flex" if device.type == "cuda" else "dense"
+    compile_ = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    cfg, source = run.cfg, run.resume_dir or run.init_from
+    drafter = load_drafter(source, device, attention=attention) if source else cfg.Drafter(cfg, attention).to(device)
+    if run.variant:  # the variant's own set-up from its flags
+        v = run.variant
+        drafter = v.prepare(drafter, cfg, args) if hasattr(v, "prepare") else as_variant(v, cfg, drafter)
+    if not source and target.lm_head.weight is target.embed.weight:  # tied (Llama-3.2, Qwen3-0.6B..4B, Gemma3)
+        start_off_mask(drafter, target)
+        say("tied embeddings: the new drafter's final norm starts off the mask token's row (start_off_mask)")
+    drafter.grad_checkpoint, optimizer = args.grad_checkpoint, make_optimizer(drafter, args, run, world, device, say)
+    drafter.train()  # DDP is compiled with the drafter: the gradient all-reduce overlaps the backward (DDPOptimizer)
+    model = drafter if world == 1 else torch.nn.parallel.DistributedDataParallel(  # (on its one device: no device_ids)
+        drafter, gradient_as_bucket_view=True, broadcast_buffers=False)  # broadcast nothing: no buffer ever changes
+    model = torch.compile(model) if compile_ else model
+    if compile_ and device.type == "cuda":  # the chunked CE's pointwise work fused around its two matmuls
+        ChunkedLMHead.rows = torch.compile(loss_rows, dynamic=True)
+    say(f"drafter: {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M params, {cfg.num_hidden_layers} layers, "
+        f"block {cfg.block_size}, target_layer_ids {cfg.target_layer_ids}, layer_types {cfg.layer_types}; attention "
+        f"{attention}, compile {compile_}")
+    pad_to = padded_length(args.max_len) if attention == "flex" or compile_ else None
+    loss_kw = dict(gamma=args.gamma, noise_std=args.noise_std, labels=args.labels, loss=loss_of(args), pad_to=pad_to,
+                   raw_model=drafter)
+    return drafter, model, optimizer, loss_kw
+
 def make_optimizer(drafter, args, run, world, device, say):  # AdamW (--zero: split over the ranks), resumed
     kw = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=device.type == "cuda")
     if args.zero and world > 1:
@@ -1349,13 +1333,15 @@ def load_tokenizer(name, trust_remote_code=False, **gguf):  # its tokenizer, or 
 
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, **gguf):
     """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    A local path without config.json is a GGUF (dflash_tools/gguf.py), which comes back here with gguf_file."""
+    A local path without config.json is a GGUF (dflash_tools/gguf_target.py), which comes back here with gguf_file."""
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, logging as hf_logging
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    if torch.device(device).type != "cuda":  # transformers' advice to install causal_conv1d, fla: CUDA-only kernels
+        hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(lambda r: "falling back" not in r.msg)
     local = name.startswith((".", "/", "~")) or os.path.exists(name)
     if local and not gguf and not os.path.isfile(f"{name}/config.json"):  # a .gguf file, or a folder holding one
-        return import_tool("gguf", f"target {name!r} (no config.json: a GGUF?)").load_target(name, device, dtype, shard)
+        return import_tool("gguf_target", f"target {name!r} (a GGUF?)").load_target(name, device, dtype, shard)
     try:
         config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **gguf)
         drafter = getattr(config, "dflash_config", None)
@@ -1957,15 +1943,81 @@ def run_summary(args, target, total_steps, global_batch, world, device):
     return (f"training: target {args.target} ({target.num_layers} layers), {total_steps} steps of {global_batch} "
             f"samples, {world} rank(s) on {device.type}; loss {args.loss} ({param})")
 
-def settle(seen, bad, tokens, step, args, say):
-    """One host sync reads the unread steps (seen, emptied): a non-finite one said, counted; all ranks' tokens added."""
-    for k, (ok, loss, grad, n) in enumerate(torch.stack(seen).tolist() if seen else [], step - len(seen) + 1):
-        bad, tokens = 0 if ok else bad + 1, tokens + n
-        if not ok:
-            say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({bad})")
-        need(bad < args.max_bad_steps, f"{bad} consecutive non-finite steps; lower --lr or check the data")
-    seen.clear()
-    return bad, tokens
+class RunOutputs:
+    """What train() writes at a step: the log line and metrics (rank 0: metrics.jsonl, --report_to's trackers),
+    held-out evaluations, checkpoints; the steps not yet read are settled (non-finite ones counted) before each."""
+    def __init__(self, args, run, target, trained_for, drafter, optimizer, batches, eval_samples, walk, loss_kw,
+                 trackers, rank, world, device, say):
+        vars(self).update({k: v for k, v in locals().items() if k != "self"})  # what train() set up, by its names
+        self.bad_steps = run.state["bad_steps"] if run.state else 0  # consecutive non-finite steps
+        self.unread, self.tokens, self.t_last = [], 0, time.time()  # unread: (ok, loss, grad, tokens) of steps
+
+    def seen(self, ok, total, grad_norm):
+        loss = total["ce_w"] / total["w"].clamp(1e-9)
+        self.unread.append(torch.stack([ok, loss, grad_norm, total["tokens"]]).float())
+
+    def settle(self, step):  # one host sync reads the unread steps: a non-finite one said, counted; tokens added
+        for k, (ok, loss, grad, n) in enumerate(torch.stack(self.unread).tolist() if self.unread else [],
+                                                step - len(self.unread) + 1):
+            self.bad_steps, self.tokens = 0 if ok else self.bad_steps + 1, self.tokens + n
+            if not ok:
+                self.say(f"step {k}: non-finite loss {loss} / grad {grad}; skipped ({self.bad_steps})")
+            need(self.bad_steps < self.args.max_bad_steps, f"{self.bad_steps} consecutive non-finite steps; lower "
+                 f"--lr or check the data")
+        self.unread.clear()
+
+    def metrics(self, record):  # rank 0: metrics.jsonl, and the same record to each --report_to tracker
+        if self.rank:
+            return
+        try:
+            with open(os.path.join(self.args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise DFlashError(f"cannot append to {self.args.out}/metrics.jsonl ({e.strerror}); "
+                              f"{last_complete(self.args.out)}") from None
+        self.trackers.log(record)
+
+    def log(self, step, total, lr, grad_norm, bar):  # the console line and its metrics record
+        self.settle(step)
+        m, tokens_per_s = summarize(total, self.drafter), self.tokens / max(time.time() - self.t_last, 1e-9)
+        if self.device.type == "cuda":
+            mem = torch.cuda.max_memory_allocated(self.device) / 2**20
+        else:  # the process's peak resident memory (resource: POSIX only, imported where it is read)
+            import resource
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.say(f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
+                 f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
+        self.metrics({"step": step, "loss": m["loss"], "loss_type": self.args.loss, "tau": m["tau"], "acc": m["acc"],
+                      "lr": lr, "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem,
+                      **figures(m)})
+        bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}")
+        self.t_last, self.tokens = time.time(), 0
+
+    def held_out(self, step):  # the held-out loss and tau estimate (evaluate), the walked tau (walk_tau)
+        args, drafter, target, samples = self.args, self.drafter, self.target, self.eval_samples
+        if not samples:
+            return
+        drafter.eval()
+        m = evaluate(drafter, target, samples, args.batch_size, num_anchors(args), self.batches.pad_id, args.seed,
+                     self.rank, self.world, **self.loss_kw)
+        walked, acceptance, others = walk_tau(drafter, target, self.walk, self.world, args.eval_walk_tree_budget)
+        drafter.train()
+        others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
+        self.say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
+                 + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
+        walk = {"eval_walk_acceptance": acceptance, "measured": measurement(target.tokenizer, args.enable_thinking,
+                args.eval_walk_tokens, walk_prompts(samples, args.eval_walk_prompts))} if walked is not None else {}
+        self.metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
+                      "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
+        self.t_last = time.time() if step == 0 else self.t_last  # tokens/s: training's, from after the first eval
+
+    def save(self, step):
+        self.settle(step)
+        args, run = self.args, self.run
+        save_checkpoint(args.out, step, self.drafter, self.optimizer, DTYPES[args.save_dtype], {
+            "args": vars(args), "global_batch": self.batches.global_batch, "bad_steps": self.bad_steps,
+            "data": run.data_digest, "loss": args.loss, "stage_state": run.stage_state,
+            "wandb_id": self.trackers.wandb_id}, self.world, self.say, self.trained_for)
 
 def summarize(stats, drafter=None):
     """Global metrics from summed numerators and denominators (exact, not a mean of means)."""
@@ -1977,28 +2029,9 @@ def summarize(stats, drafter=None):
 def figures(m, prefix=""):  # a variant's own figures of summarize's m (beyond loss, tau, acc), as logged
     return {prefix + k: v for k, v in m.items() if k not in ("loss", "tau", "acc")}
 
-def step_record(step, total, lr, grad_norm, tokens_per_s, device, drafter, loss="ce"):  # (console line, metrics record)
-    m = summarize(total, drafter)
-    if device.type == "cuda":
-        mem = torch.cuda.max_memory_allocated(device) / 2**20
-    else:  # the process's peak resident memory (resource: POSIX only, imported where it is read)
-        import resource
-        mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    line = (f"step {step}: loss {m['loss']:.4f}  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}  lr {lr:.2e}  "
-            f"grad {grad_norm.item():.2f}  {tokens_per_s:,.0f} tok/s  peak {mem:,.0f} MB" + said(figures(m)))
-    return line, {"step": step, "loss": m["loss"], "loss_type": loss, "tau": m["tau"], "acc": m["acc"], "lr": lr,
-                  "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s, "peak_mb": mem, **figures(m)}
-
 def said(extra):  # a variant's figures on the console: (name value, ...), numbers only
     shown = [f"{k} {v:.4f}" for k, v in extra.items() if isinstance(v, float)]
     return f"  ({', '.join(shown)})" if shown else ""
-
-def append_metrics(out, record):
-    try:
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:
-        raise DFlashError(f"cannot append to {out}/metrics.jsonl ({e.strerror}); {last_complete(out)}") from None
 
 # -----------------------------------------------------------------------------
 # Batches: the same global batch for a step whatever the ranks; stats summed over them
@@ -2071,11 +2104,11 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
     mine, per_rank = rank_share(prompts, rank, world)
     # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    todo, walked, t0 = mine + extra, [], time.time()
-    say(f"held-out walk: generating the greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
+    todo, walked, t0, verb = mine + extra, [], time.time(), getattr(target, "walk_source", "generating the")
+    say(f"held-out walk: {verb} greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
     for p in todo:
         walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
-        if len(walked) == 1 < len(todo):
+        if len(walked) == 1 < len(todo) and verb == "generating the":  # (--features: read, not generated)
             say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
                 f"for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
@@ -2116,22 +2149,6 @@ def evaluate(drafter, target, samples, batch_size, num_anchors, pad_id, seed, ra
         total = add_stats(total, dflash_loss(drafter, cfg, target, batch, anchors, valid, w,
                                              **{**loss_kw, "noise_std": 0, "progress": None})[1])
     return summarize(all_reduce_sum(total, world), drafter)
-
-def held_out_eval(step, drafter, target, eval_samples, walk, args, pad_id, rank, world, loss_kw, say, log_metrics):
-    if not eval_samples:
-        return
-    drafter.eval()
-    m = evaluate(drafter, target, eval_samples, args.batch_size, num_anchors(args), pad_id, args.seed, rank, world,
-                 **loss_kw)
-    walked, acceptance, others = walk_tau(drafter, target, walk, world, args.eval_walk_tree_budget)
-    drafter.train()
-    others = {f"eval_walk_{k}_tau": v for k, v in others.items()}
-    say(f"step {step}: eval loss {m['loss']:.4f} ({args.loss})  tau {m['tau']:.3f}  acc@1 {m['acc'][0]:.3f}"
-        + (f"  walked tau {walked:.3f}" if walked is not None else "") + said({**figures(m), **others}))
-    walk = {"eval_walk_acceptance": acceptance, "measured": measurement(target.tokenizer, args.enable_thinking,
-            args.eval_walk_tokens, walk_prompts(eval_samples, args.eval_walk_prompts))} if walked is not None else {}
-    log_metrics({"step": step, "eval_loss": m["loss"], "loss_type": args.loss, "eval_tau": m["tau"],
-                 "eval_acc": m["acc"], "eval_walk_tau": walked, **others, **walk, **figures(m, "eval_")})
 
 # How a walked tau was measured (all it depends on beyond the drafter), in records and reports: none compared blindly
 def generation_prompt(tokenizer, kw):  # what the template adds to a user turn to start the assistant's (None: fails)
@@ -2196,7 +2213,7 @@ def tracker_list(s):  # --report_to: a comma list of none | tensorboard | wandb
 
 class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):  # each default once: not where the help says it already ("auto: ...")
-        h, v = action.help or "", action.default
+        h, v = action.help or "", None if action.default == argparse.SUPPRESS else action.default  # -h's: none
         hidden = v is None or v is False or v == [] or v == () or "default" in h or isinstance(v, str) and f"{v}:" in h
         return h if hidden or not action.option_strings else f"{h} (default: {v})"
 
@@ -2232,6 +2249,49 @@ class ArgumentParser(argparse.ArgumentParser):
                        if bad.startswith("-") else f"unexpected argument {bad!r} (flags start with --)")
         return args
 
+# Plug-ins: the contract. Each is one module. Its flag names it as a dflash_tools/ name, an importable module or a .py
+# path; its optional add_flags(g) declares its flags with flag(g, ...), accepted only beside that flag. Bad input in one
+# is `need(ok, "problem; fix")`: one error line (an exception in its code: a traceback, `error: plug-in M raised E`).
+# - A variant (--variant NAME). `class Config(DFlashConfig)`: its fields; problems() (super()'s, plus a line per
+#   problem); dflash_config_keys() -> {field: value} of each field it adds, under its own name (config.json's
+#   dflash_config; one left out loads back at its default); `architecture: ClassVar[str] = "XDraftModel"` on one line
+#   (how a checkpoint finds its module); `Config.Drafter = Drafter`. `class Drafter(DFlashDrafter)` overrides the hooks
+#   it changes; training, the walk and eval.py call them alike (forward is not one, refused):
+#     Layer(cfg, index) -> layer index's module: (x (b, N, B, D), cos, sin, k_ctx, v_ctx, mask) -> x
+#     context_kv(features (b, S, m*D), start=0) -> kv: per layer (k, v), each (b, S, hk, hd), at positions start..
+#     blocks(x (b, N, B, D), anchors (b, N), anchor_valid (b, N), kv, S) -> the final hidden state (b, N, B, D)
+#     draft(logits (n, B-1, V), h (n, B-1, D), anchor_ids (n,), truth=None (n, B), temperature=0.0) -> drafts (n, B-1),
+#       {name: (n, B-1, ...)}, diagnostics given truth; "q": its chance of drafting each true token (the truth before
+#       given) makes eval.py --temperature verify by rejection sampling; a name in the class's WALKS is walked too
+#     block_loss(hidden (b, N, B, D), lm_head, labels, weights, block_ids (b, N, B), loss=None, progress=None or (step,
+#       total), final=None or (b, N, B, D) when the loss asks) -> sum(w * loss), a stage's stats (below)
+#     summary(summed stats) -> {name: number or list}, logged beside loss, tau and acc
+#     logprobs(logits (T, V) fp32, h (T, D) final-normed, prev (T,) the token before each, progress=None) -> [(weight,
+#       log q (T, K), ids (T, K) or None: all V)], what it drafts from (a stage compares each with p over its ids)
+#   An nn.Linear with identity_init = True keeps the weights its module gave it. Optional: configure(cfg, args) -> its
+#   Config (args holds its flags, at their defaults when absent, as under --init_from without --variant);
+#   prepare(drafter, cfg, args) -> drafter (default: DFlash's fields and weights carried over).
+# - A loss (--loss NAME: a name in dflash_tools/losses.py's LOSSES, or MODULE_OR_PATH.py:NAME): LOSSES maps NAME to
+#   f(args) -> a CE subclass. weighted_ce is sum(weights * token_loss), over the global sum of normalisers:
+#     token_loss(logits (T, V) fp32, labels (T,)[, target_logits (T, V)]) -> (T,), its gradient by autograd, T a chunk
+#       of rows; target_logits = True (on the class): the target's logits too (p at a+i; --features: --store_final's)
+#     weights(w (b, N, B), logq (b, N, B) log q(label) detached, valid: w > 0) -> the weights (b, N, B)
+#     normaliser(w (b, N, B)) -> a scalar tensor, this micro-batch's part; reweigh(w, logq (T,), sel (T,) the flat
+#       indices of w > 0) -> (weights, normaliser), how weighted_ce calls both. Engines serve what it trains.
+# - A training stage (--stage NAME): `class Stage(SFT)`, Stage(args, state) once a run; state: a dict (None, bool, int,
+#   float, str, tensors, lists, tuples, dicts) saved, checked, in each checkpoint; optional check(args) first. A step:
+#     plan(inp, micro_batches) -> per micro-batch (shares {name: scalar tensor, a part of a normaliser}, work)
+#     loss(inp, mb, work, totals: each share summed over micro-batches and ranks) -> (the scalar to backward, over
+#       totals; stats {name: tensor}, summed over micro-batches and ranks, the same on every rank): block_loss's w and
+#       ce_w (loss = ce_w / w; a non-finite ce_w skips the step), correct and count (B,), accepted, blocks at least;
+#       after(summed stats), optional, follows the optimizer step
+#   inp: a StepInputs namedtuple (SFT at another gamma: inp._replace(gamma=g)): model (the drafter, maybe compiled or
+#   DDP-wrapped: call it), target (Target, or a capture with its embed, lm_head, target_features), cfg, num_anchors (a
+#   row), gamma, loss_kw: dflash_loss's keywords {raw_model: the drafter itself (call its hooks), loss: --loss's object,
+#   progress: (step, total_steps), noise_std, labels, pad_to}; mb: collate's {input_ids, loss_mask (b, S), tokens,
+#   keys}. Stage.runs_target = False: it reads only what a capture holds (features, labels, f), so it trains from
+#   --features; unset, it runs the target, and --features is refused.
+# - An on-policy divergence (--onpolicy_accepted/_rejected M:NAME): M's DIVERGENCES[NAME], as onpolicy.py's registry.
 def tool_plugins():  # [(flag, module, architecture)] of dflash_tools/' plug-ins, read from their files (plugins.py)
     return import_tool("plugins", "finding plug-ins").tool_plugins() if os.path.isdir(TOOLS) else []
 
@@ -2354,7 +2414,8 @@ def get_parser(plugins=True):  # plugins: parse_args adds the flags of the plug-
     flag(g, "--max_bad_steps", 10, "stop after this many consecutive non-finite steps (seen when logging)", int, lo=1)
     g = p.add_argument_group("system")
     flag(g, "--compile", "auto", "torch.compile the drafter (auto: on for CUDA)", choices=["auto", "on", "off"])
-    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense)", choices=["auto", "flex", "dense"])
+    flag(g, "--attention", "auto", "attention path (auto: flex on CUDA, else dense; plain: Part I's plain attention "
+         "and loss, to step through; memory quadratic in anchors)", choices=["auto", "flex", "dense", "plain"])
     flag(g, "--dtype", "auto", "target dtype (auto: bf16 on CUDA, fp32 on CPU)", choices=list(DTYPES))
     flag(g, "--save_dtype", "fp32", "checkpoint weights dtype (fp32 resumes exactly)", choices=["fp32", "bf16"])
     flag(g, "--device", None, "device (default: cuda:LOCAL_RANK if available, else cpu)")

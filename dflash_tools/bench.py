@@ -434,16 +434,18 @@ def qwen3_target(cfg, device, dtype):
                          f"random Qwen3 ({tc.num_hidden_layers} layers, D={tc.hidden_size}, V={tc.vocab_size})")
 
 
-def matmul_rate(dev, n=8192, reps=20):
-    """The device's bf16 matmul rate (FLOP/s): n x n x n products, best of 3 runs of `reps`."""
-    a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+def matmul_rate(dev, n=8192, reps=20, dtype=torch.bfloat16):
+    """The device's matmul rate (FLOP/s) in dtype: n x n x n products, the best of 4 runs of `reps` (the first warms
+    up); on the CPU with torch.get_num_threads() threads, as a step runs."""
+    a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
+    sync = torch.cuda.synchronize if torch.device(dev).type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(4):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(reps):
             a @ b
-        torch.cuda.synchronize()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 * reps / best
 

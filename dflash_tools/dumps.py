@@ -1,7 +1,9 @@
 """The feature dumps other trainers write, read for `dflash.py --features DIR` when DIR is not one of ours: speculators'
 (vLLM's extract_hidden_states, so a target served tensor-parallel on as many GPUs as it needs) and SpecForge's
-(scripts/prepare_hidden_states.py). open_dump(DIR, ...) -> a Dump: .manifest, len(dump), dump.sample(i). Nothing is
-read ahead: the directory is listed, one file opened for its shapes, and each sample checked when it is read.
+(scripts/prepare_hidden_states.py). open_dump(DIR, ...) -> a Dump: .manifest, len(dump), dump.sample(i). Opening
+reads no sample: the directory is listed, one file opened for its shapes, and each sample checked when it is read;
+tokens(i), the index training builds before its first step, reads a sample's tokens and checks its file (speculators':
+the safetensors header against the file's size and the row; SpecForge's: the record, read whole).
 
 Our convention: layer t is the residual stream after decoder layer t (0-based), before the final norm; the labels are
 y[j] = argmax lm_head(f[j-1]), f after the final norm. Theirs:
@@ -27,7 +29,7 @@ import sys
 import torch
 
 from dflash import DFlashError, first_line, flag, greedy_labels, int_list, need
-from dflash_tools.formats import optional_package, saved_dataset
+from dflash_tools.formats import optional_package, safetensors_header, saved_dataset
 
 HS_FILE = re.compile(r"hs_(\d+)\.safetensors")         # speculators: one per dataset row
 CKPT_FILE = re.compile(r"data_(\d+)\.ckpt(\.gz)?")      # SpecForge: one per sample
@@ -231,8 +233,19 @@ class SpeculatorsDump(Dump):
         # ours); id L enters the final norm: our layer L-1 and, through norm and lm_head, the labels
         return {k - 1: s for s, k in enumerate(ids) if k >= 1}, ids.index(L) if L in ids else None, True
 
-    def tokens(self, i):  # from the dataset: no hidden states read (sample(i) checks the file's token_ids)
-        return torch.as_tensor(self.ds[self.rows[i]]["input_ids"]).long()
+    def tokens(self, i):
+        """Row i's tokens from the dataset, and its file's header checked against its size and the row (no hidden
+        states read: sample(i) checks the file's token_ids): a truncated file is named before training starts."""
+        f, ids = self.files[i], torch.as_tensor(self.ds[self.rows[i]]["input_ids"]).long()
+        try:
+            shapes = {k: t["shape"] for k, t in safetensors_header(f)[0].items()}
+        except (OSError, ValueError) as e:
+            raise unreadable(f, e) from None
+        S, n = len(ids), len(self.dump_ids)
+        want = {"hidden_states": [S, n, self.D], "token_ids": [S]}
+        bad = [f"{k} {shapes.get(k, 'missing')}, not {v}" for k, v in want.items() if shapes.get(k) != v]
+        need(not bad, f"{f}: {'; '.join(bad)} (row {self.rows[i]} of {self.data!r}: {S} tokens, {n} layer ids); {REDO}")
+        return ids
 
     def read(self, i):
         from safetensors.torch import load_file

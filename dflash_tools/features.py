@@ -3,20 +3,24 @@
 One training step takes from the target only a pure function of the sample: the context features concat_t h[t] of
 target_layer_ids and the labels y (the target's greedy tokens). `capture` runs the target once over --data and stores
 both; `dflash.py --features DIR` then trains with only the target's embedding, lm_head and tokenizer loaded (read alone
-from its safetensors by tensor name), the same losses as online training (captured in fp32 on the CPU: bitwise on a
-dense target; a hybrid Gated-DeltaNet target's chunked scan rounds differently padded: ~4e-9 apart).
+from its safetensors, or its GGUF, by tensor name), the same losses as online training (captured in fp32 on the CPU:
+bitwise on a dense target; a hybrid Gated-DeltaNet target's chunked scan rounds differently padded: ~4e-9 apart).
 
     python dflash_tools/features.py capture --target T --data D --out FEATS --target_layer_ids 1,16,31,46,61
     torchrun --nproc_per_node=8 dflash_tools/features.py capture ...        # samples split over the ranks
     python dflash.py --target T --data D --features FEATS --out runs/a ...  # trains from FEATS, no target layers
     python dflash.py ... --features FEATS --capture_missing                 # hybrid: captures what FEATS lacks
     python dflash_tools/features.py bench     # a step from features against online: the demo's target, a mid shape
+    python dflash_tools/features.py bench --target T --dtypes fp32  # on T (a GGUF too), the recipe-like geometry;
+        # also the drafter step's FLOP/s against this machine's fp32 matmul rate (2048^3, torch's threads)
 
 The format (version 1), a directory:
   manifest.json   format, version; target: its record as checkpoints keep it (dflash.target_record: name, fingerprint,
-                  probe); hidden_size, num_target_layers, vocab_size; tokenizer and chat_template: sha256 of the
-                  tokenizer's JSON and of its template; target_layer_ids with their convention (layer t: the residual
-                  stream after decoder layer t, hidden_states[t + 1], before the final norm: dflash.capture_hidden);
+                  probe: the embedding's); layers_digest: weights_digest of the target's safetensors, every tensor
+                  (null: a target without safetensors); hidden_size, num_target_layers, vocab_size; tokenizer and
+                  chat_template: sha256 of the tokenizer's JSON and of its template; target_layer_ids with their
+                  convention (layer t: the residual stream after decoder layer t, hidden_states[t + 1], before the
+                  final norm: dflash.capture_hidden);
                   dtype (bf16 | fp32 | int8), final (whether f is stored); pad_id; num_samples, num_tokens, complete;
                   data and eval_data: their digests (dflash.path_digest); max_len, enable_thinking; walk: the held-out
                   walk's seed, eval_fraction, prompts and tokens; flags: the capture's command line.
@@ -27,11 +31,20 @@ The format (version 1), a directory:
                   [S, m*D] (int8: plus scales fp32 [S, m], one per token and layer, x = q * scale), final [S, D] with
                   --store_final; a walk file input_ids (prompt + the target's greedy continuation), prompt_len,
                   features. Every file is written aside, synced and renamed: a killed capture leaves no file a reader
-                  would trust; a rerun captures what is missing.
+                  would trust; a rerun captures what is missing. Training checks every file's header against its
+                  size and the shapes above before its first step (Features.check: no tensor read).
 Disk per token: m * D * (2 bf16 | 4 fp32 | 1 int8 + 4/D) + 9 bytes (labels, tokens, mask), + D * 2|4 with f.
 A training batch row is found by its key, the sha1 of its tokens without trailing pad tokens: the same lookup serves
 the loss, the held-out loss and the walk, whatever the shuffle, and a row that is in no capture is refused.
 
+The target a capture was made from: the record's fingerprint covers the embedding alone (as checkpoints keep it), so
+layers_digest covers every tensor the target's safetensors hold (decoder layers, norms, lm_head, any tower): each
+tensor's name, dtype and shape, and the bytes of 64 of its entries (8 rows evenly spaced along its first dimension,
+the first 8 entries of each), read at their offsets in the files (never a whole tensor) by the capture and again by
+training, which refuses another target's capture (a fine-tune of the same base) in one line. It sees what changes a
+tensor's sampled rows (a fine-tune changes nearly every entry), not one edited entry. Its cost on a 27B target
+(~1,100 tensors with its vision tower, 54 GB in bf16): the headers (a few MB) and ~9k reads of 16 bytes, under 40 MB
+of 4 KiB pages (a few hundred MB at most with the kernel's readahead); SmolLM2-135M (272 tensors, 0.54 GB): 50 ms.
 A loss needing the target's distribution (not its greedy labels) needs f: capture with --store_final.
 Other trainers' dumps (SpecForge, speculators): dflash_tools/dumps.py reads them behind the same reader interface,
 open_features(path, layer_ids) -> .manifest, len(), .sample(i) -> input_ids, loss_mask, features, labels (or None);
@@ -39,6 +52,7 @@ optional .tokens(i): sample i's input_ids alone (a dump is indexed by its tokens
 """
 import argparse
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -57,6 +71,7 @@ sys.path.insert(0, ROOT)  # this folder's scripts import dflash.py from the repo
 
 import dflash  # noqa: E402
 from dflash import need  # noqa: E402
+from dflash_tools.formats import SAFETENSORS_BYTES, safetensors_header  # noqa: E402
 
 FORMAT, VERSION, MANIFEST, INDEX = "dflash-features", 1, "manifest.json", "index.jsonl"
 CONVENTION = "h[t]: the residual stream after decoder layer t (hidden_states[t + 1]), before the final norm"
@@ -93,6 +108,34 @@ def row_key(ids, pad):
     real = (ids != pad).nonzero()
     n = int(real[-1]) + 1 if len(real) else 0
     return hashlib.sha1(ids[:n].numpy().tobytes()).hexdigest(), n
+
+
+DIGEST_ROWS = DIGEST_VALUES = 8  # a tensor's sample in weights_digest: rows along its first dimension, values a row
+
+
+@functools.lru_cache(maxsize=4)
+def weights_digest(name):
+    """A sha256 (16 hex digits) of every tensor of target name's safetensors: its name, dtype, shape and the bytes of
+    a sample of its entries (DIGEST_ROWS rows along the first dimension, the first DIGEST_VALUES entries of each), read
+    at their offsets; None for a target without safetensors."""
+    try:
+        files = weight_files(name)
+    except dflash.DFlashError:
+        return None
+    parts = {}
+    for path in sorted(set(files.values())):
+        tensors, data = safetensors_header(path)
+        with open(path, "rb") as f:
+            for k, t in tensors.items():
+                shape, (start, end) = t["shape"], t["data_offsets"]
+                size = SAFETENSORS_BYTES.get(t["dtype"], 1)
+                row = (end - start) // max(shape[0], 1) if shape else end - start  # bytes a row along dimension 0
+                rows = sorted({round(i * (shape[0] - 1) / (DIGEST_ROWS - 1)) for i in range(DIGEST_ROWS)}) \
+                    if shape and shape[0] else [0]
+                sample = b"".join(os.pread(f.fileno(), min(row, DIGEST_VALUES * size), data + start + r * row)
+                                  for r in rows)
+                parts[k] = f"{k} {t['dtype']} {shape}".encode() + sample
+    return hashlib.sha256(b"".join(parts[k] for k in sorted(parts))).hexdigest()[:16]
 
 
 def bytes_per_token(m, D, dtype, final=False):
@@ -185,8 +228,8 @@ class Features:
         layer_ids = have if layer_ids is None else list(layer_ids)
         lack = [t for t in layer_ids if t not in have]
         need(not lack, f"--features {path} holds layers {have}, the drafter reads {layer_ids}: no layer "
-             f"{', '.join(map(str, lack))}; capture with --target_layer_ids {','.join(map(str, layer_ids))}, or pass "
-             f"--target_layer_ids from {have}")
+             f"{', '.join(map(str, lack))}; pass --target_layer_ids {','.join(map(str, usable(m)))} (or some of "
+             f"them), or capture with --target_layer_ids {','.join(map(str, layer_ids))} into a new --out")
         D, self.layer_ids = m["hidden_size"], layer_ids
         self.columns = torch.cat([torch.arange(have.index(t) * D, (have.index(t) + 1) * D) for t in layer_ids])
         self.refresh()
@@ -236,6 +279,30 @@ class Features:
     def sample(self, i):
         return self.read(self.order[i])
 
+    def check(self):
+        """Every file's safetensors header against its size and the shapes the manifest and index give, before a step
+        (no tensor read): a truncated or damaged file refused in one line, naming it, before anything is written."""
+        m = self.manifest
+        D, k = m["hidden_size"], len(m["target_layer_ids"])
+        files = [hit for hits in self.keys.values() for hit in hits]
+        for n, sample, p in tqdm(files, desc="checking the capture's files", disable=len(files) < 20000):
+            try:
+                shapes = {name: t["shape"] for name, t in safetensors_header(p)[0].items()}
+            except (OSError, ValueError) as e:  # truncated, garbage, gone
+                raise dflash.DFlashError(f"{p}: unreadable ({dflash.first_line(e)}); remove it and rerun the capture "
+                                         f"(it captures what is missing)") from None
+            want = {"input_ids": [n], "features": [n, k * D], **({"scales": [n, k]} if m["dtype"] == "int8" else {}),
+                    **({"loss_mask": [n], "labels": [n], **({"final": [n, D]} if m["final"] else {})} if sample else
+                       {"prompt_len": [1]})}
+            bad = [f"{name} {shapes.get(name, 'missing')}, not {shape}" for name, shape in want.items()
+                   if shapes.get(name) != shape]
+            need(not bad, f"{p}: {'; '.join(bad)} (the capture's manifest and index); the file is corrupt: remove it "
+                 f"and rerun the capture (it captures what is missing)")
+
+
+def usable(m):  # the layers of a capture a drafter may read, in order (never the last: see Capture.open)
+    return sorted({t for t in m["target_layer_ids"] if t < m["num_target_layers"] - 1})
+
 
 def open_features(path, layer_ids=None, target_record=None, dump_kw=None):
     """Our capture if path holds our manifest, else another trainer's dump (dflash_tools/dumps.py's open_dump, given
@@ -257,7 +324,7 @@ def open_features(path, layer_ids=None, target_record=None, dump_kw=None):
 def weight_files(name):
     """{tensor name: file} of a target's safetensors (one file or an index), local or downloaded once; of a GGUF's."""
     if os.path.exists(name) and not os.path.isfile(os.path.join(name, "config.json")):  # as dflash.load_target
-        return dflash.import_tool("gguf", f"target {name!r} (no config.json: a GGUF?)").weight_files(name)
+        return dflash.import_tool("gguf_target", f"target {name!r} (no config.json: a GGUF?)").weight_files(name)
     path = name
     if not os.path.isdir(name):
         from huggingface_hub import snapshot_download
@@ -287,7 +354,7 @@ def read_tensor(files, module_name, what, name):
 
 def get_tensor(file, key):  # one tensor of a safetensors file, or of a GGUF (dequantised as transformers loads it)
     if file.endswith(".gguf"):
-        return dflash.import_tool("gguf", f"the GGUF {file!r}").tensor(file, key)
+        return dflash.import_tool("gguf_target", f"the GGUF {file!r}").tensor(file, key)
     from safetensors import safe_open
     with safe_open(file, "pt") as f:
         return f.get_tensor(key)
@@ -300,7 +367,7 @@ class Stub:  # the model's config and generation config, and a generate that rea
 
 class FeatureTarget:
     """What training needs of a target, with the features read from a capture: embed, lm_head, tokenizer, model
-    (config, generation_config, generate from the captured walk), stored(input_ids, layer_ids) for target_features.
+    (config, generation_config, generate from the captured walk), features(input_ids, layer_ids, labels, final).
     capture: --capture_missing's Capture, beside the whole target (a row the capture lacks is captured, written)."""
     sharded = False
 
@@ -312,6 +379,10 @@ class FeatureTarget:
         self.source = getattr(meta, "source", {})  # a GGUF target's file and hash, for its record
 
     eos_ids = dflash.Target.eos_ids
+
+    @property
+    def walk_source(self):  # how the held-out walk's continuations are had: read from the capture, not generated
+        return "reading the captured" + (" (generating the missing)" if self.capture is not None else "")
 
     def row(self, ids):
         """(n, tensors) of one token row: its capture, or (online) captured now; (0, None) for an all-pad row."""
@@ -328,6 +399,13 @@ class FeatureTarget:
         need(torch.equal(t["input_ids"], ids[:hit[0]].cpu()), f"{hit[1]}: its tokens disagree with the batch's "
              f"(a corrupt file or a hash collision); remove it and rerun the capture")
         return hit[0], t
+
+    def features(self, input_ids, layer_ids, labels=True, final=False):
+        """dflash.Target.features from the capture: context, the labels (as captured, or greedy from a stored f), f."""
+        context, stored = self.stored(input_ids, layer_ids)
+        f = None if stored.dtype == torch.long else stored  # the labels alone, or f (--store_final)
+        y = (stored if f is None else dflash.greedy_labels(f, self.lm_head)) if labels else None
+        return context, y, f if final else None
 
     @torch.no_grad()
     def stored(self, input_ids, layer_ids):
@@ -364,7 +442,8 @@ class FeatureTarget:
         t = self.store.read(p)
         walk = self.store.manifest.get("walk") or {}
         need(walk.get("tokens") == max_new_tokens, f"--features: the held-out walk was captured with "
-             f"--eval_walk_tokens {walk.get('tokens')}, this run asks {max_new_tokens}; pass {walk.get('tokens')}")
+             f"--eval_walk_tokens {walk.get('tokens')}, this run asks {max_new_tokens}; pass --eval_walk_tokens "
+             f"{walk.get('tokens')}")
         return t["input_ids"][None].to(ids.device)
 
 
@@ -411,8 +490,8 @@ def check_manifest(m, args, meta, path, digest):
     need(m.get("chat_template") == template_hash(tok), f"--features {path} was captured with another chat template "
          f"({m.get('chat_template')}, this target's {template_hash(tok)}); {fix}")
     for k in ("max_len", "enable_thinking"):
-        need(m.get(k) == getattr(args, k), f"--features {path} was captured with --{k} {m.get(k)}, this run has "
-             f"--{k} {getattr(args, k)}; pass {m.get(k)} or recapture")
+        need(m.get(k) == getattr(args, k), f"--features {path} was captured with {as_flag(k, m.get(k))}, this run "
+             f"has {as_flag(k, getattr(args, k))}; pass {as_flag(k, m.get(k))}, or recapture")
     digest = digest or dflash.path_digest(args.data)
     need(m.get("data") == digest, f"--features {path} was captured from other data than --data {args.data} (sha256 "
          f"{str((m.get('data') or {}).get('sha256'))[:12]}, this {digest['sha256'][:12]}); pass that --data or "
@@ -421,19 +500,27 @@ def check_manifest(m, args, meta, path, digest):
         need(m.get("eval_data") == dflash.path_digest(args.eval_data), f"--features {path} holds no capture of "
              f"--eval_data {args.eval_data}; recapture with it, or drop --eval_data")
     w = m.get("walk") or {}
-    same = {"seed": args.seed, "eval_fraction": dflash.eval_fraction(args), "tokens": args.eval_walk_tokens}
-    bad = [k for k, v in same.items() if w.get(k) != v] + (["prompts"] if w.get("prompts", 0) < args.eval_walk_prompts
-                                                          else [])
+    same = {"seed": args.seed, "eval_fraction": dflash.eval_fraction(args), "eval_walk_tokens": args.eval_walk_tokens}
+    bad = [k for k, v in same.items() if w.get(k.removeprefix("eval_walk_")) != v] + (
+        ["eval_walk_prompts"] if w.get("prompts", 0) < args.eval_walk_prompts else [])
+    flags = " ".join(f"--{k} {w.get(k.removeprefix('eval_walk_'))}" for k in bad)
     need(not (args.eval_walk_prompts and bad) or args.capture_missing, f"--features {path}: its held-out walk was "
-         f"captured with {', '.join(f'--{k} {w.get(k)}' for k in bad)} (flags: --seed, --eval_fraction, "
-         f"--eval_walk_prompts, --eval_walk_tokens); pass those, --eval_walk_prompts 0, or --capture_missing")
+         f"captured with {flags}; pass {flags}, or --eval_walk_prompts 0, or --capture_missing")
+
+
+def as_flag(k, v):  # the command line that gives flag --k the value v (enable_thinking: either way, or neither)
+    if k != "enable_thinking":
+        return f"--{k} {v}"
+    return {True: "--enable_thinking", False: "--no-enable_thinking"}.get(v, "neither --enable_thinking nor "
+                                                                             "--no-enable_thinking")
 
 
 def load_target(args, run, world, device):
     """dflash.py --features: the FeatureTarget of a capture (--capture_missing: beside the whole target, which
     captures the rows the capture lacks)."""
     need(not args.shard_target, "--features loads no target layers: nothing to shard; drop --shard_target")
-    need(not args.stage, f"--stage {args.stage} runs the target itself, --features loads none of its layers; drop one")
+    need(not (run.stage and getattr(run.stage.Stage, "runs_target", True)), f"--stage {args.stage} runs the target "
+         f"itself (its Stage.runs_target), --features loads none of its layers; drop one")
     meta = dflash.load_target(args.target, "meta", dflash.DTYPES[args.dtype], args.trust_remote_code)
     embed, head = load_embedding_and_head(args, meta, device)
     record = dflash.target_record(FeatureTarget(meta, embed, head, None, args.target))
@@ -449,14 +536,16 @@ def load_target(args, run, world, device):
         need(m["target"]["fingerprint"] == record["fingerprint"], f"--features {args.features} was captured from "
              f"target {m['target']['target']!r} ({m['target']['fingerprint']}), not {args.target!r} "
              f"({record['fingerprint']}); recapture with this target, or pass the --target it was captured from")
+        check_layers(m, args)
         check_manifest(m, args, meta, args.features, run.data_digest)
         need(m.get("complete") or args.capture_missing, f"--features {args.features} is incomplete ({len(store)} "
              f"samples of {m.get('num_samples')}): rerun its capture (it continues), or add --capture_missing")
+        store.check()
     elif store is not None:  # another trainer's dump: looked up by its tokens
         need(not args.capture_missing, "--capture_missing writes our format only; give a capture directory")
         need(not args.eval_walk_prompts, f"--features {args.features} holds no held-out walks (the target's greedy "
              f"continuations); pass --eval_walk_prompts 0, or capture with dflash_tools/features.py")
-        store = Indexed(store, args.features, pad_of(meta.tokenizer), ids)
+        store = Indexed(store, args.features, pad_of(meta.tokenizer), ids, args.max_len)
         need(args.labels == "data" or not len(store.reader) or store.reader.sample(0)["labels"] is not None,
              f"--features {args.features} holds no target labels (the greedy tokens --labels target trains on); "
              f"pass --labels data (data regenerated by the target), or capture with dflash_tools/features.py")
@@ -471,16 +560,43 @@ def load_target(args, run, world, device):
     need(not getattr(dflash.loss_of(args), "target_logits", False) or (isinstance(store, Features) and
          store.manifest.get("final")), f"--loss {args.loss} needs the target's distribution, f, which --features "
          f"{args.features} does not hold; capture with --store_final (our format), or train online")
+    if rank_of() == 0:
+        print(reading_line(args.features, store, ids, capture is not None))
     return FeatureTarget(meta, embed, head, store, args.target, capture=capture)
+
+
+def check_layers(m, args):
+    """The capture's target against --target beyond the embedding: every tensor's sample (weights_digest)."""
+    if "layers_digest" not in m:  # a capture made before the digest: the embedding's fingerprint alone was checked
+        if rank_of() == 0:
+            print(f"note: --features {args.features} predates the layers' digest: only the target's embedding is "
+                  f"checked against --target {args.target}", file=sys.stderr)
+        return
+    now = weights_digest(args.target)
+    need(None in (m["layers_digest"], now) or m["layers_digest"] == now, f"--features {args.features} was captured "
+         f"from a target whose weights differ from --target {args.target!r} beyond the embedding (layers digest "
+         f"{m['layers_digest']}, this target's {now}: a fine-tune of the same base?); recapture with this target, or "
+         f"pass the --target it was captured from")
+
+
+def reading_line(path, store, ids, hybrid):
+    """The line that says a run trains from features: the directory, dtype, layers, samples (and walks)."""
+    m, n = store.manifest, len(getattr(store, "reader", store))  # (a plug-in reader's manifest may say less)
+    kind = f"{m['kind']} dump, " if m.get("kind") else ""
+    walks = f", {len(store.prompts)} held-out walks" if store.prompts else ""
+    layers = "the target captures what is missing (--capture_missing)" if hybrid else "the target's layers not loaded"
+    return (f"features: training from {path} ({kind}{m.get('dtype', 'dtype unsaid')}, layers {ids} of "
+            f"{m.get('available_layer_ids', m['target_layer_ids'])}, {n:,} of {m.get('num_samples', n):,} samples"
+            f"{walks}); {layers}")
 
 
 class Indexed:
     """Another trainer's dump (the reader interface) made searchable by tokens: every sample's tokens, read once."""
 
-    def __init__(self, reader, path, pad, layer_ids):
+    def __init__(self, reader, path, pad, layer_ids, max_len=None):
         self.reader, self.path, self.manifest, self.prompts, self.keys = reader, path, reader.manifest, {}, {}
         self.layer_ids = list(layer_ids)
-        skipped = 0
+        skipped = longest = 0
         tokens = getattr(reader, "tokens", None)  # a sample's tokens alone (dumps.py's): no features read twice
         for i in tqdm(range(len(reader)), desc="indexing the dump", disable=len(reader) < 1000):
             ids = tokens(i) if tokens else (reader.sample(i) or {}).get("input_ids")
@@ -489,6 +605,10 @@ class Indexed:
                 continue
             key, n = row_key(ids, pad)
             self.keys.setdefault(key, []).append((n, True, i))
+            longest = max(longest, n)
+        need(not max_len or longest <= max_len, f"--features {path}: its longest row has {longest:,} tokens, past "
+             f"--max_len {max_len} (training cuts --data's rows there, and a cut row is in no dump); pass --max_len "
+             f"{longest} or more")
         if skipped:
             print(f"note: --features {path}: {skipped} of {len(reader)} samples skipped (non-finite features)",
                   file=sys.stderr)
@@ -533,8 +653,8 @@ class Capture:
 
     def manifest(self, samples, prompts):
         a, t = self.args, self.target
-        return {"format": FORMAT, "version": VERSION, "target": self.record, "hidden_size": t.hidden_size,
-                "num_target_layers": t.num_layers, "vocab_size": t.vocab_size,
+        return {"format": FORMAT, "version": VERSION, "target": self.record, "layers_digest": weights_digest(a.target),
+                "hidden_size": t.hidden_size, "num_target_layers": t.num_layers, "vocab_size": t.vocab_size,
                 "tokenizer": tokenizer_hash(t.tokenizer), "chat_template": template_hash(t.tokenizer),
                 "target_layer_ids": self.layer_ids, "layer_convention": CONVENTION, "dtype": self.dtype,
                 "final": self.final, "pad_id": pad_of(t.tokenizer), "num_samples": len(samples),
@@ -549,9 +669,8 @@ class Capture:
     def open(self, layer_ids=None):
         """Read the data, write (or check) the manifest, clear killed writes; -> what is left to capture."""
         a, t = self.args, self.target
-        self.layer_ids = list(layer_ids or a.target_layer_ids or dflash.default_target_layer_ids(t.num_layers, 5))
-        bad = [i for i in self.layer_ids if not 0 <= i < t.num_layers]
-        need(not bad, f"--target_layer_ids {bad}: the target has layers 0..{t.num_layers - 1}; give layers in range")
+        self.layer_ids = check_layer_ids(list(layer_ids or a.target_layer_ids or capture_layers(t.num_layers)),
+                                         t.num_layers)
         self.data, self.prompts = self.samples()
         self.pad = pad_of(t.tokenizer)
         self.keys = {row_key(ids, self.pad)[0]: i for i, (ids, _) in enumerate(self.data)}
@@ -559,10 +678,10 @@ class Capture:
         f = os.path.join(self.out, MANIFEST)
         if os.path.isfile(f):
             old = dflash.read_json(f, "features manifest")
-            diff = [k for k in ("target_layer_ids", "dtype", "final", "tokenizer", "chat_template", "data", "eval_data",
-                                "max_len", "enable_thinking", "walk", "hidden_size", "num_target_layers")
-                    if old.get(k) != new[k]] + ([] if old.get("target", {}).get("fingerprint") ==
-                                                self.record["fingerprint"] else ["target"])
+            keys = ("target_layer_ids", "dtype", "final", "tokenizer", "chat_template", "data", "eval_data", "max_len",
+                    "enable_thinking", "walk", "hidden_size", "num_target_layers", "layers_digest")
+            diff = [k for k in keys if old.get(k, new[k]) != new[k]] + (  # (a key an older capture lacks: not compared)
+                [] if old.get("target", {}).get("fingerprint") == self.record["fingerprint"] else ["target"])
             k = diff[0] if diff else None
             need(not diff, f"--out {self.out} holds a capture made with another {', '.join(diff)} ({old.get(k)}, now "
                  f"{new.get(k) if k != 'target' else self.record['fingerprint']}); give a new --out, or the same flags"
@@ -655,6 +774,19 @@ class Capture:
         return m["complete"], have
 
 
+def capture_layers(L):  # the default: those a 5-layer drafter reads by default (training's), each layer once
+    return dflash.valid_target_layer_ids(L, 5)
+
+
+def check_layer_ids(ids, L):  # layers a drafter can read (not the last: SGLang cannot capture it), each once
+    bad = [i for i in ids if not 0 <= i < L - 1]
+    need(not bad, f"--target_layer_ids {bad}: a drafter reads the target's layers 0..{L - 2} (not its last, which "
+         f"SGLang cannot capture); give layers in that range")
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    need(not twice, f"--target_layer_ids {ids} store layer(s) {twice} twice; give each layer once")
+    return ids
+
+
 def barrier(world):
     if world > 1:
         dflash.dist.barrier()
@@ -669,7 +801,7 @@ def capture(args):
     dflash.check_writable_dir(args.out, "--out", fix="give a writable directory for the capture")
     cap = Capture(args, meta, args.out, rank, world, None, say)
     cap.record = {"target": args.target, "fingerprint": None}  # the real record once the weights load
-    ids = list(args.target_layer_ids or dflash.default_target_layer_ids(meta.num_layers, 5))
+    ids = check_layer_ids(list(args.target_layer_ids or capture_layers(meta.num_layers)), meta.num_layers)
     cap.layer_ids = ids
     cap.data, cap.prompts = cap.samples()
     m, D = len(ids), meta.hidden_size
@@ -681,7 +813,7 @@ def capture(args):
     needed = max((tokens + walk_tokens) * bpt + (len(cap.data) + len(cap.prompts)) * FILE_OVERHEAD - have, 0)
     os.makedirs(args.out, exist_ok=True)
     disk = shutil.disk_usage(args.out)
-    say(f"features: {bpt:,} bytes/token ({m} layers x D {D} x {args.features_dtype}, + labels, tokens, mask"
+    say(f"features: {bpt:,} bytes/token ({m} layers {ids} x D {D} x {args.features_dtype}, + labels, tokens, mask"
         f"{', + f' if args.store_final else ''}); {len(cap.data):,} samples, {tokens:,} tokens + {len(cap.prompts)} "
         f"walk prompts: {(tokens + walk_tokens) * bpt / 1e9:.3f} GB, {needed / 1e9:.3f} GB still to write; disk "
         f"{disk.total / 1e9:.1f} GB, {disk.free / 1e9:.1f} GB free")
@@ -690,16 +822,19 @@ def capture(args):
     target = dflash.load_target(args.target, device, dflash.DTYPES[args.dtype], args.trust_remote_code)
     cap.target, cap.record = target, dflash.target_record(target)
     todo, walk = cap.open(ids)
-    t0 = time.perf_counter()
-    with tqdm(total=len(todo) + len(walk), desc=f"capture rank {rank}",
-              disable=rank != 0 and world > 1 or not todo + walk) as bar:
+    t0, quiet, share = time.perf_counter(), rank != 0 and world > 1, f" (rank 0's share of {world})" * (world > 1)
+    with tqdm(total=len(todo), desc=f"capture: samples{share}", unit="sample", disable=quiet or not todo) as bar:
         for k in range(0, len(todo), args.batch_size):
             cap.sample(*todo[k:k + args.batch_size])
             bar.update(len(todo[k:k + args.batch_size]))
-            bar.set_postfix(tokens=cap.tokens)
+            bar.set_postfix_str(f"{cap.tokens:,} tokens")
+    generated = 0
+    with tqdm(total=len(walk), desc=f"capture: held-out walk prompts, the target generating up to "
+              f"{args.eval_walk_tokens} tokens each{share}", unit="prompt", disable=quiet or not walk) as bar:
         for k in walk:
-            cap.walk(k)
+            generated += len(cap.walk(k))
             bar.update(1)
+            bar.set_postfix_str(f"{generated:,} tokens generated")
     wall = time.perf_counter() - t0
     stats = torch.tensor([cap.tokens, wall, cap.forward_s], dtype=torch.float64)
     if world > 1:
@@ -738,9 +873,27 @@ def mid_target(d):
     return os.path.join(d, "mid"), os.path.join(d, "mid.jsonl")
 
 
+def step_flops(cfg, micro, num_anchors, gamma):
+    """The useful matmul FLOPs of one drafter training step (forward + backward) over micro: bench.drafter_flops per
+    row (2 x params x tokens forward, 4 x backward; the frozen lm_head 4 x D x V per weighted token; attention over
+    the visible pairs alone), at the anchors train_step draws (batch_anchors: a function of the batch)."""
+    from dflash_tools import bench as b
+    total = 0
+    for mb in micro:
+        a, v = dflash.batch_anchors(mb, num_anchors)
+        w, S = dflash.loss_weights(a, v, mb["loss_mask"], cfg.block_size, gamma), mb["input_ids"].shape[1]
+        for r in range(len(a)):
+            pairs = b.visible_pairs(cfg, a[r:r + 1], v[r:r + 1], S)
+            total += sum(b.drafter_flops(cfg, S, a.shape[1], int((w[r] > 0).sum()), pairs).values())
+    return total
+
+
 def time_steps(argv, steps, dtype="fp32", say=print):
-    """(online s/step, features s/step, the target's forward s/step, bytes on disk a token) for dflash.py flags argv
-    (--target, --data, the drafter and batch): a capture first, then both steps alternately on the same batches."""
+    """(online s/step, features s/step, the target's forward s/step, bytes on disk a token, cfg, the target, the
+    step's FLOPs {useful: step_flops, executed: torch's FlopCounterMode over one features step}) for dflash.py flags
+    argv (--target, --data, the drafter and batch): a capture first, then both steps alternately on the same
+    batches."""
+    from torch.utils.flop_counter import FlopCounterMode
     import copy
     import tempfile
     args = dflash.get_parser().parse_args(argv + ["--noise_std", "0.02", "--eval_walk_prompts", "0"])
@@ -764,9 +917,10 @@ def time_steps(argv, steps, dtype="fp32", say=print):
         twin = copy.deepcopy(drafter)
         pairs = {"online": (online, model, opt), "features": (stored, twin, torch.optim.AdamW(
             twin.parameters(), lr=args.lr, betas=(0.9, 0.95)))}
-        times = {k: [] for k in (*pairs, "forward")}
+        times, useful = {k: [] for k in (*pairs, "forward")}, []
         for step in range(steps + 1):  # step 0: warm-up, not counted
             micro = [batches.get(step, i) for i in range(args.grad_accum)]
+            useful.append(step_flops(cfg, micro, dflash.num_anchors(args), args.gamma))
             for name, (target, mdl, o) in pairs.items():
                 t0 = time.perf_counter()
                 dflash.train_step(mdl, o, target, cfg, micro, args.lr, dflash.num_anchors(args), args.grad_clip, 1,
@@ -777,12 +931,62 @@ def time_steps(argv, steps, dtype="fp32", say=print):
                 dflash.greedy_labels(dflash.target_features(online, mb["input_ids"], cfg.target_layer_ids)[1],
                                      online.lm_head)
             times["forward"].append(time.perf_counter() - t0)
+        with FlopCounterMode(display=False) as counter:  # the first batch's step once more, untimed
+            dflash.train_step(twin, pairs["features"][2], stored, cfg, [batches.get(0, i) for i in range(
+                args.grad_accum)], args.lr, dflash.num_anchors(args), args.grad_clip, 1, **{**kw, "raw_model": twin})
     med = {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
-    return med["online"], med["features"], med["forward"], disk / m["num_tokens"], cfg, online
+    flops = {"useful": sum(useful[1:]) / steps, "executed_ratio": counter.get_total_flops() / useful[0]}
+    return med["online"], med["features"], med["forward"], disk / m["num_tokens"], cfg, online, flops
+
+
+def random_samples(path, n, length, vocab, seed=0):
+    """n samples of `length` random ids below vocab - 1 (the last id: the mask token), the second half the loss's."""
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            ids = torch.randint(0, vocab - 1, (length,), generator=g).tolist()
+            f.write(json.dumps({"input_ids": ids, "loss_mask": [0] * (length // 2) + [1] * (length - length // 2)}) +
+                    "\n")
+    return path
+
+
+def target_bench(args):
+    """bench --target T: on T (a GGUF too), a step from a capture against online at the drafter geometry the flags
+    give, the target forward's share of the online step, and the drafter step's FLOP/s against this machine's fp32
+    matmul rate."""
+    import tempfile
+    from dflash_tools import bench as b
+    torch.manual_seed(0)
+    print(f"machine: {b.machine()}")
+    n = args.matmul_size
+    rate = b.matmul_rate("cpu", n, 4, torch.float32)
+    print(f"fp32 matmul {n}^3 on {torch.get_num_threads()} threads: {rate / 1e9:,.1f} GFLOP/s (best of 4 runs of 4)")
+    meta = dflash.load_target(args.target, "meta")
+    with tempfile.TemporaryDirectory() as d:
+        data = random_samples(os.path.join(d, "data.jsonl"), args.samples, args.max_len, meta.vocab_size)
+        argv = ["--target", args.target, "--data", data, "--num_draft_layers", str(args.num_draft_layers),
+                "--block_size", str(args.block_size), "--num_anchors", str(args.num_anchors), "--max_len",
+                str(args.max_len), "--batch_size", str(args.batch_size), "--grad_accum", "1", "--mask_token_id",
+                str(meta.vocab_size - 1)]
+        on, feat, fwd, _, cfg, t, flops = time_steps(argv, args.steps, args.dtypes[0])
+    tokens = args.batch_size * args.max_len
+    print(f"target {args.target}: {t.num_layers} layers, D {t.hidden_size}, V {t.vocab_size}; drafter "
+          f"{b.describe(cfg)}; batch {args.batch_size} x {args.max_len} tokens, {args.num_anchors} anchors, features "
+          f"{args.dtypes[0]}")
+    print(f"step (s, median of {args.steps}): online {on:.4g}, from the capture {feat:.4g}: {on / feat:.2f}x; the "
+          f"target's forward {fwd:.4g} s, {fwd / on:.0%} of the online step ({tokens / fwd:,.0f} tokens/s)")
+    useful, executed = flops["useful"], flops["useful"] * flops["executed_ratio"]
+    print(f"drafter step: {useful / 1e9:.3g} GFLOP useful (bench.drafter_flops: 6 x params x tokens, the frozen "
+          f"lm_head 4 x D x V a weighted token, attention over visible pairs), {executed / 1e9:.3g} executed (torch "
+          f"FlopCounterMode: masked work included); from the capture {useful / feat / 1e9:.3g} GFLOP/s useful, "
+          f"{executed / feat / 1e9:.3g} executed: {executed / feat / rate:.0%} of the matmul rate")
 
 
 def bench(args):
-    """Step time from features against online on the demo's target (its cache, when built) and the MID shape."""
+    """Step time from features against online on the demo's target (its cache, when built) and the MID shape; with
+    --target, target_bench on that target."""
+    if args.target:
+        return target_bench(args)
     import tempfile
     from dflash_tools import demo
     torch.manual_seed(0)
@@ -795,7 +999,7 @@ def bench(args):
                               os.path.join(demo.CACHE, "demo_data.jsonl"), *demo.DEMO_FLAGS]))
         for name, argv in shapes:
             for dtype in args.dtypes:
-                on, feat, fwd, disk, cfg, t = time_steps(argv, args.steps, dtype)
+                on, feat, fwd, disk, cfg, t, _ = time_steps(argv, args.steps, dtype)
                 formula = bytes_per_token(len(cfg.target_layer_ids), t.hidden_size, dtype)
                 rows.append(f"{name:<48} {dtype:>5} {on:8.3f} {feat:8.3f} {on / feat:6.2f}x {fwd / on:7.0%} "
                             f"{disk:9.0f} {formula:8d}")
@@ -813,7 +1017,7 @@ def add_flags(g):  # dflash.py's flags beside --features DIR
 
 
 def get_parser():
-    p = argparse.ArgumentParser(description="Capture a target's features for DFlash training (then: dflash.py "
+    p = dflash.ArgumentParser(description="Capture a target's features for DFlash training (then: dflash.py "
                                             "--features DIR).")
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("capture", help="run the target once over --data and store its features")
@@ -841,7 +1045,17 @@ def get_parser():
     f(g, "--debug", False, "tracebacks for input errors", action="store_true")
     g = sub.add_parser("bench", help="step time from features against online, demo's target and a mid shape")
     f(g, "--steps", 4, "timed steps of each kind (after one warm-up)", int, lo=1)
-    f(g, "--dtypes", ["fp32", "bf16"], "stored dtypes to time", nargs="+", choices=list(STORE_DTYPES))
+    f(g, "--dtypes", ["fp32", "bf16"], "stored dtypes to time (--target: the first)", nargs="+",
+      choices=list(STORE_DTYPES))
+    f(g, "--target", None, "a target (as dflash.py --target, a GGUF too) to bench at the geometry below, with the "
+      "drafter step's FLOP/s against this machine's fp32 matmul rate (default: the demo's target and a mid shape)")
+    f(g, "--num_draft_layers", 3, "--target: drafter layers", int, lo=1)
+    f(g, "--block_size", 16, "--target: block size", int, lo=2)
+    f(g, "--num_anchors", 32, "--target: anchors a sample", int, lo=1)
+    f(g, "--max_len", 320, "--target: tokens a sample (random ids, the second half in the loss)", int, lo=4)
+    f(g, "--batch_size", 2, "--target: samples a step", int, lo=1)
+    f(g, "--samples", 8, "--target: samples captured (the steps cycle through them)", int, lo=1)
+    f(g, "--matmul_size", 2048, "--target: n of the n x n x n fp32 matmul timed for the machine's rate", int, lo=16)
     return p
 
 

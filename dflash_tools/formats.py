@@ -95,7 +95,7 @@ def read_saved_dataset(path, what):
         need(len(ds) == 1, f"{what} {path!r} holds the splits {', '.join(ds)}; pass one of them: "
              f"{os.path.join(path, next(iter(ds)))}")
         path, ds = os.path.join(path, next(iter(ds))), next(iter(ds.values()))
-    for i, row in enumerate(ds):
+    for i, row in enumerate(ds.with_format(None)):  # as lists (speculators' prepare_data.py saves torch format)
         yield f"{path} row {i}", drop_nulls(row)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -128,11 +128,36 @@ def text_part(content, where):
     need(ok, f"{where} is not one text part ({json.dumps(content)[:80]}); give it as a string")
     return part["text"]
 
+SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                     "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}  # bytes an entry, by dtype
+
+def safetensors_header(path):
+    """({name: {dtype, shape, data_offsets}}, where the data starts) of a safetensors file, from its header alone (no
+    tensor read; safetensors' own safe_open copies a whole file in for torch): ValueError where the file is shorter or
+    longer than its header says (truncated) or the header is not one."""
+    with open(path, "rb") as f:
+        size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8).ljust(8, b"\xff"), "little")
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"a header of {n:,} bytes in a file of {size:,}: not safetensors, or truncated")
+        try:
+            header = json.loads(f.read(n))
+            tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+            end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise ValueError(f"its header is not safetensors' ({first_line(e)})") from None
+    if 8 + n + end != size:
+        raise ValueError(f"{size:,} bytes where its header says {8 + n + end:,}: truncated or appended to")
+    return tensors, 8 + n
+
 def dir_digest(path):
     """{size, sha256} of a save_to_disk directory's files (names and bytes, in name order), as dflash records a
     data file's: a resume can tell the data changed."""
-    h, size = hashlib.sha256(), 0
-    for root, _, files in sorted(os.walk(path)):
+    h, size, walked = hashlib.sha256(), 0, []
+    for root, dirs, files in os.walk(path):
+        walked.append((root, files))
+        if "state.json" in files:  # a Dataset's own files: not its folders (speculators' hidden_states/ lie in it)
+            dirs.clear()
+    for root, files in sorted(walked):
         for name in sorted(files):
             with open(os.path.join(root, name), "rb") as f:
                 digest, size = hashlib.file_digest(f, "sha256").hexdigest(), size + os.fstat(f.fileno()).st_size

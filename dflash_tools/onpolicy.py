@@ -21,17 +21,19 @@ starts. A block with m accepted drafts covers offsets 1..B-1 (those inside the c
   - the rejected drafts, offsets m+1..B-1 (the first rejected draft included), weight decay^(i-1) by offset i:
     k3, the k3 estimator of KL(q || p) at the drafted token d, p(d)/q(d) - log(p(d)/q(d)) - 1; or rkl, KL(q || p);
     or tv, total variation; or tv1, total variation at offset m+1 only, weight 1 (--onpolicy_rejected,
-    --onpolicy_decay);
+    --onpolicy_decay); each side also takes MODULE_OR_PATH:NAME, a divergence of that module's DIVERGENCES
+    (the registry below says its form: a new divergence is one file);
 summed and divided by the global batch's sum of those weights; plus --onpolicy_sft_weight times the usual SFT loss
-(dflash.dflash_loss) on random anchors of the same samples (default 0). As the authors' code: log-probabilities in
-fkl2 clamped to [-10, log(1 - eps)], k3's log-ratio to [-20, 20], both terms at most 10. --onpolicy_rejected_from
-truth takes the rejected drafts' p from the target on the true continuation instead (teacher-forced). q is what the
-drafter's logprobs hook says it drafts from (DFlash: the softmax of its logits; a variant may add distributions over
-some tokens, each against p renormalised over those, the token before each position given: the drafted one on the
-rejected side; at one token, a distribution without it adds nothing). p is the target's softmax at
---onpolicy_teacher_temperature (default: the rollout temperature, 1 for greedy rollouts; < 1 sharpens it). The
-logits exist one chunk of tokens at a time, recomputed in backward (memory bounded as in SFT). The stage runs on
-dflash.train_step (the Stage class): the optimizer step is the core's.
+(dflash.dflash_loss) on random anchors of the same samples (default 0). --loss takes the place of the CE in both CE
+terms (--onpolicy_accepted ce, the SFT term); beside another committed-side divergence it is refused. As the
+authors' code: log-probabilities in fkl2 clamped to [-10, log(1 - eps)], k3's log-ratio to [-20, 20], both terms at
+most 10. --onpolicy_rejected_from truth takes the rejected drafts' p from the target on the true continuation
+instead (teacher-forced). q is what the drafter's logprobs hook says it drafts from (DFlash: the softmax of its
+logits; a variant may add distributions over some tokens, each against p renormalised over those, the token before
+each position given: the drafted one on the rejected side; at one token, a distribution without it adds nothing). p
+is the target's softmax at --onpolicy_teacher_temperature (default: the rollout temperature, 1 for greedy rollouts;
+< 1 sharpens it). The logits exist one chunk of tokens at a time, recomputed in backward (memory bounded as in SFT).
+The stage runs on dflash.train_step (the Stage class): the optimizer step is the core's.
 
 Rollout seeds derive from (--seed, step, sample key) and the rollouts live in the stage's state (saved in every
 checkpoint), so a resumed run is bitwise the same. Each step appends a line to <out>/onpolicy.jsonl: the rollouts'
@@ -61,10 +63,10 @@ def add_flags(g):
       "(default 1)", int, lo=1)
     f(g, "--onpolicy_tokens", None, "tokens the target generates per rollout prompt (default 64)", int, lo=1)
     f(g, "--onpolicy_temperature", None, "rollout temperature, 0: greedy (default 0)", float, hi=100)
-    f(g, "--onpolicy_accepted", None, "loss on the committed tokens, the accepted drafts and the first rejection "
-      "(default fkl2: the two-outcome forward KL at the token)", choices=["fkl2", "fkl", "ce"])
-    f(g, "--onpolicy_rejected", None, "loss on the rejected drafts (default k3: the k3 estimator of KL(q||p) at the "
-      "drafted token; tv1: total variation at the first one; none: off)", choices=["k3", "rkl", "tv", "tv1", "none"])
+    f(g, "--onpolicy_accepted", None, "loss on the committed tokens, the accepted drafts and the first rejection: "
+      "fkl2 (default: the two-outcome forward KL at the token), fkl, ce, or MODULE_OR_PATH:NAME (its DIVERGENCES)")
+    f(g, "--onpolicy_rejected", None, "loss on the rejected drafts: k3 (default: the k3 estimator of KL(q||p) at the "
+      "drafted token), rkl, tv, tv1 (total variation at the first one), none (off), or MODULE_OR_PATH:NAME")
     f(g, "--onpolicy_rejected_from", None, "the rejected drafts' p: drafts, the verifier's state on the drafted "
       "prefix (default); truth, the target's on the true continuation", choices=["drafts", "truth"])
     f(g, "--onpolicy_decay", None, "weight decay^(i-1) of the rejected draft at block offset i (default 0.8)", float,
@@ -83,15 +85,17 @@ def check(args):
     """Refuse the combinations that have no meaning, one line each, before any weights load."""
     need = dflash.need
     need(args.init_from, "--stage onpolicy trains a trained drafter further; add --init_from DIR (an SFT run's step_N)")
-    need(args.loss == "ce", f"--loss {args.loss}: the on-policy stage has its own objective (--onpolicy_accepted, "
-         f"--onpolicy_rejected); drop --loss")
+    s = settings(args)
+    divergence_of(s["onpolicy_accepted"], "accepted"), divergence_of(s["onpolicy_rejected"], "rejected")
+    need(args.loss == "ce" or s["onpolicy_accepted"] == "ce", f"--loss {args.loss}: the on-policy stage has its own "
+         f"objective on the committed tokens (--onpolicy_accepted {s['onpolicy_accepted']}); --loss takes the place of "
+         f"its CE: add --onpolicy_accepted ce, or drop --loss")
     need(args.labels == "target", "--labels data: the on-policy stage learns the target's own distribution; drop "
          "--labels")
     need(not getattr(args, "shard_target", False), "--shard_target: the on-policy rollouts generate per rank; drop "
          "--shard_target")
     need(not (args.onpolicy_rejected in ("none", "tv1") and args.onpolicy_decay is not None), "--onpolicy_decay "
          f"weighs the rejected drafts by offset, --onpolicy_rejected {args.onpolicy_rejected} none; drop one")
-    s = settings(args)
     need(s["onpolicy_tokens"] >= 2, "--onpolicy_tokens 1 gives no block to walk; use 2 or more")
     need(s["onpolicy_temperature"] == 0 or s["onpolicy_temperature"] > 1e-3, "--onpolicy_temperature: 0 (greedy) "
          "or at least 0.001")
@@ -249,33 +253,68 @@ def region_weights(lengths, anchors, valid, accepted, B, decay, rejected):
     return acc, torch.where(inside & (i >= m + 1), decay ** (i - 1).float(), 0.0)
 
 
-TOKEN_MODES = ("fkl2", "k3")  # the estimators at one token (the committed or the drafted one)
+# -----------------------------------------------------------------------------
+# The divergences: DIVERGENCES maps a name to f(logq, logp) -> (T,), the token losses of q against p, both in log space.
+# Over a distribution (the default) logq, logp are (T, K), K the vocabulary or the tokens a drafter's distribution
+# holds (p renormalised over them); f.at_token = True: (T,), the two log-probabilities of one token (the committed one,
+# or the drafted one on the rejected side). f.side, "accepted" or "rejected", keeps it to that side (unset: either).
+# --onpolicy_accepted / --onpolicy_rejected name one, or MODULE_OR_PATH:NAME a name in that module's DIVERGENCES: a new
+# divergence is one file (its code is trusted: the flag names it), e.g. jsd.py with DIVERGENCES = {"jsd": jsd}.
+
+def fkl2(logq, logp):  # the two-outcome forward KL at the token, log-probabilities clamped (the authors')
+    top = math.log1p(-torch.finfo(torch.float32).eps)
+    lq, lp = logq.clamp(LOGP_MIN, top), logp.clamp(LOGP_MIN, top)
+    return (lp.exp() * (lp - lq) + (1 - lp.exp()) * (torch.log1p(-lp.exp()) - torch.log1p(-lq.exp()))
+            ).clamp(max=LOSS_MAX)
+
+
+def k3(logq, logp):  # the k3 estimator of KL(q || p) at the drafted token, its log-ratio clamped (the authors')
+    r = (logp - logq).clamp(-20, 20)
+    return (r.exp() - r - 1).clamp(max=LOSS_MAX)
+
+
+def fkl(logq, logp):  # KL(p || q)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def rkl(logq, logp):  # KL(q || p)
+    return (logq.exp() * (logq - logp)).sum(-1)
+
+
+def tv(logq, logp):  # total variation
+    return 0.5 * (logq.exp() - logp.exp()).abs().sum(-1)
+
+
+fkl2.side = fkl.side = "accepted"
+k3.side = rkl.side = tv.side = "rejected"
+fkl2.at_token = k3.at_token = True
+DIVERGENCES = {f.__name__: f for f in (fkl2, fkl, k3, rkl, tv)}
+MODES = {"accepted": ("ce",), "rejected": ("tv1", "none")}  # the stage's own: ce through block_loss; tv1 is tv's
+
+
+def divergence_of(name, side):
+    """The divergence --onpolicy_<side> NAME names (None: the stage's own ce or none), refused in one line."""
+    if name in MODES[side]:
+        return tv if name == "tv1" else None
+    module, _, key = name.rpartition(":")
+    if module:  # a file or module outside: the flag naming it trusts it, as --loss does
+        dflash.TRUSTED.add(os.path.realpath(module) if module.endswith(".py") else module)
+    known = getattr(dflash.plugin(module, f"--onpolicy_{side} {name}"), "DIVERGENCES", {}) if module else DIVERGENCES
+    f, names = known.get(key), [*MODES[side], *(k for k, g in DIVERGENCES.items() if g.side == side)]
+    dflash.need(f is not None and getattr(f, "side", side) == side, f"--onpolicy_{side} {name}: no such divergence "
+                f"of the {side} side; give one of {', '.join(names)}, or MODULE_OR_PATH:NAME (its DIVERGENCES)")
+    return f
 
 
 def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None, token=None):
     """Per-token divergence (T,) of the drafter's q (from final-normed hidden states h (T, D), with gradient) to the
-    target's p (from its final hidden states f (T, D)): mode "fkl" KL(p||q), "rkl" KL(q||p), "tv"/"tv1" total
-    variation; at token (T,): "fkl2" the two-outcome forward KL, "k3" the k3 estimator of KL(q||p), both clamped as
-    the module docstring says. q is what the drafter's logprobs hook says it drafts from (prev (T,): the token before
+    target's p (from its final hidden states f (T, D)) by mode, a function of DIVERGENCES (token (T,): the token an
+    at_token one reads). q is what the drafter's logprobs hook says it drafts from (prev (T,): the token before
     each row): a weighted sum over its distributions, each against p renormalised over its tokens (at a token one
     does not hold, it adds nothing). Chunks of tokens, recomputed in backward: no (T, V) tensor is kept."""
     chunk = dflash.vocab_chunk(lm_head.weight.shape[0])
     fp32 = torch.promote_types(lm_head.weight.dtype, torch.float32)  # (float64 in the tests)
-    top = math.log1p(-torch.finfo(torch.float32).eps)
-
-    def div(logq, logp):
-        if mode == "fkl2":
-            lq, lp = logq.clamp(LOGP_MIN, top), logp.clamp(LOGP_MIN, top)
-            return (lp.exp() * (lp - lq) + (1 - lp.exp()) * (torch.log1p(-lp.exp()) - torch.log1p(-lq.exp()))
-                    ).clamp(max=LOSS_MAX)
-        if mode == "k3":
-            r = (logp - logq).clamp(-20, 20)
-            return (r.exp() - r - 1).clamp(max=LOSS_MAX)
-        if mode == "fkl":
-            return (logp.exp() * (logp - logq)).sum(-1)
-        if mode == "rkl":
-            return (logq.exp() * (logq - logp)).sum(-1)
-        return 0.5 * (logq.exp() - logp.exp()).abs().sum(-1)
+    at_token = getattr(mode, "at_token", False)
 
     def piece(hc, fc, pc, tc):
         with torch.no_grad():
@@ -284,12 +323,12 @@ def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None, t
         for weight, logq, ids in drafter.logprobs(lm_head(hc.to(lm_head.weight.dtype)).to(fp32), hc, pc, progress):
             p = logp if ids is None else logp.gather(1, ids)  # over some tokens: p renormalised over them
             p = p if ids is None else p - p.logsumexp(-1, keepdim=True)
-            if mode not in TOKEN_MODES:
-                out = out + weight * div(logq, p)
+            if not at_token:
+                out = out + weight * mode(logq, p)
                 continue
             at = tc[:, None] if ids is None else (ids == tc[:, None]).float().argmax(1, keepdim=True)
             held = 1.0 if ids is None else (ids == tc[:, None]).any(1).to(fp32)
-            out = out + weight * held * div(logq.gather(1, at)[:, 0], p.gather(1, at)[:, 0])
+            out = out + weight * held * mode(logq.gather(1, at)[:, 0], p.gather(1, at)[:, 0])
         return out
 
     token = prev if token is None else token
@@ -299,9 +338,10 @@ def divergence(drafter, h, f, prev, lm_head, mode, temperature, progress=None, t
     return torch.cat(parts) if parts else h.new_zeros(0)
 
 
-def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
+def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None, loss=None):
     """The on-policy loss of one micro-batch's rollouts, unnormalised: (sum of weighted token losses, its weight
-    total, the stats of the drafter's block_loss on the committed side, drafter tokens run)."""
+    total, the stats of the drafter's block_loss on the committed side, drafter tokens run). loss: --loss's object,
+    the committed side's CE under --onpolicy_accepted ce (given the target's states there if it asks)."""
     dev, B = target.lm_head.weight.device, cfg.block_size
     ids, context, final, lengths, anchors, valid, accepted, drafted, verify = pack(rollouts, cfg, dev)
     acc_w, rej_w = region_weights(lengths, anchors, valid, accepted, B, s["onpolicy_decay"], s["onpolicy_rejected"])
@@ -311,22 +351,24 @@ def onpolicy_terms(model, raw, target, cfg, rollouts, s, progress=None):
         greedy = dflash.block_labels(dflash.greedy_labels(final, target.lm_head), anchors, B)
     with torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext():
         hidden = model(context.to(raw.fc.weight.dtype), x, anchors, valid)                     # (b, N, B, D)
+    # the committed side at offset i: the target's state final[a+i-1], the token before ids[a+i-1], the token ids[a+i]
+    sides = [(divergence_of(s["onpolicy_accepted"], "accepted"), acc_w, dflash.block_labels(final, anchors - 1, B),
+              dflash.block_labels(ids, anchors - 1, B), dflash.block_labels(ids, anchors, B))]
     if s["onpolicy_accepted"] == "ce":
-        loss, stats = raw.block_loss(hidden, target.lm_head, greedy, acc_w, block_ids, progress=progress)
+        f = sides[0][2] if getattr(loss, "target_logits", False) else None
+        loss, stats = raw.block_loss(hidden, target.lm_head, greedy, acc_w, block_ids, loss=loss, progress=progress,
+                                     final=f)
     else:
         with torch.no_grad():
             _, stats = raw.block_loss(hidden.detach(), target.lm_head, greedy, acc_w, block_ids, progress=progress)
         loss = hidden.new_zeros((), dtype=torch.float32)
-    # the committed side at offset i: the target's state final[a+i-1], the token before ids[a+i-1], the token ids[a+i]
-    sides = [(s["onpolicy_accepted"], acc_w, dflash.block_labels(final, anchors - 1, B),
-              dflash.block_labels(ids, anchors - 1, B), dflash.block_labels(ids, anchors, B))]
     if s["onpolicy_rejected"] != "none":  # the rejected side: the verifier's state, the drafted tokens
         drafts = s["onpolicy_rejected_from"] == "drafts"
-        sides.append((s["onpolicy_rejected"], rej_w, verify if drafts else sides[0][2],
+        sides.append((divergence_of(s["onpolicy_rejected"], "rejected"), rej_w, verify if drafts else sides[0][2],
                       F.pad(drafted[..., :-1], (1, 0)) if drafts else sides[0][3], drafted))
     T = s["onpolicy_teacher_temperature"] or s["onpolicy_temperature"] or 1.0
     for mode, w, f, prev, token in sides:
-        if mode == "ce":
+        if mode is None:  # ce: block_loss's above
             continue
         sel = (w.flatten() > 0).nonzero().squeeze(1)
         h = hidden.reshape(-1, hidden.shape[-1])[sel]
@@ -341,6 +383,7 @@ class Stage(dflash.SFT):
     of their weights, plus --onpolicy_sft_weight times the SFT loss on its random anchors."""
 
     captured = False  # True: the samples' loss tokens are the target's greedy continuations (a bench's, captured once)
+    runs_target = True  # it generates and verifies with the target's layers: --features (none loaded) is refused
 
     def __init__(self, args, state):
         self.args, self.state, self.s = args, state, settings(args)
@@ -381,7 +424,7 @@ class Stage(dflash.SFT):
         out, op, sft_sum, n, stats = zero, zero, zero, 0, None
         if rs:
             op, _, stats, n = onpolicy_terms(inp.model, inp.loss_kw.get("raw_model") or inp.model, inp.target,
-                                             inp.cfg, rs, self.s, inp.loss_kw.get("progress"))
+                                             inp.cfg, rs, self.s, inp.loss_kw.get("progress"), inp.loss_kw.get("loss"))
             out = op / totals["op"].clamp(min=1e-9)
         if sft:
             sft_out, sft_stats = super().loss(inp, mb, sft, totals)

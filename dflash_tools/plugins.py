@@ -1,6 +1,9 @@
 """Plug-ins: those of dflash_tools/, found from their files without importing them (dflash.py lists them for --help
 and an unknown flag's owner, and finds the module of a variant checkpoint's architecture here); and those outside it,
-a module or a .py path, imported when trusted."""
+a module or a .py path, imported when trusted. A checkpoint of a variant outside dflash_tools/ names its module in
+config.json (dflash_module: a module by its name, a .py file by its real path): loading it takes --trust_variant_code
+unless --variant names it; where the module moved, --variant NEWPATH (dflash.py, eval.py, --init_from) reads its
+architecture's checkpoints."""
 import hashlib
 import importlib.util
 import os

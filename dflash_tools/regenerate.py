@@ -546,8 +546,8 @@ def load_tokenizer(args):
     try:
         from transformers import AutoTokenizer
 
-        from dflash_tools import gguf  # a GGUF target's tokenizer and chat template are in the file
-        tokenizer = gguf.load_tokenizer(name) if gguf.spelled(name) else AutoTokenizer.from_pretrained(
+        from dflash_tools import gguf_target  # a GGUF target's tokenizer and chat template are in the file
+        tokenizer = gguf_target.load_tokenizer(name) if gguf_target.spelled(name) else AutoTokenizer.from_pretrained(
             name, trust_remote_code=args.trust_remote_code)
     except Exception as e:
         if args.endpoint == "chat":

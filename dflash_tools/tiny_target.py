@@ -44,10 +44,9 @@ def _path_hash(rel: str) -> int:
     return int.from_bytes(hashlib.sha1(rel.encode()).digest()[:8], "big")
 
 
-def stdlib_split() -> tuple[list[str], list[str]]:
-    """(train_files, heldout_files): stdlib *.py paths, split by a hash of the relative path so the split is
-    deterministic and independent of file order. Train files are capped at CORPUS_MAX_BYTES in hash order
-    (a pseudo-random, machine-independent subset); prompts for drafter data come only from these files."""
+def stdlib_files() -> list[tuple[int, str]]:
+    """(hash of the path relative to the stdlib root, path) of the stdlib's *.py files (no tests, no data tables, none
+    empty or giant), sorted by the hash: a deterministic, machine-independent order (also dflash_tools/recipe.py's)."""
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -56,9 +55,15 @@ def stdlib_split() -> tuple[list[str], list[str]]:
             path = os.path.join(dirpath, name)
             if name.endswith(".py") and 0 < os.path.getsize(path) <= MAX_FILE_BYTES:
                 files.append((_path_hash(os.path.relpath(path, root)), path))
-    files.sort()
+    return sorted(files)
+
+
+def stdlib_split() -> tuple[list[str], list[str]]:
+    """(train_files, heldout_files): stdlib *.py paths, split by a hash of the relative path so the split is
+    deterministic and independent of file order. Train files are capped at CORPUS_MAX_BYTES in hash order
+    (a pseudo-random, machine-independent subset); prompts for drafter data come only from these files."""
     train, heldout, total = [], [], 0
-    for h, path in files:
+    for h, path in stdlib_files():
         if h % 100 < HELDOUT_PERCENT:
             heldout.append(path)
         elif total < CORPUS_MAX_BYTES:

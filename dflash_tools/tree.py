@@ -45,7 +45,11 @@ def tree_walk(continuation, logq, tokens, budget):
     logq, tokens = logq.cpu(), tokens.cpu()  # rows read one by one as the walk visits them
     return walk_steps(continuation, lambda k, truth: tree_accept(logq[k].tolist(), tokens[k].tolist(), truth, budget))
 
-walk = tree_walk  # dflash.walk_continuation's name for it
+def rule(budgets, vocab_size):  # dflash.walk_continuation's draft rule for tree walks of these budgets
+    return topk_rule(min(max(budgets), vocab_size))
+
+def walks(continuation, more, budgets):  # dflash.walk_continuation's tree walks: {budget: acceptance lengths}
+    return {b: tree_walk(continuation, more["logq"], more["tokens"], b) for b in budgets}
 
 def topk_rule(K):
     """A draft rule for draft_every_anchor: the argmax drafts, and per block offset the K best tokens with their

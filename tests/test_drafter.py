@@ -199,6 +199,40 @@ def test_plain_attention_is_what_both_fast_paths_compute(setup, monkeypatch, one
         torch.testing.assert_close(g, grads["dense"][k], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_plain_ce_is_the_chunked_loss(setup, chunk, one_thread):
+    """Part I's loss in plain form (full logits, F.cross_entropy, the weights) against weighted_ce's chunked one
+    (ChunkedLMHead, CE.reweigh) in one chunk and in many: sum(w * CE) and its gradient within 1e-5, the same stats;
+    and the drafter's block_loss takes the plain form under --attention plain."""
+    hidden, lm_head = setup["hidden"].detach(), setup["lm_head"]
+    g = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, V, hidden.shape[:3], generator=g)
+    labels[..., 0] = -1                                                        # as block_labels gives at y[0]
+    weights = dflash.loss_weights(ANCHORS, VALID, torch.ones(2, S), B, 4.0)    # 0 at offset 0 and padding anchors
+    out = {}
+    for name, fn in (("plain", dflash.plain_ce), ("chunked", lambda *a: dflash.weighted_ce(*a, chunk=chunk))):
+        h = hidden.clone().requires_grad_()
+        ce_w, stats = fn(h, lm_head, labels, weights)
+        ce_w.backward()
+        out[name] = ce_w.detach(), stats, h.grad
+    (p, ps, pg), (c, cs, cg) = out["plain"], out["chunked"]
+    assert p > 1 and weights.sum() > 5 and pg.abs().max() > 0
+    torch.testing.assert_close(p, c, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pg, cg, rtol=1e-5, atol=1e-6)
+    assert ps.keys() == cs.keys()
+    for k in ps:
+        torch.testing.assert_close(ps[k], cs[k], rtol=1e-5, atol=1e-5)
+    assert (ps["w"] - weights.sum()).abs() < 1e-5                            # the loss is ce_w / sum(w)
+    d = randomized(setup["cfg"])
+    for path, used in (("plain", "plain_ce"), ("dense", "weighted_ce")):
+        d.attention, seen = path, []
+        real = getattr(dflash, used)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(dflash, used, lambda *a, **k: seen.append(1) or real(*a, **k))
+            d.block_loss(hidden, lm_head, labels, weights, None, loss=dflash.CE())
+        assert seen == [1], f"--attention {path}: block_loss did not take {used}"
+
+
 # -----------------------------------------------------------------------------
 # The hooks a variant overrides: blocks (the final hidden state) and Layer(cfg, index)
 

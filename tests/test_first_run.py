@@ -99,6 +99,30 @@ def test_help_states_each_default_once():
                 assert "(default:" not in h, h  # "auto: flex on CUDA ..." already says it
 
 
+def test_help_shows_defaults_and_never_suppress():
+    """--help of dflash.py, eval.py and features.py capture: defaults shown, none printed as ==SUPPRESS== (-h's)."""
+    import argparse
+    from dflash_tools import features
+    sub = next(a for a in features.get_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for parser in (dflash.get_parser(), ev.get_parser(), sub.choices["capture"]):
+        text = " ".join(parser.format_help().split())
+        assert "SUPPRESS" not in text and "(default: " in text, parser.prog
+    assert "--max_len MAX_LEN as dflash.py's --max_len (default: 3072)" in " ".join(sub.choices["capture"].format_help()
+                                                                                   .split())
+
+
+def test_cpu_target_drops_the_advice_to_install_cuda_kernels(tmp_path):
+    """transformers advises installing causal_conv1d and flash-linear-attention (CUDA-only kernels) on the first pass
+    of a hybrid target, also on a CPU where there is nothing to install: dropped there, other warnings kept."""
+    import logging
+    log = logging.getLogger("transformers.integrations.hub_kernels")
+    record = lambda msg: log.makeRecord(log.name, logging.WARNING, __file__, 0, msg, None, None)  # noqa: E731
+    advice = record("`causal_conv1d_fn` is falling back to its reference PyTorch implementation because "
+                    "`causal_conv1d` is not installed. This is correct but much slower")
+    dflash.load_target(tiny_qwen35(tmp_path / "q35"), "cpu")
+    assert not log.filter(advice) and log.filter(record("a kernel failed to load"))
+
+
 def test_plan_pointer_says_what_to_do():
     from dflash_tools import plan
     assert "README" not in plan.NOTHING_FITS and "--zero" in plan.NOTHING_FITS

@@ -1,13 +1,15 @@
-"""GGUF targets (dflash_tools/gguf.py): a tiny random Llama written by this test both as safetensors and, with the gguf
-package's writer, as a GGUF (fp32 tensors, llama metadata, a byte-level BPE tokenizer and a ChatML template in the
-file) loads through dflash.load_target as the same model (logits within 1e-5), with the same tokenizer and template;
-a drafter trains on it (online and from a capture) and its records name the .gguf and its sha256; the spellings
-that are not one GGUF are refused in one line, and so is a missing gguf package."""
+"""GGUF targets (dflash_tools/gguf_target.py): a tiny random Llama written by this test both as safetensors and, with
+the gguf package's writer, as a GGUF (fp32 tensors, llama metadata, a byte-level BPE tokenizer and a ChatML template
+in the file) loads through dflash.load_target as the same model (logits within 1e-5), with the same tokenizer and
+template; a drafter trains on it (online and from a capture), eval.py takes it, and the records name the .gguf and
+its sha256; the spellings that are not one GGUF are refused in one line, and so is a missing gguf package; the
+features bench runs on it. No test needs the real 98 MB SmolLM2 file."""
 import hashlib
 import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +17,8 @@ import torch
 from conftest import ROOT, SMALL, build_family, refused, replace, torch_threads, write_data
 
 import dflash
-from dflash_tools import features
+import eval as ev
+from dflash_tools import features, regenerate
 
 gguf = pytest.importorskip("gguf")
 
@@ -103,7 +106,8 @@ def twins(tmp_path_factory):
 def test_the_gguf_loads_as_its_safetensors_twin(twins):
     """Both spellings (the file, its directory) give the same model as the safetensors twin: config, tied lm_head,
     logits within 1e-5 (the same fp32 weights, q/k rows permuted there and back); the tokenizer and chat template from
-    the file encode, render and decode as the twin's; the record names the file and its sha256."""
+    the file encode, render and decode as the twin's (regenerate.py's --tokenizer reads it too); the record names the
+    file and its sha256."""
     st = dflash.load_target(twins["st"])
     x = torch.tensor([[5, 17, 40, 3, 99, 250, 7, 31]])
     want = st.model(x).logits
@@ -122,12 +126,15 @@ def test_the_gguf_loads_as_its_safetensors_twin(twins):
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert tok.convert_tokens_to_ids("<|im_end|>") == 2 and 2 in g.eos_ids()
+    args = SimpleNamespace(endpoint="completions", tokenizer=twins["gguf"], model="m", trust_remote_code=False)
+    assert regenerate.load_tokenizer(args).chat_template == CHATML  # regenerate.py --tokenizer model.gguf
 
 
 def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tmp_path):
     """Two steps online against the GGUF (its directory spelling), and two from a capture of it: each checkpoint's
-    target record and the capture's manifest name the .gguf and its sha256; the embedding and final norm read alone
-    from the file for --features are the loaded model's."""
+    target record and the capture's manifest name the .gguf and its sha256, and eval.py (the file spelling, a real
+    draft-verify loop on a chat-templated prompt) takes the drafter as this target's; the embedding and final norm
+    read alone from the file for --features are the loaded model's."""
     pkg, sha = os.path.dirname(twins["gguf"]), hashlib.sha256(open(twins["gguf"], "rb").read()).hexdigest()
     argv = ["--target", pkg, "--data", twins["data"], *replace(SMALL, "--eval_fraction", "0"), "--max_steps", "2",
             "--batch_size", "2", "--eval_walk_prompts", "0", "--no_progress"]
@@ -142,8 +149,14 @@ def test_a_drafter_trains_against_the_gguf_online_and_from_its_capture(twins, tm
         latest = open(tmp_path / run / "latest").read().strip()
         rec = json.load(open(tmp_path / run / latest / dflash.TARGET_RECORD))
         assert (rec["target"], rec["gguf"], rec["sha256"]) == (pkg, "tiny.F32.gguf", sha)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")  # chat-templated: ChatML
+    with torch_threads(1):
+        ev.main(["--target", twins["gguf"], "--drafter", str(tmp_path / "feat" / latest), "--prompts",
+                 str(tmp_path / "p.jsonl"), "--max_new_tokens", "8", "--mode", "loop", "--json",
+                 str(tmp_path / "tau.json"), "--no_progress"])
+    assert [r["drafter"] for r in json.load(open(tmp_path / "tau.json"))["results"]][1:] == ["prompt-lookup"]
     meta = dflash.load_target(pkg, "meta")
-    args = type("A", (), {"target": pkg, "dtype": "fp32"})
+    args = SimpleNamespace(target=pkg, dtype="fp32")
     embed, head = features.load_embedding_and_head(args, meta, torch.device("cpu"))
     st = dflash.load_target(twins["st"])
     assert torch.equal(embed.weight, st.embed.weight) and head.weight is embed.weight
@@ -173,3 +186,26 @@ def test_without_the_gguf_package_a_gguf_target_is_one_error_line(twins):
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert "pip install gguf" in err[0] and "tiny.F32.gguf" in err[0]
+
+
+def test_the_bench_on_the_gguf_prints_the_step_ratio_and_the_flop_rate(twins, capsys):
+    """features.py bench --target (the GGUF's directory): the online and from-capture step times, their ratio and the
+    target forward's share; the drafter step's useful FLOPs (bench.drafter_flops) near what torch's FlopCounterMode
+    counts as executed (within 0.5x-4x: the dense path also computes masked scores), and both rates against the
+    machine's matmul rate, each figure what its parts make."""
+    import re
+    with torch_threads(1):
+        features.main(["bench", "--target", os.path.dirname(twins["gguf"]), "--dtypes", "fp32", "--steps", "1",
+                       "--max_len", "24", "--num_anchors", "4", "--block_size", "4", "--num_draft_layers", "1",
+                       "--samples", "4", "--matmul_size", "128"])
+    out = capsys.readouterr().out
+    rate = float(re.search(r"fp32 matmul 128\^3 on 1 threads: ([\d.,]+) GFLOP/s", out)[1].replace(",", ""))
+    on, feat, ratio = map(float, re.search(r"online ([\d.]+), from the capture ([\d.]+): ([\d.]+)x", out).groups())
+    assert rate > 0 and on > 0 and feat > 0 and abs(ratio - on / feat) <= 0.005 + 2e-3 * ratio  # (4 digits printed)
+    fwd, share = map(float, re.search(r"forward ([\d.]+) s, (\d+)% of the online step", out).groups())
+    assert abs(share - 100 * fwd / on) <= 0.5 + 0.2 * fwd / on
+    m = re.search(r"drafter step: ([\d.e+-]+) GFLOP useful .*, ([\d.e+-]+) executed .* capture ([\d.e+-]+) GFLOP/s "
+                  r"useful, ([\d.e+-]+) executed: (\d+)% of the matmul rate", out)
+    useful, executed, useful_rate, executed_rate, percent = map(float, m.groups())
+    assert 0.5 <= executed / useful <= 4
+    assert abs(useful_rate - useful / feat) <= 0.02 * useful_rate and abs(percent - 100 * executed_rate / rate) <= 1

@@ -1,6 +1,6 @@
 """The extension contract, as a forker meets it: a toy variant (its own draft rule and flag), a toy loss
 (label-smoothed CE) and a toy stage (fc frozen for the first k steps, counted in its saved state), each one file written
-here into a directory outside the repository, following only dflash.py's docstring. They train, resume bitwise, walk
+here into a directory outside the repository, following only dflash.py's contract. They train, resume bitwise, walk
 held-out tau, and eval.py measures the variant's tau; their flags are refused beside other plug-ins in one line; the
 generic chunked lm_head gives the toy loss its exact gradient, and a toy forward KL against the target's logits
 (asked for by the loss, chunked) the gradient of the direct computation."""

@@ -141,3 +141,39 @@ def test_lr_schedule():
     assert lrs[0] == pytest.approx(0.25) and lrs[3] == pytest.approx(1.0)  # 4 warmup steps
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))  # monotone cosine decay
     assert lrs[-1] < 1e-3 and lrs[51] == pytest.approx(0.5, abs=0.02)
+
+
+def test_attention_plain_trains_as_dense(workdir, tmp_path, monkeypatch):
+    """--attention plain runs Part I's plain attention and plain CE in training and in the held-out walk (a learner
+    stepping through a run stays in Part I), and trains as the dense path does: the same losses, eval figures and
+    weights within 1e-4 (different kernels: not bitwise)."""
+    calls = {"attention": 0, "ce": 0}
+    real_attention, real_ce = dflash.plain_attention, dflash.plain_ce
+
+    def counted(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(dflash, "plain_attention", counted("attention", real_attention))
+    monkeypatch.setattr(dflash, "plain_ce", counted("ce", real_ce))
+    runs = {}
+    for path in ("plain", "dense"):
+        out = tmp_path / path
+        run_cli(["--target", workdir["q3"], "--data", workdir["data"], "--max_steps", "4", "--batch_size", "2",
+                 *SMALL[:-2], "--eval_fraction", "0.5", "--eval_walk_prompts", "2", "--eval_walk_tokens", "6",
+                 "--attention", path, "--out", str(out)])
+        with open(out / "metrics.jsonl") as f:
+            runs[path] = list(map(json.loads, f)), final_weights(out)
+        if path == "plain":
+            assert calls["attention"] > 0 and calls["ce"] > 4, calls  # 4 steps, and the held-out evaluations
+            walk_calls, calls["attention"], calls["ce"] = calls["attention"], 0, 0
+    assert calls == {"attention": 0, "ce": 0}, "the dense path ran Part I's plain forms"
+    (plain, w_plain), (dense, w_dense) = runs["plain"], runs["dense"]
+    assert walk_calls and len(plain) == len(dense) and any("eval_walk_tau" in r for r in plain)
+    for a, b in zip(plain, dense):
+        for k in ("loss", "tau", "eval_loss", "eval_tau", "eval_walk_tau"):
+            assert (k in a) == (k in b) and a.get(k, 0) == pytest.approx(b.get(k, 0), rel=1e-4, abs=1e-4), (k, a, b)
+    assert [r["step"] for r in plain if "loss" in r] == [1, 2, 3, 4]
+    for k, v in w_plain.items():
+        torch.testing.assert_close(v, w_dense[k], atol=1e-4, rtol=1e-4)

