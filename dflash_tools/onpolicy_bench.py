@@ -52,8 +52,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# run as a script, its own folder would come first on sys.path and dflash_tools/gguf.py would hide the gguf package
-sys.path[:] = [ROOT] + [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, ROOT)
 
 import dflash  # noqa: E402
 import eval as tau_eval  # noqa: E402
@@ -96,19 +95,14 @@ def variant_of(drafter):
 @torch.no_grad()
 def greedy_batch(target, prompts, num_tokens, batch=32):
     """The target's greedy continuations of prompts (each to its first eos, which it keeps), batch at a time,
-    left-padded (a near-tie may break otherwise than one at a time would)."""
-    eos, out = sorted(target.eos_ids()), []
+    left-padded (recipe.py's regeneration: a near-tie may break otherwise than one at a time would)."""
+    from dflash_tools.recipe import generate_batch
+    out = []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        n = max(map(len, chunk))
-        ids = torch.tensor([[0] * (n - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (n - len(p)) + [1] * len(p) for p in chunk])
-        gen = target.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=num_tokens,
-                                    eos_token_id=eos or None, pad_token_id=eos[0] if eos else 0, min_new_tokens=0,
-                                    repetition_penalty=1.0, no_repeat_ngram_size=0)[:, n:].tolist()
-        out += [g[:next((j + 1 for j, t in enumerate(g) if t in eos), len(g))] for g in gen]
+        out += generate_batch(target, prompts[i:i + batch], num_tokens)
         print(f"greedy continuations: {len(out)}/{len(prompts)}", flush=True)
     return out
+
 
 def build_target(cache):
     """The demo's target (tiny_target.build_tiny_target's recipe, cached)."""
