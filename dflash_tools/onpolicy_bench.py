@@ -39,7 +39,11 @@ target's non-embedding parameters plus its lm_head, drafter forward tokens (bloc
 at the drafter's (without DFlash2's codebooks) plus the lm_head, drafter backward tokens at twice that.
 
 The README's figures: this project's 2-core AMD EPYC (torch 2.13), two runs at a time with one thread each, the
-defaults, then --arms Pc --variants dflash: SFT 10 min, new sequences and held-out set 2 min, the 22 runs 29 min."""
+defaults, then --arms Pc --variants dflash: SFT 10 min, new sequences and held-out set 2 min, the 22 runs 29 min.
+SmolLM2-135M-Instruct (onpolicy_bench_smollm2.json and .png), from recipe.py's DFlash drafter, on the same machine
+shared with other jobs (load average 7-12): --arms A,B0,P,C0 --steps 16 --batch 2 --tokens 32 --lr 1e-3
+--heldout_prompts 16 --heldout_tokens 48 --jobs 4, --heldout 24 prompts of the recipe's held-out files: set-up 9 min,
+the 8 runs 19 min (P 58 s an update)."""
 import argparse
 import glob
 import json
