@@ -7,9 +7,10 @@ drafter's context features and the target's final hidden states, and the drafter
 exactly as eval.py walks it (its draft rule's drafts; a rule that samples its block is rejection-sampled at T > 0).
 The rollout records the block starts, the proposals, the accepted lengths and the target's final hidden states where
 serving's verification reads them: before offset i of a block anchored at a, the state on [context, anchor, d1 ...
-d(i-1)]. Up to the first rejection that prefix is the continuation (the walk's pass has it); past it, ONE batched
-target pass over [tokens up to each anchor, its B-1 drafts] gives the rest (the draft-induced states). Through the
-target's lm_head they give the target's distribution p at every verified position.
+d(i-1)]. Up to the first rejection that prefix is the continuation (the walk's pass has it); past it, the blocks'
+B-1 drafts, batched, each over the sequence's KV cache cut at its anchor, give the rest (the draft-induced states;
+a target with recurrent layers, whose state has no such cut: one batched pass over [tokens up to each anchor, its
+drafts]). Through the target's lm_head they give the target's distribution p at every verified position.
 
 The objective (Draft-OPD's, arXiv 2605.29343, by default) re-runs the drafter, with gradient, at the recorded block
 starts. A block with m accepted drafts covers offsets 1..B-1 (those inside the continuation):
@@ -157,8 +158,9 @@ def verify_states(target, ids, anchors, accepted, proposals, final, induced=True
     """The target's final hidden states where serving's verification reads them: (n, B, D), [j, i] the state before
     offset i of block j (anchored at anchors[j], its drafts proposals[j]), on [ids up to the anchor, d1 ... d(i-1)];
     [j, 0] zeros. Offsets up to the first rejection (i <= m+1: the prefix is the continuation) are the walk's pass's
-    (final (S, D)); the later ones inside the continuation come from ONE batched pass over [ids[:a+1], the B-1 drafts]
-    of the blocks that have them, as serving verifies a block. Returns (states, that pass's tokens)."""
+    (final (S, D)); the later ones inside the continuation come from the drafts of the blocks that have them, run as
+    serving verifies a block: over the cached prefix ids[:a+1] (cached_drafts_pass), or for a target with recurrent
+    layers one batched pass over [ids[:a+1], the B-1 drafts]. Returns (states, the target tokens run)."""
     n, B, S = proposals.shape[0], proposals.shape[1] + 1, len(ids)
     i = torch.arange(B, device=ids.device)
     out = final[(anchors[:, None] + i - 1).clamp(0, S - 1)]
@@ -166,15 +168,42 @@ def verify_states(target, ids, anchors, accepted, proposals, final, induced=True
     rows = [j for j in range(n) if induced and anchors[j] + accepted[j] + 2 < S and accepted[j] + 2 < B]
     if not rows:
         return out, 0
-    seqs = [torch.cat([ids[:anchors[j] + 1], proposals[j]]) for j in rows]
-    batch = torch.stack([F.pad(x, (0, max(map(len, seqs)) - len(x))) for x in seqs])  # right pads: causal, unseen
-    with dflash.capture_hidden(target, []) as store:
-        target.backbone(input_ids=batch, use_cache=False)
+    if attention_only(target):
+        states, tokens = cached_drafts_pass(target, ids, anchors[rows], proposals[rows])  # (r, B-1, D): after d_k
+        first = lambda a: 0  # noqa: E731 (states[r, k]: the state after draft k+1, before offset k+2)
+    else:
+        seqs = [torch.cat([ids[:anchors[j] + 1], proposals[j]]) for j in rows]
+        batch = torch.stack([F.pad(x, (0, max(map(len, seqs)) - len(x))) for x in seqs])  # right pads: causal, unseen
+        with dflash.capture_hidden(target, []) as store:
+            target.backbone(input_ids=batch, use_cache=False)
+        states, tokens, first = store["final"], sum(map(len, seqs)), lambda a: a + 1  # noqa: E731
     for r, j in enumerate(rows):
         a, m = anchors[j].item(), accepted[j].item()
         hi = min(B, S - a)  # offsets inside the continuation
-        out[j, m + 2:hi] = store["final"][r, a + m + 1:a + hi - 1].to(out.dtype)
-    return out, sum(map(len, seqs))
+        out[j, m + 2:hi] = states[r, first(a) + m:first(a) + hi - 2].to(out.dtype)
+    return out, tokens
+
+
+def attention_only(target):
+    """True when every decoder layer attends over a KV cache (no recurrent layer, whose state has no per-row cut)."""
+    kinds = getattr(target.model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+    return not target.sharded and all(k in ("full_attention", "sliding_attention") for k in kinds)
+
+
+@torch.no_grad()
+def cached_drafts_pass(target, ids, anchors, drafts):
+    """The target's final states on [ids[:a+1], drafts] for each anchor a (r,) and its drafts (r, B-1), from one
+    cached pass over ids: each row a copy of the cache, masked past its anchor, its drafts at positions a+1.. (the
+    prefix is not recomputed per block). Returns ((r, B-1, D), target tokens run)."""
+    r, n, S = drafts.shape[0], drafts.shape[1], len(ids)
+    cache = target.backbone(input_ids=ids[None], use_cache=True).cache
+    cache.batch_repeat_interleave(r)
+    seen = torch.arange(S, device=ids.device)[None] <= anchors[:, None]  # (r, S): each row's prefix ids[:a+1]
+    mask = torch.cat([seen, seen.new_ones(r, n)], 1).long()
+    positions = anchors[:, None] + 1 + torch.arange(n, device=ids.device)
+    with dflash.capture_hidden(target, []) as store:
+        target.backbone(input_ids=drafts, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    return store["final"], S + r * n
 
 
 def rollout_batch(drafter, target, batch, num_tokens, temperature, seed, step, captured=False, induced=True):

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 import dflash
 import eval as ev
-from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, one_error, randomize, reference_greedy, tiny_cfg,
+from conftest import (DENSE_DRAFTER, DENSE_TARGET, SMALL, VOCAB, one_error, randomize, reference_greedy, tiny_cfg,
                       tiny_qwen3, torch_threads, train_on_continuations, write_data, write_lines)
 from dflash_tools import dflash2, onpolicy
 
@@ -78,9 +79,22 @@ def test_target_distribution_is_the_walk_pass(tiny):
         logits = target.model(input_ids=r["ids"][None]).logits[0]
     assert torch.allclose(target.lm_head(r["final"]), logits, atol=1e-5)
     B, S, P = tiny["dflash"].cfg.block_size, len(r["ids"]), len(prompt)
-    verified = sum(P + k + B for k, m in zip(r["starts"].tolist(), r["accepted"].tolist()) if P + k + m + 2 < S
-                   and m + 2 < B)  # [ids up to the anchor, B-1 drafts] of each block with a draft-induced state
-    assert verified > 0 and r["target_tokens"] == 2 * S - 1 + verified
+    rows = sum(P + k + m + 2 < S and m + 2 < B for k, m in zip(r["starts"].tolist(), r["accepted"].tolist()))
+    # the B-1 drafts of each block with a draft-induced state, over one cached pass of the sequence (attention only)
+    assert rows > 0 and onpolicy.attention_only(target) and r["target_tokens"] == 2 * S - 1 + S + rows * (B - 1)
+
+
+def test_cached_verification_is_the_batched_pass(tiny, monkeypatch):
+    """Each block's drafts over the KV cache cut at its anchor give the states that one batched pass over [ids up to
+    each anchor, its drafts] gives (the path of a target with recurrent layers), within 1e-4, for fewer tokens."""
+    target = tiny["target"]
+    r = onpolicy.rollout(tiny["dflash"], target, tiny["prompts"][1], TOKENS)
+    args = (target, r["ids"], r["starts"] + r["prompt_len"], r["accepted"], r["proposals"], r["final"])
+    cached, n_cached = onpolicy.verify_states(*args)
+    monkeypatch.setattr(onpolicy, "attention_only", lambda t: False)
+    batched, n_batched = onpolicy.verify_states(*args)
+    induced = ~torch.isclose(batched, onpolicy.verify_states(*args, induced=False)[0], atol=1e-3).all(-1)
+    assert induced.any() and torch.allclose(cached, batched, atol=1e-4) and n_cached < n_batched
 
 
 def test_a_captured_greedy_continuation_is_walked_as_a_generated_one(tiny):
@@ -436,3 +450,37 @@ def test_bench_runs_every_arm_and_reports(cli, tmp_path, monkeypatch):
     want = sum(a - b for a, b in zip(runs["P"]["curve"][-1]["taus"], runs["B0"]["curve"][-1]["taus"])) / 2
     assert m == pytest.approx(want) and lo <= m <= hi and n == 1
     assert os.path.getsize(tmp_path / "plot.png") > 0
+
+
+def test_bench_from_a_given_target_and_sft(cli, tmp_path, monkeypatch):
+    """--target, --sft, --data, --new, --heldout: a new prompt equal to an SFT prompt is dropped, the others get the
+    target's greedy continuations (batched: each token the argmax within 1e-4), the SFT drafter is evaluated once and
+    every run starts from that evaluation, the arms run in a worker process, and the report names the target."""
+    from dflash_tools import onpolicy_bench as ob
+    d, work = cli["dir"], tmp_path / "work"
+    rows = [json.loads(line) for line in open(d / "data.jsonl")]
+    sft_prompt = rows[0]["input_ids"][:rows[0]["loss_mask"].index(1)]
+    g = torch.Generator().manual_seed(5)
+    fresh = [torch.randint(0, VOCAB - 1, (6,), generator=g).tolist() for _ in range(7)]
+    new = write_lines(tmp_path / "new.jsonl", [json.dumps({"input_ids": p}) for p in [sft_prompt] + fresh[:5]])
+    held = write_lines(tmp_path / "held.jsonl", [json.dumps({"input_ids": p}) for p in fresh[5:]])
+    argv = ["--work", str(work), "--target", str(d / "q3"), "--sft", str(d / "sft"), "--data", str(d / "data.jsonl"),
+            "--new", new, "--heldout", held, "--steps", "2", "--batch", "2", "--tokens", "6", "--heldout_prompts", "2",
+            "--heldout_tokens", "6", "--seeds", "1", "--arms", "B0,P", "--jobs", "1", "--png", str(tmp_path / "p.png")]
+    monkeypatch.setattr(sys, "argv", ["onpolicy_bench.py", *argv])
+    pytest.importorskip("matplotlib")
+    with torch_threads(1):
+        ob.main()
+    target = dflash.load_target(str(d / "q3"))
+    made = [json.loads(line) for line in open(work / "new.jsonl")]
+    assert [r["input_ids"][:6] for r in made] == fresh[:4] and all(r["loss_mask"][:6] == [0] * 6 for r in made)
+    with torch.no_grad():
+        for r in made:
+            logits = target.model(input_ids=torch.tensor([r["input_ids"]])).logits[0, 5:-1]
+            chosen = logits.gather(1, torch.tensor(r["input_ids"][6:])[:, None])[:, 0]
+            assert len(r["input_ids"]) > 7 and (logits.max(-1).values - chosen).max() < 1e-4
+    assert json.load(open(work / "bench.json"))["target"] == str(d / "q3")
+    runs = [json.load(open(work / "runs" / f"dflash_{arm}_0.json")) for arm in ("B0", "P")]
+    start = json.load(open(work / "sft_eval_dflash.json"))
+    assert all(r["curve"][0] == {"step": 0, **start} and r["curve"][-1]["step"] == 2 for r in runs)
+    assert len(start["taus"]) == 2 and str(d / "q3") in (work / "table.md").read_text()
