@@ -736,7 +736,8 @@ def compile_flex():
     global compiled_flex_attention, compiled_create_block_mask
     if compiled_flex_attention is None:  # a compile per (padded length, layer kind): past dynamo's 8 flex ran unfused
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+        # 256-bit CPU vectors: torch 2.13's CPU inductor computes flex wrong with AVX-512's (CUDA ignores cpp.*)
+        compiled_flex_attention = torch.compile(flex_attention, dynamic=False, options={"cpp.simdlen": 256})
     if compiled_create_block_mask is None:
         compiled_create_block_mask = torch.compile(create_block_mask)
 
