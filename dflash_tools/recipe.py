@@ -21,25 +21,26 @@ Phases, each cached in --out (a finished phase is skipped with one line; a parti
      draft-verify loop's tokens/s against the target's own greedy decoding, output checked identical (eval_loop.json).
   6. recipe.json: each phase's wall time, the total, peak memory (ru_maxrss of the process and its children).
 
-The sizes and the geometry, for 2 CPU cores shared with other work. The target's forward is ~0.27 GFLOP a token
-(135M weights): measured ~40 tokens/s for a capture and ~4 tokens/s for batch-1 greedy decoding on such a machine,
-so the full run regenerates 96 answers of <= 64 tokens (prompts: functions of <= 12 lines) and measures tau on 10
-held-out prompts of 64 tokens, the loop on 3. A drafted token costs the target's lm_head, 49152 x 576 = 28M weights
-(~57 MFLOP forward, twice that with its input gradient), whatever the drafter; a decoder layer at the target's width
-(D 576, MLP 1536) is ~3.5M weights (~7 MFLOP, three times that in training). So the drafter keeps the target's width
-and 2 layers reading layers 1 and 27 (the training default for 2 drafter layers): each layer more adds ~10% to a
-step, which buys more steps instead. Block size 8, not the paper's 16: the loss weight decays with the offset
-(gamma 4) and the deep offsets of a small drafter are rarely accepted, while every offset pays the lm_head. 16 anchors
-a sample (of <= 64 answer tokens) and 150 steps of 4 samples: ~6 epochs (60 steps left the loss at 6.7, tau 1.1).
+The sizes and the geometry, for 2 CPU cores. The target's forward is ~0.27 GFLOP a token (135M weights): ~45 tokens/s
+for batched regeneration and ~180 for a capture on one shared core, ~14 tokens/s for batch-1 greedy decoding on two
+quiet ones. So the full preset regenerates 480 answers of <= 64 tokens (prompts: functions of <= 12 lines) and measures
+tau on 10 held-out prompts of 64 tokens, the loop on 3. A drafted token costs the target's lm_head, 49152 x 576 = 28M
+weights (~57 MFLOP forward, twice that with its input gradient), whatever the drafter; a decoder layer at the target's
+width (D 576, MLP 1536) is ~3.5M weights (~7 MFLOP, three times that in training). So the drafter keeps the target's
+width and 2 layers reading layers 1 and 27 (the training default for 2 drafter layers): each layer more adds ~10% to a
+step, which buys more steps instead. Block size 8, not the paper's 16: the loss weight decays with the offset (gamma
+4) and the deep offsets of a small drafter are rarely accepted, while every offset pays the lm_head. 16 anchors a
+sample (of <= 64 answer tokens), 600 steps of 4 samples (5 epochs; small: 96 answers, 150 steps, ~6 epochs).
 Features in bf16 (half of fp32's disk and reading; fp32 is the bitwise-exact choice, bf16 rounds the context at ~3
-digits, as a bf16 GPU target's are anyway).
-One torch thread (--threads): on an oversubscribed CPU two threads wait on each other (a 256-token forward: 2.9 s on
-one thread, 10-20 s on two, measured while other jobs ran).
+digits, as a bf16 GPU target's are anyway). --threads 1 on an oversubscribed CPU: there two threads wait on each other
+(a 256-token forward: 2.9 s on one thread, 10-20 s on two, measured while other jobs ran).
 
-Measured (dflash_tools/recipe_smollm2.json, 2 AMD EPYC cores shared with 4-5 other jobs): 1,673 s in all (regeneration
-197, capture 132, DFlash 414, DFlash2 535, eval 375), peak memory 1.76 GB. Tau on the held-out prompts: DFlash 1.16,
-DFlash2 1.43, untrained 1.00, prompt lookup 1.47; the loop decodes at 0.62x (DFlash) and 0.75x (DFlash2) of the
-target alone, output identical: a loop step costs 1.9 greedy tokens here, so more data and steps must come first.
+Measured on 2 AMD EPYC cores, fp32 (dflash_tools/recipe_smollm2.json; prompts to DFlash on 1 thread with the machine
+shared with other jobs, DFlash2 and eval on 2 threads, quiet): 2,612 s in all (regeneration 689, capture 423, DFlash
+774, DFlash2 581, eval 135), peak memory 1.95 GB. Tau on the held-out prompts: DFlash 1.54, DFlash2 1.78, untrained
+1.00, prompt lookup 1.46; the loop decodes at 0.75x (DFlash) and 0.77x (DFlash2) of the target alone (13.8 tokens/s),
+output identical. The small preset (recipe_smollm2_small.json, all shared, 1 thread): 1,673 s, DFlash 1.16, DFlash2
+1.43, loops 0.62x and 0.75x. A loop step costs ~1.9 greedy tokens here, so a CPU speed-up needs tau above ~2.
 """
 import argparse
 import ast
