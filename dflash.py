@@ -1317,6 +1317,9 @@ def load_tokenizer(name, trust_remote_code=False, **gguf):  # its tokenizer, or 
         return None
     return tokenizer if len(tokenizer) > max(1, len(tokenizer.all_special_ids)) else None
 
+def no_kernel_advice(record):  # a logging filter: one function, so adding it again adds nothing
+    return "falling back" not in record.getMessage()
+
 def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, **gguf):
     """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
     A local path without config.json is a GGUF (dflash_tools/gguf_target.py), which comes back here with gguf_file."""
@@ -1324,7 +1327,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     from transformers import AutoConfig, AutoModelForCausalLM, logging as hf_logging
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     if torch.device(device).type != "cuda":  # transformers' advice to install causal_conv1d, fla: CUDA-only kernels
-        hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(lambda r: "falling back" not in r.msg)
+        hf_logging.get_logger("transformers.integrations.hub_kernels").addFilter(no_kernel_advice)  # (added once)
     if not (gguf or os.path.isfile(f"{name}/config.json")) and (os.path.exists(name) or name[:1] in "./~"):
         return import_tool("gguf_target", f"target {name!r} (a GGUF?)").load_target(name, device, dtype, shard)
     try:
@@ -2069,11 +2072,12 @@ def held_out_walk(target, samples, num_prompts, num_tokens, rank=0, world=1, say
     mine, per_rank = rank_share(prompts, rank, world)
     # sharded, a short rank generates an extra prompt too, then walks it as a one-token continuation (no step)
     extra = prompts[:per_rank - len(mine)] if target.sharded else []
-    todo, walked, t0, verb = mine + extra, [], time.time(), getattr(target, "walk_source", "generating the")
-    say(f"held-out walk: {verb} greedy continuations of {len(todo)} held-out prompts (<= {num_tokens} tokens)")
+    todo, walked, t0, read = mine + extra, [], time.time(), getattr(target, "walk_source", None)  # --features: read
+    say(f"held-out walk: {read or 'generating the'} greedy continuations of {len(todo)} held-out prompts (<= "
+        f"{num_tokens} tokens)")
     for p in todo:
         walked.append(greedy_continuation(target, p, num_tokens, target.eos_ids()))
-        if len(walked) == 1 < len(todo) and verb == "generating the":  # (--features: read, not generated)
+        if len(walked) == 1 < len(todo) and not read:  # (a capture's are read, not generated: no estimate)
             say(f"held-out walk: the first took {time.time() - t0:.1f}s; ~{(time.time() - t0) * (len(todo) - 1):.0f}s "
                 f"for the other {len(todo) - 1}")
     return mine + [p[:-1] for p in extra], walked[:len(mine)] + [p[-1:] for p in extra]
