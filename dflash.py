@@ -1320,9 +1320,10 @@ def load_tokenizer(name, trust_remote_code=False, **gguf):  # its tokenizer, or 
 def no_kernel_advice(record):  # a logging filter: one function, so adding it again adds nothing
     return "falling back" not in record.getMessage()
 
-def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, **gguf):
+def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=False, tokenizer=None, **gguf):
     """A local path or hub id, frozen; bf16 on CUDA, else fp32, unless dtype says. device "meta": config.json alone.
-    A local path without config.json is a GGUF (dflash_tools/gguf_target.py), which comes back here with gguf_file."""
+    A local path without config.json is a GGUF (dflash_tools/gguf_target.py): back here with gguf_file and its
+    tokenizer (converted once a process)."""
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM, logging as hf_logging
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
@@ -1345,7 +1346,7 @@ def load_target(name, device="cpu", dtype=None, trust_remote_code=False, shard=F
     model.eval().requires_grad_(False)
     need(model.get_output_embeddings() is not None, f"target {name!r} has no lm_head; give a causal language model")
     target = Target(model, find_decoder(model), model.get_input_embeddings(), model.get_output_embeddings(),
-                    load_tokenizer(name, trust_remote_code, **gguf), name)
+                    tokenizer or load_tokenizer(name, trust_remote_code, **gguf), name)
     if shard:  # --shard_target: the decoder layers split over the ranks
         return import_tool("shard", "--shard_target").shard_target(target, device)
     model.to(device)

@@ -70,18 +70,31 @@ def load_target(name, device="cpu", dtype=None, shard=False):
     """dflash.load_target of a GGUF target (device "meta": the config alone, read from the file)."""
     path = find(name)
     require(path)
-    target = dflash.load_target(os.path.dirname(path), device, dtype, shard=shard, gguf_file=os.path.basename(path))
+    target = dflash.load_target(os.path.dirname(path), device, dtype, shard=shard, gguf_file=os.path.basename(path),
+                                tokenizer=tokenizer_of(path))
     target.name, target.source = name, record(path)  # dflash.target_record adds the source
     return target
 
 
 def load_tokenizer(name):
-    """The tokenizer (with its chat template) of a GGUF target."""
+    """The tokenizer (with its chat template) of a GGUF target, converted from the file once a process (a minute or two
+    of Python on a busy 2-core CPU; a run loads its target more than once, meta loads too). Nothing changes a
+    tokenizer after loading, so one object serves every load of the same file."""
     path = find(name)
     require(path)
-    tokenizer = dflash.load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tokenizer = tokenizer_of(path)
     need(tokenizer is not None, f"target {name!r}: transformers reads no tokenizer from {path}")
     return tokenizer
+
+
+def tokenizer_of(path):  # load_tokenizer's, or None (as dflash.load_tokenizer gives for a file without one)
+    st = os.stat(path)
+    return _tokenizer(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path, size, mtime_ns):  # keyed by size and mtime too: a file replaced in place is read again
+    return dflash.load_tokenizer(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def spelled(name):

@@ -53,7 +53,6 @@ import sys
 import sysconfig
 import textwrap
 import time
-from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -460,25 +459,6 @@ def get_parser():
     return p
 
 
-@contextmanager
-def tokenizer_once():
-    """dflash.load_tokenizer memoized for the recipe's process: a GGUF's tokenizer is converted from the file on every
-    load (a minute or two of Python on a busy 2-core CPU), and the phases load the target six times (meta loads too).
-    Nothing here changes a tokenizer, so one object serves them all."""
-    original, memo = dflash.load_tokenizer, {}
-
-    def load(name, trust_remote_code=False, **kw):
-        key = (name, trust_remote_code, tuple(sorted(kw.items())))
-        if key not in memo:
-            memo[key] = original(name, trust_remote_code, **kw)
-        return memo[key]
-    dflash.load_tokenizer = load
-    try:
-        yield
-    finally:
-        dflash.load_tokenizer = original
-
-
 def run(args, sizes=None):
     args.preset = "fast" if args.fast else args.preset
     if args.target is None:
@@ -488,8 +468,7 @@ def run(args, sizes=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
-    with tokenizer_once():
-        return Recipe(args, sizes or SIZES[args.preset]).run()
+    return Recipe(args, sizes or SIZES[args.preset]).run()  # (a GGUF's tokenizer is converted once: gguf_target)
 
 
 def main(argv=None):

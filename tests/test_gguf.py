@@ -106,14 +106,16 @@ def twins(tmp_path_factory):
 def test_the_gguf_loads_as_its_safetensors_twin(twins):
     """Both spellings (the file, its directory) give the same model as the safetensors twin: config, tied lm_head,
     logits within 1e-5 (the same fp32 weights, q/k rows permuted there and back); the tokenizer and chat template from
-    the file encode, render and decode as the twin's (regenerate.py's --tokenizer reads it too); the record names the
-    file and its sha256."""
+    the file encode, render and decode as the twin's (regenerate.py's --tokenizer reads it too), converted once for
+    both spellings; the record names the file and its sha256."""
     st = dflash.load_target(twins["st"])
     x = torch.tensor([[5, 17, 40, 3, 99, 250, 7, 31]])
     want = st.model(x).logits
     sha = hashlib.sha256(open(twins["gguf"], "rb").read()).hexdigest()
+    toks = []
     for spelling in (twins["gguf"], os.path.dirname(twins["gguf"])):
         g = dflash.load_target(spelling)
+        toks.append(g.tokenizer)
         assert (g.num_layers, g.hidden_size, g.vocab_size) == (st.num_layers, st.hidden_size, st.vocab_size)
         assert g.lm_head.weight is g.embed.weight and g.name == spelling
         torch.testing.assert_close(g.model(x).logits, want, atol=1e-5, rtol=0)
@@ -126,6 +128,7 @@ def test_the_gguf_loads_as_its_safetensors_twin(twins):
         assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
             ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         assert tok.convert_tokens_to_ids("<|im_end|>") == 2 and 2 in g.eos_ids()
+    assert toks[0] is toks[1]  # the file's tokenizer converted once a process, whichever the spelling
     args = SimpleNamespace(endpoint="completions", tokenizer=twins["gguf"], model="m", trust_remote_code=False)
     assert regenerate.load_tokenizer(args).chat_template == CHATML  # regenerate.py --tokenizer model.gguf
 
